@@ -1,0 +1,215 @@
+"""Every collective and point-to-point operation in paraloom goes through this module.
+
+It is the only caller of ``torch.distributed`` communication, so one file shows all of it. Each
+function takes the :class:`~paraloom.mesh.Axis` to communicate over and states, explicitly, the
+``phase`` (forward / backward / optimizer / setup), the ``kind`` (tp, sp, pp, dp, emb) and the
+``site`` of the call; while a ledger is active (:mod:`paraloom.ledger`) each call is recorded with
+its shape, dtype, logical bytes, group, and launch / wait / completion times.
+
+Conventions:
+
+* Size-1 axes bypass everything: no call, no record (nothing is communicated).
+* ``bytes`` is the logical size of the local tensor sent or reduced: the input of an all-reduce or a
+  reduce-scatter, the local shard of an all-gather, the tensor of a send/recv.
+* ``async_op=True`` returns a :class:`Handle`; ``handle.wait()`` returns the result. Every wait has
+  a timeout (:func:`set_timeout`), after which :class:`CommTimeout` names the operation and the
+  group instead of hanging.
+* Reductions are SUM (averages divide afterwards), except where an algorithm needs MAX.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import ledger as _ledger
+from .mesh import Axis
+
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "batch_p2p", "barrier",
+           "Handle", "CommTimeout", "set_timeout", "get_timeout"]
+
+_TIMEOUT = timedelta(seconds=300)
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renames the tensor-level collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommTimeout(RuntimeError):
+    """A communication did not complete within the timeout (a peer is slow, dead or mismatched)."""
+
+
+def set_timeout(seconds: float) -> None:
+    """Timeout for every wait in this process (the process group's own timeout is set at init)."""
+    global _TIMEOUT
+    if seconds <= 0:
+        raise ValueError(f"timeout must be positive seconds, got {seconds}")
+    _TIMEOUT = timedelta(seconds=seconds)
+
+
+def get_timeout() -> timedelta:
+    return _TIMEOUT
+
+
+class Handle:
+    """An operation in flight. ``wait()`` blocks (bounded by the timeout) and returns the result."""
+
+    __slots__ = ("_works", "_event", "_result", "_finish", "_desc", "_done")
+
+    def __init__(self, works, result, event=None, finish=None, desc: str = "") -> None:
+        self._works, self._result, self._event, self._finish = works, result, event, finish
+        self._desc, self._done = desc, False
+
+    def wait(self):
+        if self._done:
+            return self._result
+        event = self._event
+        if event is not None:
+            event["t_wait"] = _ledger.active().now() if _ledger.active() else event["t_wait"]
+        for work in self._works:
+            _wait(work, self._desc)
+        if self._finish is not None:
+            self._result = self._finish(self._result)
+        if event is not None and _ledger.active() is not None:
+            event["t_end"] = _ledger.active().now()
+        self._done = True
+        return self._result
+
+
+def _wait(work, desc: str) -> None:
+    try:
+        ok = work.wait(_TIMEOUT)
+    except RuntimeError as err:  # gloo raises on timeout or on a peer that went away
+        raise CommTimeout(f"{desc} failed or timed out after {_TIMEOUT.total_seconds():g} s: "
+                          f"{err}") from err
+    if ok is False:
+        raise CommTimeout(f"{desc} did not complete within {_TIMEOUT.total_seconds():g} s")
+
+
+def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, what: str = ""):
+    """Launch ``launch()`` (returns a Work), record it, and either wait or return a Handle."""
+    led = _ledger.active()
+    event = led.record(async_op=async_op, group=axis.ranks, **record) if led else None
+    work = launch()
+    desc = f"{what} over {axis.name} group {list(axis.ranks)}"
+    handle = Handle([work], result, event, finish, desc)
+    return handle if async_op else handle.wait()
+
+
+def _done(result, async_op: bool):
+    return Handle([], result) if async_op else result
+
+
+def all_reduce(tensor: torch.Tensor, axis: Axis, *, phase: str, kind: str, site: str,
+               module: str | None = None, split: str | None = None, op: str = "sum",
+               async_op: bool = False, **extra):
+    """In-place reduction of ``tensor`` over ``axis``; returns it (or a Handle if ``async_op``)."""
+    if axis.size == 1:
+        return _done(tensor, async_op)
+    record = dict(op="all_reduce", phase=phase, kind=kind, site=site, module=module, split=split,
+                  tensor=tensor, **extra)
+    return _run(lambda: dist.all_reduce(tensor, _OPS[op], group=axis.group, async_op=True),
+                tensor, axis, async_op, record=record, what=f"all_reduce at {site}")
+
+
+def all_gather(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, kind: str,
+               site: str, module: str | None = None, split: str | None = None,
+               async_op: bool = False, **extra):
+    """Concatenate every rank's ``tensor`` along ``dim`` (rank order); a new tensor is returned."""
+    if axis.size == 1:
+        return _done(tensor, async_op)
+    local = tensor.contiguous()
+    out = torch.empty((axis.size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
+                      device=local.device)
+    finish = None
+    if dim % local.dim() != 0:
+        finish = lambda full: torch.cat(full.chunk(axis.size, 0), dim=dim)  # noqa: E731
+    record = dict(op="all_gather", phase=phase, kind=kind, site=site, module=module, split=split,
+                  tensor=local, **extra)
+    return _run(lambda: _all_gather_single(out, local, group=axis.group, async_op=True), out,
+                axis, async_op, finish, record, f"all_gather at {site}")
+
+
+def reduce_scatter(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, kind: str,
+                   site: str, module: str | None = None, split: str | None = None,
+                   async_op: bool = False, **extra):
+    """Sum ``tensor`` over ``axis`` and keep this rank's slice along ``dim`` (a new tensor)."""
+    if axis.size == 1:
+        return _done(tensor, async_op)
+    if tensor.shape[dim] % axis.size:
+        raise ValueError(f"reduce_scatter at {site}: dim {dim} of shape {list(tensor.shape)} is "
+                         f"not divisible by the group size {axis.size}")
+    # Chunks along ``dim`` stacked on dim 0: this rank's output is then exactly one chunk.
+    full = tensor.contiguous() if dim % tensor.dim() == 0 else \
+        torch.cat(tensor.chunk(axis.size, dim), 0)
+    out = torch.empty_like(tensor.chunk(axis.size, dim)[0], memory_format=torch.contiguous_format)
+    record = dict(op="reduce_scatter", phase=phase, kind=kind, site=site, module=module,
+                  split=split, tensor=tensor, **extra)
+    return _run(lambda: _reduce_scatter_single(out, full, group=axis.group, async_op=True), out,
+                axis, async_op, None, record, f"reduce_scatter at {site}")
+
+
+def broadcast(tensor: torch.Tensor, axis: Axis, *, src: int, phase: str, kind: str, site: str,
+              module: str | None = None, **extra) -> torch.Tensor:
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``axis`` (in place)."""
+    if axis.size == 1:
+        return tensor
+    record = dict(op="broadcast", phase=phase, kind=kind, site=site, module=module,
+                  tensor=tensor, src=src, **extra)
+    return _run(lambda: dist.broadcast(tensor, src, group=axis.group, async_op=True), tensor,
+                axis, False, record=record, what=f"broadcast at {site}")
+
+
+def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: str, kind: str,
+              site: str, module: str | None = None, async_op: bool = False, **extra):
+    """Post sends and receives together (``P2POp`` + ``batch_isend_irecv``), so no pair deadlocks.
+
+    ``ops`` are ``("send" | "recv", tensor, peer_global_rank)``; the received tensors are filled in
+    place. Each op is one ledger event (with its ``peer``); returns the list of tensors, or a
+    Handle when ``async_op``.
+    """
+    if not ops:
+        return _done([], async_op)
+    led = _ledger.active()
+    events, p2p = [], []
+    for name, tensor, peer in ops:
+        if name not in ("send", "recv"):
+            raise ValueError(f"p2p op must be 'send' or 'recv', got {name!r}")
+        fn = dist.isend if name == "send" else dist.irecv
+        p2p.append(dist.P2POp(fn, tensor, peer, group=axis.group))
+        if led:
+            events.append(led.record(op=name, phase=phase, kind=kind, site=site, module=module,
+                                     async_op=async_op, tensor=tensor, group=axis.ranks,
+                                     peer=peer, **extra))
+    works = dist.batch_isend_irecv(p2p)
+    peers = ", ".join(f"{n} {p}" for n, _, p in ops)
+    handle = _P2PHandle(works, [t for _, t, _ in ops], events, f"p2p ({peers}) at {site}")
+    return handle if async_op else handle.wait()
+
+
+class _P2PHandle(Handle):
+    __slots__ = ("_events",)
+
+    def __init__(self, works, result, events, desc) -> None:
+        super().__init__(works, result, None, None, desc)
+        self._events = events
+
+    def wait(self):
+        led = _ledger.active()
+        for event in self._events:
+            event["t_wait"] = led.now() if led else event["t_wait"]
+        result = super().wait()
+        for event in self._events:
+            event["t_end"] = led.now() if led else event["t_end"]
+        return result
+
+
+def barrier(axis: Axis, *, phase: str = "setup", site: str = "barrier") -> None:
+    """Wait until every rank of ``axis`` arrives (recorded as op ``barrier``)."""
+    if axis.size == 1:
+        return
+    record = dict(op="barrier", phase=phase, kind=axis.name, site=site)
+    _run(lambda: dist.barrier(group=axis.group, async_op=True), None, axis, False,
+         record=record, what=f"barrier at {site}")

@@ -1,0 +1,126 @@
+"""The communication record: one :class:`CommEvent` per collective, send/recv or compute span.
+
+A :class:`Ledger` is active on a rank while ``with recording(ledger):`` runs. ``comm.py`` asks
+:func:`active` before every operation; when it returns ``None`` nothing is allocated or timed, so
+recording costs nothing when it is off. Events are plain dicts in the JSON Lines schema of
+DESIGN.md (the contract), written by :meth:`Ledger.dump` and merged over ranks by :func:`merge`.
+
+Times are seconds since the ledger's ``t0`` on the wall clock (``time.time``), which all ranks of a
+local run share; a launcher that wants one origin for every rank passes the same ``t0`` to each.
+On CPU the wall clock is exact enough; CUDA runs record host-side launch/wait times (no
+synchronisation is ever added).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterable, Iterator
+
+__all__ = ["Ledger", "active", "recording", "span", "load", "merge", "FIELDS"]
+
+FIELDS = ("rank", "seq", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
+          "async", "bytes", "shape", "dtype", "group", "t_start", "t_wait", "t_end")
+"""Contract field order of one event (extra keys such as ``bucket`` or ``peer`` follow them)."""
+
+_ACTIVE: "Ledger | None" = None
+
+
+def active() -> "Ledger | None":
+    """The ledger recording on this rank, or ``None`` (the fast path)."""
+    return _ACTIVE
+
+
+@contextmanager
+def recording(ledger: "Ledger") -> Iterator["Ledger"]:
+    """Make ``ledger`` the active one for the duration of the block (nesting restores the outer)."""
+    global _ACTIVE
+    outer, _ACTIVE = _ACTIVE, ledger
+    try:
+        yield ledger
+    finally:
+        _ACTIVE = outer
+
+
+class Ledger:
+    """Events of one rank, in the order they were launched (``seq``)."""
+
+    def __init__(self, rank: int = 0, t0: float | None = None) -> None:
+        self.rank = rank
+        self.t0 = time.time() if t0 is None else t0
+        self.events: list[dict] = []
+        self.step = 0
+        self.microbatch = 0
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    @contextmanager
+    def at(self, *, step: int | None = None, microbatch: int | None = None) -> Iterator[None]:
+        """Attribute the events of the block to ``step`` / ``microbatch``."""
+        saved = self.step, self.microbatch
+        if step is not None:
+            self.step = step
+        if microbatch is not None:
+            self.microbatch = microbatch
+        try:
+            yield
+        finally:
+            self.step, self.microbatch = saved
+
+    def record(self, *, op: str, phase: str, kind: str, site: str, module: str | None = None,
+               split: str | None = None, async_op: bool = False, tensor=None, nbytes: int = 0,
+               group: Iterable[int] = (), **extra) -> dict:
+        """Append one event launched now; the caller fills ``t_wait``/``t_end`` when it completes."""
+        shape, dtype = None, None
+        if tensor is not None:
+            shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
+            nbytes = nbytes or tensor.numel() * tensor.element_size()
+        t = self.now()
+        event = {"rank": self.rank, "seq": len(self.events), "step": self.step,
+                 "microbatch": self.microbatch, "phase": phase, "kind": kind, "op": op,
+                 "site": site, "module": module, "split": split, "async": async_op,
+                 "bytes": nbytes, "shape": shape, "dtype": dtype, "group": list(group),
+                 "t_start": t, "t_wait": t, "t_end": t, **extra}
+        self.events.append(event)
+        return event
+
+    @contextmanager
+    def span(self, site: str, *, phase: str, module: str | None = None, kind: str = "compute",
+             **extra) -> Iterator[dict]:
+        """Record a compute span (op ``compute``), e.g. a GEMM or a pipeline forward step."""
+        event = self.record(op="compute", phase=phase, kind=kind, site=site, module=module, **extra)
+        try:
+            yield event
+        finally:
+            event["t_wait"] = event["t_end"] = self.now()
+
+    def dump(self, path: str | Path, mode: str = "w") -> None:
+        """Write the events as JSON Lines (``mode="a"`` appends, for per-step flushing)."""
+        with open(path, mode) as f:
+            for event in self.events:
+                f.write(json.dumps(event) + "\n")
+
+
+@contextmanager
+def span(site: str, *, phase: str, module: str | None = None, **extra) -> Iterator[dict | None]:
+    """:meth:`Ledger.span` on the active ledger; does nothing (yields ``None``) when none is."""
+    ledger = _ACTIVE
+    if ledger is None:
+        yield None
+        return
+    with ledger.span(site, phase=phase, module=module, **extra) as event:
+        yield event
+
+
+def load(path: str | Path) -> list[dict]:
+    """Read a JSON Lines ledger (data only: ``json``, never pickle)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def merge(per_rank: Iterable[Iterable[dict]]) -> list[dict]:
+    """All ranks' events in one list ordered by ``(rank, seq)``, as the ledger file stores them."""
+    return sorted((e for events in per_rank for e in events), key=lambda e: (e["rank"], e["seq"]))

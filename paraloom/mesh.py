@@ -1,0 +1,130 @@
+"""ParallelMesh: the (pp, dp, tp) rank grid and one process group per axis.
+
+Rank order is Megatron's default: tensor fastest, then data, then pipeline::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so the ranks of a tensor-parallel group are neighbours (same node, fastest links), and pipeline
+stages are the furthest apart. ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.emb`` are
+:class:`Axis` handles carrying the group, its size, this rank's index in it and its global ranks.
+``mesh.emb`` is the embedding group: the first and the last pipeline stage of this (dp, tp) column,
+over which the tied word-embedding gradients are all-reduced.
+
+The grid itself (:func:`rank_groups`) is pure logic, tested without processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from .config import ParallelConfig
+
+__all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords"]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One parallel dimension as seen from this rank."""
+
+    name: str
+    """``tp``, ``dp``, ``pp`` or ``emb``."""
+    ranks: tuple[int, ...]
+    """Global ranks of this rank's group, in group order."""
+    rank: int
+    """This rank's index inside ``ranks`` (-1 if it is not a member, e.g. a middle stage in emb)."""
+    group: object = field(default=None, repr=False, compare=False)
+    """The ``torch.distributed`` process group; ``None`` for a size-1 axis (nothing to communicate)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
+    """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
+    if not 0 <= rank < tp * pp * dp:
+        raise ValueError(f"rank {rank} is outside a world of tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+
+
+def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
+    """Every group of every axis, in a fixed order that all ranks share.
+
+    >>> rank_groups(2, 2, 1)["pp"]
+    [(0, 2), (1, 3)]
+    """
+    def r(p: int, d: int, t: int) -> int:
+        return p * dp * tp + d * tp + t
+
+    groups = {
+        "tp": [tuple(r(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)],
+        "dp": [tuple(r(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)],
+        "pp": [tuple(r(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)],
+    }
+    groups["emb"] = [tuple(dict.fromkeys((g[0], g[-1]))) for g in groups["pp"]]
+    return groups
+
+
+class ParallelMesh:
+    """Process groups for a (tp, pp, dp) layout; build it on every rank, in the same order.
+
+    Without an initialised ``torch.distributed`` (a single process), only the 1x1x1 layout is
+    valid and every axis has size 1, so layers run with no communication at all.
+    """
+
+    def __init__(self, config: ParallelConfig | None = None, *, tp: int = 1, pp: int = 1,
+                 dp: int = 1, vpp: int | None = None) -> None:
+        self.config = config or ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp)
+        cfg = self.config
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+        self.rank = dist.get_rank() if distributed else 0
+        if cfg.world_size != world:
+            raise ValueError(f"tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world_size} does not "
+                             f"match the world size {world}; choose sizes whose product is {world}")
+        self.world_size = world
+        self.axes: dict[str, Axis] = {}
+        for name, groups in rank_groups(cfg.tp, cfg.pp, cfg.dp).items():
+            mine = None
+            for ranks in groups:  # every rank creates every group, in the same order
+                pg = dist.new_group(list(ranks)) if distributed and len(ranks) > 1 else None
+                if self.rank in ranks:
+                    mine = Axis(name, ranks, ranks.index(self.rank), pg)
+            if mine is None:  # emb: a middle pipeline stage is in no embedding group
+                mine = Axis(name, (), -1, None)
+            self.axes[name] = mine
+
+    tp = property(lambda self: self.axes["tp"], doc="Tensor-parallel axis.")
+    dp = property(lambda self: self.axes["dp"], doc="Data-parallel axis.")
+    pp = property(lambda self: self.axes["pp"], doc="Pipeline axis (stage = ``mesh.pp.rank``).")
+    emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
+
+    @property
+    def vpp(self) -> int:
+        """Virtual stages (chunks) per pipeline rank; 1 without interleaving."""
+        return self.config.vpp or 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp.rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp.rank == self.pp.size - 1
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next pipeline stage (wrapping around, as Megatron does)."""
+        return self.pp.ranks[(self.pp.rank + 1) % self.pp.size]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous pipeline stage (wrapping around)."""
+        return self.pp.ranks[(self.pp.rank - 1) % self.pp.size]
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"ParallelMesh(rank={self.rank}, tp={c.tp}, pp={c.pp}, dp={c.dp}, vpp={c.vpp}; "
+                f"tp_rank={self.tp.rank}, dp_rank={self.dp.rank}, pp_rank={self.pp.rank})")

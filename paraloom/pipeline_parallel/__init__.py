@@ -1,0 +1,1 @@
+"""pipeline_parallel (see DESIGN.md)."""

@@ -1,0 +1,74 @@
+"""Tensor-parallel RNG tracker: dropout inside split regions differs per tp rank, reproducibly.
+
+Two streams, as in Megatron: the default generator is seeded identically on every tp rank (dropout
+on replicated activations must agree), and a named ``"model-parallel-rng"`` stream is seeded with
+``seed + 2718 + tp_rank`` for dropout on tp-split activations (attention probabilities of local
+heads), entered with ``with get_rng_tracker().fork():``. Forking swaps the device's default
+generator state in and out, so code inside uses ordinary ``torch`` random calls.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+from ..launch import get_rng_state, set_rng_state
+
+__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed",
+           "MODEL_PARALLEL_RNG"]
+
+MODEL_PARALLEL_RNG = "model-parallel-rng"
+
+
+class RNGStatesTracker:
+    """Named generator states for one device; ``fork(name)`` runs a block on that stream."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.states: dict[str, torch.Tensor] = {}
+        self.seeds: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.states.clear()
+        self.seeds.clear()
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed`` (each name and seed used once)."""
+        if name in self.states:
+            raise ValueError(f"RNG stream {name!r} already exists (seed {self.seeds[name]})")
+        if seed in self.seeds.values():
+            raise ValueError(f"seed {seed} is already used by another RNG stream")
+        self.states[name] = torch.Generator(self.device).manual_seed(seed).get_state()
+        self.seeds[name] = seed
+
+    @contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the block on stream ``name``; the stream advances, the default one is untouched."""
+        if name not in self.states:
+            raise KeyError(f"RNG stream {name!r} was not added; known: {sorted(self.states)}")
+        outer = get_rng_state(self.device)
+        set_rng_state(self.states[name], self.device)
+        try:
+            yield
+        finally:
+            self.states[name] = get_rng_state(self.device)
+            set_rng_state(outer, self.device)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker (one per rank)."""
+    return _TRACKER
+
+
+def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str = "cpu") -> None:
+    """Seed the default stream with ``seed`` and the tensor-parallel stream with
+    ``seed + 2718 + tp_rank`` (Megatron's ``model_parallel_cuda_manual_seed``)."""
+    global _TRACKER
+    torch.manual_seed(seed)
+    _TRACKER = RNGStatesTracker(device)
+    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
