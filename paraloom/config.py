@@ -18,25 +18,29 @@ def _positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the world is split: ``world_size = tp * pp * dp`` (tensor fastest, pipeline slowest)."""
+    """How the world is split: ``world_size = tp * pp * dp`` (tensor fastest, pipeline
+    slowest)."""
 
     tp: int = 1
-    """Tensor-model-parallel size (Megatron ``tensor_model_parallel_size``): ranks sharing each layer."""
+    """Tensor-model-parallel size (Megatron ``tensor_model_parallel_size``): ranks sharing each
+    layer."""
     pp: int = 1
-    """Pipeline-model-parallel size (``pipeline_model_parallel_size``): number of pipeline stages."""
+    """Pipeline-model-parallel size (``pipeline_model_parallel_size``): number of pipeline
+    stages."""
     dp: int = 1
     """Data-parallel size: model replicas, each on a different slice of the global batch."""
     vpp: int | None = None
     """Virtual pipeline stages per rank (``virtual_pipeline_model_parallel_size``), for interleaved
     1F1B; ``None`` means one chunk per stage."""
     sequence_parallel: bool = False
-    """Split LayerNorm/dropout activations along the sequence over the tp group; tp all-reduces become
-    all-gather + reduce-scatter pairs (Korthikanti et al. 2022)."""
+    """Split LayerNorm/dropout activations along the sequence over the tp group; tp all-reduces
+    become all-gather + reduce-scatter pairs (Korthikanti et al. 2022)."""
     async_grad_allreduce: bool = False
     """Overlap the column layer's input-gradient all-reduce with its weight-gradient GEMM. Not with
     ``sequence_parallel``, which has no such all-reduce (its reduce-scatter always overlaps)."""
     gradient_accumulation_fusion: bool = False
-    """Accumulate weight gradients straight into fp32 ``param.main_grad``; ``param.grad`` stays None."""
+    """Accumulate weight gradients straight into fp32 ``param.main_grad``; ``param.grad`` stays
+    None."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -44,7 +48,8 @@ class ParallelConfig:
         if self.vpp is not None:
             _positive_int("vpp", self.vpp)
             if self.vpp > 1 and self.pp == 1:
-                raise ValueError(f"vpp = {self.vpp} needs pipeline parallelism (pp > 1), got pp = 1")
+                raise ValueError(
+                    f"vpp = {self.vpp} needs pipeline parallelism (pp > 1), got pp = 1")
         if self.sequence_parallel and self.async_grad_allreduce:
             raise ValueError(
                 "sequence_parallel=True cannot be combined with async_grad_allreduce=True: with "
@@ -79,7 +84,8 @@ class ModelConfig:
     """Standard deviation of the normal initialisation."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "seq_length"):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "seq_length"):
             _positive_int(name, getattr(self, name))
         if self.ffn_hidden_size is not None:
             _positive_int("ffn_hidden_size", self.ffn_hidden_size)
@@ -96,7 +102,8 @@ class ModelConfig:
 
 
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise ``ValueError`` (every number named) if ``model`` cannot be split as ``parallel`` says."""
+    """Raise ``ValueError`` (every number named) if ``model`` cannot be split as ``parallel``
+    says."""
     tp, chunks = parallel.tp, parallel.pp * (parallel.vpp or 1)
     problems = []
     for name, value in (("hidden_size", model.hidden_size), ("ffn_hidden_size", model.ffn),

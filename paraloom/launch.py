@@ -25,7 +25,8 @@ __all__ = ["init_distributed", "spawn", "under_torchrun", "get_device", "print0"
 
 
 def under_torchrun() -> bool:
-    """True when the environment was set by ``torchrun`` (or another launcher using its variables)."""
+    """True when the environment was set by ``torchrun`` (or another launcher using its
+    variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterable, Iterator
 
 __all__ = ["Ledger", "active", "recording", "span", "load", "merge", "FIELDS"]
 
@@ -25,16 +25,16 @@ FIELDS = ("rank", "seq", "step", "microbatch", "phase", "kind", "op", "site", "m
           "async", "bytes", "shape", "dtype", "group", "t_start", "t_wait", "t_end")
 """Contract field order of one event (extra keys such as ``bucket`` or ``peer`` follow them)."""
 
-_ACTIVE: "Ledger | None" = None
+_ACTIVE: Ledger | None = None
 
 
-def active() -> "Ledger | None":
+def active() -> Ledger | None:
     """The ledger recording on this rank, or ``None`` (the fast path)."""
     return _ACTIVE
 
 
 @contextmanager
-def recording(ledger: "Ledger") -> Iterator["Ledger"]:
+def recording(ledger: Ledger) -> Iterator[Ledger]:
     """Make ``ledger`` the active one for the duration of the block (nesting restores the outer)."""
     global _ACTIVE
     outer, _ACTIVE = _ACTIVE, ledger
@@ -73,7 +73,8 @@ class Ledger:
     def record(self, *, op: str, phase: str, kind: str, site: str, module: str | None = None,
                split: str | None = None, async_op: bool = False, tensor=None, nbytes: int = 0,
                group: Iterable[int] = (), **extra) -> dict:
-        """Append one event launched now; the caller fills ``t_wait``/``t_end`` when it completes."""
+        """Append one event launched now; the caller fills ``t_wait``/``t_end`` when it
+        completes."""
         shape, dtype = None, None
         if tensor is not None:
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")

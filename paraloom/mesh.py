@@ -33,9 +33,11 @@ class Axis:
     ranks: tuple[int, ...]
     """Global ranks of this rank's group, in group order."""
     rank: int
-    """This rank's index inside ``ranks`` (-1 if it is not a member, e.g. a middle stage in emb)."""
+    """This rank's index inside ``ranks`` (-1 if it is not a member, e.g. a middle stage in
+    emb)."""
     group: object = field(default=None, repr=False, compare=False)
-    """The ``torch.distributed`` process group; ``None`` for a size-1 axis (nothing to communicate)."""
+    """The ``torch.distributed`` process group; ``None`` for a size-1 axis (nothing to
+    communicate)."""
 
     @property
     def size(self) -> int:
@@ -45,7 +47,8 @@ class Axis:
 def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
     """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
     if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} is outside a world of tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}")
+        raise ValueError(f"rank {rank} is outside a world of tp*pp*dp = "
+                         f"{tp}*{pp}*{dp} = {tp * pp * dp}")
     return rank // (dp * tp), (rank // tp) % dp, rank % tp
 
 

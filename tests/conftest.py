@@ -74,7 +74,8 @@ class World:
         for rank, conn in enumerate(self.conns):
             # once one rank failed, the others get a short grace period (they may be blocked
             # in a collective with it)
-            left = deadline - time.monotonic() if not errors else min(5.0, deadline - time.monotonic())
+            left = (deadline - time.monotonic() if not errors
+                    else min(5.0, deadline - time.monotonic()))
             if conn.poll(max(left, 0.0)):
                 status, value = pickle.loads(conn.recv_bytes())
                 if status == "ok":

@@ -17,8 +17,12 @@ import torch.nn.functional as F
 from paraloom import comm
 from paraloom.ledger import Ledger, recording
 from paraloom.mesh import ParallelMesh
-from paraloom.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                      VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from paraloom.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 
 S, B, H, HEADS = 8, 2, 16, 4
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -287,7 +291,8 @@ def test_same_init_whatever_the_layout(world4):
 
 
 def mesh_mismatch():
-    with pytest.raises(ValueError, match=r"tp\*pp\*dp = 2\*1\*1 = 2 does not match the world size 4"):
+    with pytest.raises(ValueError,
+                       match=r"tp\*pp\*dp = 2\*1\*1 = 2 does not match the world size 4"):
         ParallelMesh(tp=2)
     mesh = ParallelMesh(tp=2, dp=2)
     with pytest.raises(ValueError, match="output_size = 5 is not divisible by 2"):

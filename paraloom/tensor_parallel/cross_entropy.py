@@ -52,7 +52,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         log_sum_exp = stats[1].log()
         loss = log_sum_exp - stats[0]
         if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_sum_exp - stats[2] / vocab)
+            loss = ((1.0 - label_smoothing) * loss
+                    + label_smoothing * (log_sum_exp - stats[2] / vocab))
 
         softmax = exp.div_(stats[1].unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)

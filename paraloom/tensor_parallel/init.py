@@ -49,7 +49,7 @@ def _global_index(global_shape: tuple[int, ...], ranges: tuple[tuple[int, int], 
                   device) -> torch.Tensor:
     index = torch.zeros((), dtype=torch.int64, device=device)
     stride = 1
-    for size, (start, stop) in reversed(list(zip(global_shape, ranges))):
+    for size, (start, stop) in reversed(list(zip(global_shape, ranges, strict=True))):
         if not 0 <= start <= stop <= size:
             raise ValueError(f"index range {start}:{stop} is outside a dimension of size {size}")
         coord = torch.arange(start, stop, dtype=torch.int64, device=device) * stride
@@ -74,7 +74,8 @@ def _uniform(index: torch.Tensor, k1: int, k2: int) -> torch.Tensor:
     return _to_unit(_hash_index(index, k1, k2))
 
 
-def counter_uniform(seed: int, name: str, global_shape, ranges=None, *, device=None) -> torch.Tensor:
+def counter_uniform(seed: int, name: str, global_shape, ranges=None, *,
+                    device=None) -> torch.Tensor:
     """Uniform(0, 1) float64 values of ``name``'s elements in ``ranges`` (default: all)."""
     global_shape = tuple(global_shape)
     ranges = tuple(ranges) if ranges is not None else tuple((0, n) for n in global_shape)

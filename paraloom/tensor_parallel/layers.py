@@ -27,15 +27,19 @@ from .. import ledger as _ledger
 from ..mesh import ParallelMesh
 from ..utils import divide
 from .init import CounterInit, shard_range
-from .mappings import (Where, copy_to_tensor_model_parallel_region,
-                       gather_from_tensor_model_parallel_region,
-                       reduce_from_tensor_model_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region,
-                       scatter_to_tensor_model_parallel_region)
+from .mappings import (
+    Where,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "LinearWithGradAccumulationAndAsyncCommunication",
-           "linear_with_grad_accumulation_and_async_allreduce", "set_tensor_model_parallel_attributes"]
+           "linear_with_grad_accumulation_and_async_allreduce",
+           "set_tensor_model_parallel_attributes"]
 
 
 def _mesh(mesh: ParallelMesh | None) -> ParallelMesh:
@@ -139,7 +143,8 @@ def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, wher
 
 
 class ColumnParallelLinear(nn.Module):
-    """``Y = X A + b`` with ``A`` split by columns (output dim): rank ``i`` holds ``A_i``, ``[out/tp, in]``.
+    """``Y = X A + b`` with ``A`` split by columns (output dim): rank ``i`` holds ``A_i``,
+    ``[out/tp, in]``.
 
     Args:
         input_size, output_size: global sizes; ``output_size`` must divide by tp.
@@ -205,8 +210,8 @@ class ColumnParallelLinear(nn.Module):
             self.sequence_parallel and self.mesh.tp.size > 1, self.async_grad_allreduce,
             self.gradient_accumulation_fusion)
         if self.gather_output:
-            out = gather_from_tensor_model_parallel_region(out, w.axis, site=w.site, module=w.module,
-                                                           split=w.split)
+            out = gather_from_tensor_model_parallel_region(out, w.axis, site=w.site,
+                                                           module=w.module, split=w.split)
         return out, (self.bias if self.skip_bias_add else None)
 
     def extra_repr(self) -> str:
@@ -216,7 +221,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """``Y = X A + b`` with ``A`` split by rows (input dim): rank ``i`` holds ``A_i``, ``[out, in/tp]``.
+    """``Y = X A + b`` with ``A`` split by rows (input dim): rank ``i`` holds ``A_i``,
+    ``[out, in/tp]``.
 
     Args:
         input_is_parallel: the input is already split on its last dim (the output of a
@@ -236,13 +242,15 @@ class RowParallelLinear(nn.Module):
                  params_dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
+            raise ValueError(
+                "RowParallelLinear: sequence_parallel=True needs input_is_parallel=True")
         self.mesh = _mesh(mesh)
         tp = self.mesh.tp
         self.input_size, self.output_size, self.name = input_size, output_size, name
         self.input_size_per_partition = divide(input_size, tp.size, f"{name}: input_size")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.gradient_accumulation_fusion, self.skip_bias_add = gradient_accumulation_fusion, skip_bias_add
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.skip_bias_add = skip_bias_add
         init_method = init_method or CounterInit()
         self.weight = _shard_param(init_method, f"{name}.weight", (output_size, input_size), 1,
                                    self.mesh, params_dtype, device)

@@ -54,7 +54,8 @@ class Where(NamedTuple):
 
 
 def split_along_dim(x: torch.Tensor, axis: Axis, dim: int) -> torch.Tensor:
-    """This rank's contiguous slice of ``x`` along ``dim`` (data movement only, no communication)."""
+    """This rank's contiguous slice of ``x`` along ``dim`` (data movement only, no
+    communication)."""
     if axis.size == 1:
         return x
     if x.shape[dim] % axis.size:
@@ -70,7 +71,8 @@ class _CopyToModelParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return comm.all_reduce(grad.contiguous(), ctx.where.axis, **ctx.where.args("backward", "tp")), None
+        return comm.all_reduce(grad.contiguous(), ctx.where.axis,
+                               **ctx.where.args("backward", "tp")), None
 
 
 class _ReduceFromModelParallelRegion(torch.autograd.Function):
@@ -151,7 +153,8 @@ def _where(axis: Axis | None, site: str, tag: str, module, split) -> Where:
     return Where(axis, site, tag, module, split)
 
 
-def copy_to_tensor_model_parallel_region(x, axis=None, *, site="copy_to_tensor_model_parallel_region",
+def copy_to_tensor_model_parallel_region(x, axis=None, *,
+                                         site="copy_to_tensor_model_parallel_region",
                                          tag="input", module=None, split=None):
     """Forward: identity. Backward: all-reduce the gradient over tp (each rank's is partial)."""
     return _CopyToModelParallelRegion.apply(x, _where(axis, site, tag, module, split))

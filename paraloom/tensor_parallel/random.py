@@ -9,8 +9,8 @@ generator state in and out, so code inside uses ordinary ``torch`` random calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

@@ -1,0 +1,114 @@
+"""comm.py's collectives (values, dims, async, size-1 bypass) and the ledger they write."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from paraloom import comm, ledger
+from paraloom.ledger import FIELDS, Ledger, load, merge, recording
+from paraloom.mesh import Axis, ParallelMesh
+
+KW = dict(phase="forward", kind="tp", site="test")
+
+
+def collectives():
+    mesh = ParallelMesh(tp=4)
+    r = mesh.tp.rank
+    led = Ledger(rank=dist.get_rank())
+    out = {}
+    with recording(led), led.at(step=3, microbatch=1):
+        x = torch.full((2, 3), float(r))
+        out["sum"] = comm.all_reduce(x.clone(), mesh.tp, **KW)
+        out["max"] = comm.all_reduce(x.clone(), mesh.tp, op="max", **KW)
+        out["ag0"] = comm.all_gather(torch.full((1, 2), float(r)), mesh.tp, **KW)
+        out["ag1"] = comm.all_gather(torch.full((2, 1), float(r)), mesh.tp, dim=1, **KW)
+        full = torch.arange(8.0).view(2, 4) * (r + 1)   # reduce-scatter on the last dim
+        out["rs1"] = comm.reduce_scatter(full, mesh.tp, dim=1, **KW)
+        out["rs0"] = comm.reduce_scatter(torch.ones(8, 2), mesh.tp, **KW)
+        handle = comm.all_reduce(torch.ones(3), mesh.tp, async_op=True, **KW)
+        out["async"] = handle.wait()
+        out["bcast"] = comm.broadcast(torch.full((2,), float(r)), mesh.tp, src=2, **KW)
+        peer = (dist.get_rank() + 1) % 4, (dist.get_rank() - 1) % 4
+        recv = torch.empty(2)
+        comm.batch_p2p([("send", torch.full((2,), float(r)), peer[0]), ("recv", recv, peer[1])],
+                       mesh.tp, phase="forward", kind="pp", site="ring")
+        out["p2p"] = recv
+        single = Axis("tp", (dist.get_rank(),), 0)
+        y = torch.ones(2)
+        assert comm.all_reduce(y, single, **KW) is y  # size 1: no call
+        assert comm.all_gather(y, single, **KW) is y
+    out["events"] = led.events
+    return out
+
+
+def test_collectives_values_and_records(world4):
+    res = world4.run(collectives)
+    for r, o in enumerate(res):
+        assert torch.equal(o["sum"], torch.full((2, 3), 6.0))
+        assert torch.equal(o["max"], torch.full((2, 3), 3.0))
+        assert torch.equal(o["ag0"], torch.arange(4.0).repeat_interleave(2).view(4, 2))
+        assert torch.equal(o["ag1"], torch.arange(4.0).repeat(2, 1))
+        assert torch.equal(o["rs1"], (torch.arange(8.0).view(2, 4) * 10)[:, r:r + 1])
+        assert torch.equal(o["rs0"], torch.full((2, 2), 4.0))
+        assert torch.equal(o["async"], torch.full((3,), 4.0))
+        assert torch.equal(o["bcast"], torch.full((2,), 2.0))
+        assert torch.equal(o["p2p"], torch.full((2,), float((r - 1) % 4)))
+    events = res[1]["events"]
+    ops = [e["op"] for e in events]
+    assert ops == ["all_reduce", "all_reduce", "all_gather", "all_gather", "reduce_scatter",
+                   "reduce_scatter", "all_reduce", "broadcast", "send", "recv"]  # size-1: none
+    e = events[0]
+    assert list(e)[:len(FIELDS)] == list(FIELDS)
+    assert (e["rank"], e["step"], e["microbatch"], e["group"]) == (1, 3, 1, [0, 1, 2, 3])
+    assert e["bytes"] == 2 * 3 * 4 and e["shape"] == [2, 3] and e["dtype"] == "float32"
+    assert events[2]["bytes"] == 1 * 2 * 4      # all-gather: the local shard
+    assert events[4]["bytes"] == 2 * 4 * 4      # reduce-scatter: the full local input
+    assert events[6]["async"] and events[6]["t_start"] <= events[6]["t_wait"] <= events[6]["t_end"]
+    assert [e["peer"] for e in events[8:]] == [2, 0]
+    assert [e["seq"] for e in events] == list(range(len(events)))
+
+
+def test_nothing_is_recorded_without_an_active_ledger():
+    assert ledger.active() is None
+    with ledger.span("x", phase="forward") as event:
+        assert event is None
+    led = Ledger()
+    with recording(led):
+        assert ledger.active() is led
+        with ledger.span("gemm", phase="backward", module="m"):
+            pass
+    assert ledger.active() is None
+    assert [(e["op"], e["site"], e["phase"]) for e in led.events] == [
+        ("compute", "gemm", "backward")]
+
+
+def test_dump_load_merge_roundtrip(tmp_path):
+    a, b = Ledger(rank=1), Ledger(rank=0)
+    for led in (a, b):
+        led.record(op="all_reduce", phase="forward", kind="tp", site="s", tensor=torch.ones(4))
+        led.record(op="send", phase="forward", kind="pp", site="p", nbytes=8, peer=1)
+    a.dump(tmp_path / "a.jsonl")
+    b.dump(tmp_path / "b.jsonl")
+    merged = merge([load(tmp_path / "a.jsonl"), load(tmp_path / "b.jsonl")])
+    assert [(e["rank"], e["seq"]) for e in merged] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert merged[0]["bytes"] == 16 and merged[1]["peer"] == 1
+    line = (tmp_path / "a.jsonl").read_text().splitlines()[0]
+    assert json.loads(line)["kind"] == "tp"
+
+
+def bad_reduce_scatter():
+    mesh = ParallelMesh(tp=4)
+    with pytest.raises(ValueError,
+                       match=r"dim 0 of shape \[6\] is not divisible by the group size 4"):
+        comm.reduce_scatter(torch.ones(6), mesh.tp, **KW)
+    return True
+
+
+def test_bad_shapes_are_named(world4):
+    assert all(world4.run(bad_reduce_scatter))
+    with pytest.raises(ValueError, match="timeout must be positive"):
+        comm.set_timeout(0)
