@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 __all__ = ["Ledger", "active", "recording", "span", "load", "merge", "FIELDS"]
@@ -53,6 +53,8 @@ class Ledger:
         self.events: list[dict] = []
         self.step = 0
         self.microbatch = 0
+        self.recompute = False
+        """True while activation recomputation re-runs a forward (events get ``recompute``)."""
 
     def now(self) -> float:
         return time.time() - self.t0
@@ -85,18 +87,19 @@ class Ledger:
                  "site": site, "module": module, "split": split, "async": async_op,
                  "bytes": nbytes, "shape": shape, "dtype": dtype, "group": list(group),
                  "t_start": t, "t_wait": t, "t_end": t, **extra}
+        if self.recompute:
+            event["recompute"] = True
         self.events.append(event)
         return event
 
-    @contextmanager
     def span(self, site: str, *, phase: str, module: str | None = None, kind: str = "compute",
-             **extra) -> Iterator[dict]:
-        """Record a compute span (op ``compute``), e.g. a GEMM or a pipeline forward step."""
-        event = self.record(op="compute", phase=phase, kind=kind, site=site, module=module, **extra)
-        try:
-            yield event
-        finally:
-            event["t_wait"] = event["t_end"] = self.now()
+             **extra) -> _Span:
+        """Record a compute span (op ``compute``), e.g. a GEMM or a pipeline forward step.
+
+        A context manager: the event is recorded on entry (and is the ``as`` target); its
+        ``t_wait``/``t_end`` are set on exit, also when the block raises."""
+        return _Span(self, dict(op="compute", phase=phase, kind=kind, site=site, module=module,
+                                **extra))
 
     def dump(self, path: str | Path, mode: str = "w") -> None:
         """Write the events as JSON Lines (``mode="a"`` appends, for per-step flushing)."""
@@ -105,15 +108,34 @@ class Ledger:
                 f.write(json.dumps(event) + "\n")
 
 
-@contextmanager
-def span(site: str, *, phase: str, module: str | None = None, **extra) -> Iterator[dict | None]:
-    """:meth:`Ledger.span` on the active ledger; does nothing (yields ``None``) when none is."""
+class _Span:
+    """:meth:`Ledger.span`'s context manager: a plain class rather than a generator, because it
+    wraps every GEMM of the tensor-parallel layers and must cost next to nothing."""
+
+    __slots__ = ("_ledger", "_fields", "_event")
+
+    def __init__(self, ledger: Ledger, fields: dict) -> None:
+        self._ledger, self._fields, self._event = ledger, fields, None
+
+    def __enter__(self) -> dict:
+        self._event = self._ledger.record(**self._fields)
+        return self._event
+
+    def __exit__(self, *exc) -> None:
+        self._event["t_wait"] = self._event["t_end"] = self._ledger.now()
+
+
+_NO_SPAN = nullcontext()  # reusable; ``as`` gives None
+
+
+def span(site: str, *, phase: str, module: str | None = None, **extra):
+    """:meth:`Ledger.span` on the active ledger; does nothing (``as`` gives ``None``) when none is.
+
+    Use it directly in a ``with`` statement (the active ledger is looked up on the call)."""
     ledger = _ACTIVE
     if ledger is None:
-        yield None
-        return
-    with ledger.span(site, phase=phase, module=module, **extra) as event:
-        yield event
+        return _NO_SPAN
+    return ledger.span(site, phase=phase, module=module, **extra)
 
 
 def load(path: str | Path) -> list[dict]:

@@ -82,6 +82,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.where, ctx.sp, ctx.async_ar = where, sequence_parallel, async_grad_allreduce
         ctx.fusion, ctx.has_bias = gradient_accumulation_fusion, bias is not None
         ctx.save_for_backward(x, weight)  # with sp, x is the local shard: tp times less memory
+        # main_grad lives on the Parameter object itself; under activation recomputation the
+        # saved ``weight`` comes back as another tensor object, so keep the Parameter too.
+        ctx.param = weight if gradient_accumulation_fusion else None
         name = where.site if where else "linear"
         module = where.module if where else None
         if sequence_parallel:
@@ -110,7 +113,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         go = grad_out.reshape(-1, grad_out.shape[-1])
         xf = x_full.reshape(-1, x_full.shape[-1])
         with _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module):
-            grad_w = _weight_grad(weight, go, xf, ctx.fusion)
+            grad_w = _weight_grad(ctx.param if ctx.fusion else weight, go, xf, ctx.fusion)
         grad_b = go.sum(0) if ctx.has_bias else None
         if pending is not None:
             grad_x = pending.wait()

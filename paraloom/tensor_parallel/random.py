@@ -16,7 +16,7 @@ import torch
 
 from ..launch import get_rng_state, set_rng_state
 
-__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed",
+__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "checkpoint",
            "MODEL_PARALLEL_RNG"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -72,3 +72,39 @@ def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str = "c
     torch.manual_seed(seed)
     _TRACKER = RNGStatesTracker(device)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+
+
+def checkpoint(function, *args):
+    """Activation recomputation: keep only ``args``, re-run ``function`` in backward.
+
+    Built on ``torch.utils.checkpoint`` (non-reentrant), which restores the default generator for
+    the re-run; this wrapper also rewinds the tracker's named streams to where they were, so
+    dropout inside ``fork()`` draws the same masks the second time. Communications repeated by the
+    re-run are recorded with ``recompute: true`` in the ledger.
+    """
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from .. import ledger as _ledger
+
+    tracker = get_rng_tracker()
+    saved = {name: state.clone() for name, state in tracker.states.items()}
+    calls = [0]
+
+    def run(*inputs):
+        calls[0] += 1
+        if calls[0] == 1:
+            return function(*inputs)
+        current = tracker.states
+        tracker.states = {name: state.clone() for name, state in saved.items()}
+        led = _ledger.active()
+        outer = led.recompute if led else False
+        if led:
+            led.recompute = True
+        try:
+            return function(*inputs)
+        finally:
+            tracker.states = current
+            if led:
+                led.recompute = outer
+
+    return torch_checkpoint(run, *args, use_reentrant=False)
