@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ParallelConfig", "ModelConfig", "check_layout"]
+__all__ = ["ParallelConfig", "ModelConfig", "TrainConfig", "check_layout"]
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -110,6 +110,9 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
                         ("num_attention_heads", model.num_attention_heads)):
         if value % tp:
             problems.append(f"{name} = {value} is not divisible by tp = {tp}")
+    if model.vocab_size % tp:
+        problems.append(f"vocab_size = {model.vocab_size} is not divisible by tp = {tp} (the "
+                        f"vocabulary is split over tp ranks; pad it to a multiple of {tp})")
     if model.num_layers % chunks:
         problems.append(f"num_layers = {model.num_layers} is not divisible by pp * vpp = {chunks}")
     if parallel.sequence_parallel and model.seq_length % tp:
@@ -117,3 +120,99 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
                         f"(needed by sequence_parallel)")
     if problems:
         raise ValueError("invalid layout: " + "; ".join(problems))
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One ``paraloom train`` run: model shape, layout, optimisation and output settings."""
+
+    model: ModelConfig = ModelConfig()
+    """Shape of the GPT."""
+    parallel: ParallelConfig = ParallelConfig()
+    """The (tp, pp, dp, vpp) layout and its switches."""
+    global_batch_size: int = 8
+    """Samples per optimizer step, over all data-parallel ranks and microbatches."""
+    micro_batch_size: int = 2
+    """Samples per microbatch on one data-parallel rank."""
+    steps: int = 20
+    """Optimizer steps to run (in total, counting steps done before a resume)."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW), reached after ``warmup_steps``, then cosine decay."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 2
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to biases and LayerNorm parameters)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm (over tp, pp and dp) to this value; 0 disables."""
+    seed: int = 1234
+    """Seeds the initializer, the data order and dropout."""
+    dtype: str = "fp32"
+    """``fp32`` or ``bf16`` (bf16 compute, fp32 master weights and main grads)."""
+    recompute: str = "none"
+    """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (per layer)."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp) or ``none`` (no pipelining)."""
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's reduction as soon as it is complete in backward."""
+    distributed_optimizer: bool = False
+    """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
+    bucket_size: int | None = None
+    """Gradient bucket size in elements; ``None`` for Megatron's default."""
+    data: str | None = None
+    """Training text file; ``None`` for the bundled corpus."""
+    out: str = "runs/latest"
+    """Run folder (config.json, metrics.jsonl, ledger.jsonl, trace.json, ...)."""
+    save_every: int = 0
+    """Save a checkpoint every N steps (and at the end when N > 0)."""
+    resume: str | None = None
+    """Run folder or checkpoint folder to resume from."""
+    ledger_steps: int = 1
+    """Steps recorded in the ledger (from the first); -1 records every step."""
+    timeout_s: float = 120.0
+    """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):
+            value = getattr(self, name)
+            if name == "seed":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"seed must be a non-negative integer, got {value!r}")
+            else:
+                _positive_int(name, value)
+        p, m = self.parallel, self.model
+        check_layout(m, p)
+        per_step = self.micro_batch_size * p.dp
+        if self.global_batch_size % per_step:
+            raise ValueError(f"global_batch_size = {self.global_batch_size} is not divisible by "
+                             f"micro_batch_size * dp = {self.micro_batch_size} * {p.dp} = {per_step}")
+        if self.dtype not in ("fp32", "bf16"):
+            raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        if self.schedule not in ("1f1b", "interleaved", "none"):
+            raise ValueError(f"schedule must be 1f1b, interleaved or none, got {self.schedule!r}")
+        if self.schedule == "interleaved":
+            if (p.vpp or 1) < 2:
+                raise ValueError(f"schedule interleaved needs vpp >= 2, got vpp = {p.vpp}")
+            if self.num_microbatches % p.pp:
+                raise ValueError(f"the interleaved schedule needs the number of microbatches "
+                                 f"({self.num_microbatches}) to be a multiple of pp = {p.pp}")
+        elif (p.vpp or 1) > 1:
+            raise ValueError(f"vpp = {p.vpp} needs schedule interleaved, got {self.schedule!r}")
+        if self.schedule == "none" and p.pp > 1:
+            raise ValueError(f"schedule none (no pipelining) needs pp = 1, got pp = {p.pp}")
+        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr = {self.lr}, "
+                             f"min_lr = {self.min_lr}")
+        if self.warmup_steps < 0 or self.save_every < 0 or self.clip_grad < 0:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}), save_every ({self.save_every}) "
+                             f"and clip_grad ({self.clip_grad}) must be >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per step on each data-parallel rank."""
+        return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)

@@ -1,0 +1,86 @@
+"""The bundled corpus and a dataset that gives every parallel layout the same global batches.
+
+Tokens are bytes (vocabulary 256). Global batch ``step`` is ``global_batch_size`` windows of
+``seq_len + 1`` bytes at offsets drawn from a generator seeded by ``(seed, step)``, so it depends on
+nothing about the layout. A data-parallel rank takes a contiguous slice of the rows and cuts it
+into microbatches; the union over ranks and microbatches is always the whole global batch, so the
+mean loss (every microbatch has the same number of tokens) is layout-independent.
+
+The last ``holdout`` fraction of the bytes is never sampled for training: :func:`eval_batches`
+reads it for held-out loss.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..utils import divide
+
+__all__ = ["DEFAULT_CORPUS", "load_corpus", "Corpus", "microbatches", "eval_batches"]
+
+DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "python_stdlib.txt.gz"
+
+
+def load_corpus(path: str | Path | None = None) -> torch.Tensor:
+    """Bytes of ``path`` (any file; ``.gz`` is decompressed), or of the bundled corpus, as uint8."""
+    path = Path(path) if path is not None else DEFAULT_CORPUS
+    if not path.is_file():
+        raise ValueError(f"--data {str(path)!r} is not a readable file")
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    if not raw:
+        raise ValueError(f"--data {str(path)!r} is empty")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+@dataclass
+class Corpus:
+    """Samples fixed-length windows of a byte corpus, deterministically per step."""
+
+    data: torch.Tensor
+    seq_len: int
+    seed: int = 1234
+    holdout: float = 0.05
+
+    def __post_init__(self) -> None:
+        self.split = int(len(self.data) * (1.0 - self.holdout))
+        if self.split < self.seq_len + 2:
+            raise ValueError(f"the corpus has {len(self.data)} bytes ({self.split} for training); "
+                             f"seq_len = {self.seq_len} needs at least {self.seq_len + 2}")
+
+    def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
+        """``[global_batch_size, seq_len + 1]`` int64 tokens for ``step`` (same for every layout)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, self.split - self.seq_len - 1, (global_batch_size,), generator=g)
+        return self._windows(starts)
+
+    def _windows(self, starts: torch.Tensor) -> torch.Tensor:
+        idx = starts.unsqueeze(1) + torch.arange(self.seq_len + 1)
+        return self.data[idx].long()
+
+
+def microbatches(batch: torch.Tensor, dp_rank: int, dp: int, num_microbatches: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's ``(tokens, labels)`` microbatches, each ``[micro_batch_size, seq_len]``."""
+    rows = divide(batch.shape[0], dp, "global_batch_size")
+    mine = batch[dp_rank * rows:(dp_rank + 1) * rows]
+    size = divide(rows, num_microbatches, "global_batch_size / dp")
+    return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(size)]
+
+
+def eval_batches(corpus: Corpus, batch_size: int, num_batches: int
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Evenly spaced held-out windows (never seen in training), as ``(tokens, labels)``."""
+    span = len(corpus.data) - corpus.split - corpus.seq_len - 1
+    if span <= 0:
+        raise ValueError(f"the held-out part ({len(corpus.data) - corpus.split} bytes) is shorter "
+                         f"than seq_len + 1 = {corpus.seq_len + 1}")
+    count = batch_size * num_batches
+    starts = corpus.split + (torch.arange(count) * span) // max(count, 1)
+    windows = corpus._windows(starts)
+    return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]
