@@ -151,7 +151,8 @@ class TrainConfig:
     dtype: str = "fp32"
     """``fp32`` or ``bf16`` (bf16 compute, fp32 master weights and main grads)."""
     recompute: str = "none"
-    """Activation recomputation: ``none``, ``selective`` (core attention) or ``full`` (per layer)."""
+    """Activation recomputation: ``none``, ``selective`` (core attention) or ``full``
+    (per layer)."""
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp) or ``none`` (no pipelining)."""
     overlap_grad_reduce: bool = True
@@ -186,7 +187,8 @@ class TrainConfig:
         per_step = self.micro_batch_size * p.dp
         if self.global_batch_size % per_step:
             raise ValueError(f"global_batch_size = {self.global_batch_size} is not divisible by "
-                             f"micro_batch_size * dp = {self.micro_batch_size} * {p.dp} = {per_step}")
+                             f"micro_batch_size * dp = {self.micro_batch_size} * {p.dp} = "
+                             f"{per_step}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.recompute not in ("none", "selective", "full"):

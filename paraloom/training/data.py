@@ -54,7 +54,8 @@ class Corpus:
                              f"seq_len = {self.seq_len} needs at least {self.seq_len + 2}")
 
     def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
-        """``[global_batch_size, seq_len + 1]`` int64 tokens for ``step`` (same for every layout)."""
+        """``[global_batch_size, seq_len + 1]`` int64 tokens for ``step`` (the same for every
+        layout)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(0, self.split - self.seq_len - 1, (global_batch_size,), generator=g)
         return self._windows(starts)
