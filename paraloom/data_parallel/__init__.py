@@ -1,1 +1,9 @@
-"""data_parallel (see DESIGN.md)."""
+"""Data parallelism: contiguous fp32 gradient buckets, overlapped reduction, ZeRO-1 optimizer."""
+
+from .ddp import DistributedDataParallel
+from .finalize import finalize_model_grads
+from .grad_buffer import Bucket, GradBuffer, default_bucket_size
+from .optimizer import DistributedOptimizer, MainParamsOptimizer, adam_update_
+
+__all__ = ["DistributedDataParallel", "finalize_model_grads", "GradBuffer", "Bucket",
+           "default_bucket_size", "DistributedOptimizer", "MainParamsOptimizer", "adam_update_"]

@@ -1,0 +1,233 @@
+"""DistributedDataParallel: bucketed gradient reduction over the data-parallel group.
+
+Each trainable parameter gets a ``main_grad`` view into a contiguous fp32 :class:`GradBuffer` and a
+post-accumulate-grad hook. In every backward the hook adds ``param.grad`` into ``main_grad`` and
+drops ``.grad`` (with ``gradient_accumulation_fusion`` the layer has already written ``main_grad``
+and flagged ``grad_added_to_main_grad``; its placeholder ``.grad`` is discarded unread). Outside
+:meth:`no_sync` (the last microbatch) the hook also marks the parameter ready; with
+``overlap_grad_reduce`` a bucket whose parameters are all ready is reduced at once, asynchronously,
+while autograd computes the gradients of earlier layers. :meth:`finish_grad_sync` waits for all
+reductions (with overlap off it launches them all there).
+
+What the overlap relies on: the gradient of a leaf is final when its post-accumulate-grad hook
+fires (autograd has summed every use of it in this backward), and all ranks run the same graph,
+so they complete buckets in the same order. Buckets are nevertheless *launched in index order* (a
+complete bucket waits for the ones before it): collectives on one group must be issued in the same
+order on every rank, and this makes it so whatever order autograd happens to use.
+
+Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp``; with
+``average_in_collective=False`` (default) the summed bucket is divided by dp afterwards, with
+``average_in_collective=True`` each rank divides its contribution by dp before the SUM (what an
+AVG reduction does; this keeps bf16 sums in range). ``average=False`` gives the plain sum.
+
+``grad_reduce_in_fp32=False`` reduces a bf16 copy of each bucket (half the bytes) and writes the
+result back into the fp32 buffer; the fp32 buffer still accumulates the microbatches, so only the
+cross-rank sum is rounded to bf16.
+
+Parameters that never got a gradient by :meth:`finish_grad_sync` (not used in the loss) raise a
+``RuntimeError`` naming them; their bucket is never launched, so no rank waits in a collective
+the others never start.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..mesh import ParallelMesh
+from .grad_buffer import Bucket, GradBuffer, default_bucket_size
+
+__all__ = ["DistributedDataParallel"]
+
+_SITE = "DistributedDataParallel.{phase}:bucket_grads"
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap ``module`` (already tensor-parallel, one pipeline stage) for data parallelism.
+
+    Args:
+        module: the model (chunk); its trainable parameters get ``main_grad`` views.
+        mesh: the layout; gradients are reduced over ``mesh.dp``.
+        overlap_grad_reduce: launch a bucket's reduction from the gradient hooks as soon as the
+            bucket is complete on the last microbatch (else all at :meth:`finish_grad_sync`).
+        bucket_size: elements per bucket (default ``max(40M, 1M * dp)``, as Megatron).
+        average_in_collective: divide by dp before the SUM instead of after it.
+        grad_reduce_in_fp32: reduce the fp32 buffer; ``False`` reduces a bf16 copy.
+        use_distributed_optimizer: reduce-scatter the buckets (each padded to a multiple of dp)
+            for :class:`~paraloom.data_parallel.optimizer.DistributedOptimizer`; the parameters'
+            data then lives in a flat buffer of the same layout.
+        average: average over dp (``False``: sum).
+    """
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, *, overlap_grad_reduce: bool = True,
+                 bucket_size: int | None = None, average_in_collective: bool = False,
+                 grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
+                 average: bool = True) -> None:
+        super().__init__()
+        self.module, self.mesh = module, mesh
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.average_in_collective, self.average = average_in_collective, average
+        self.grad_reduce_in_fp32 = grad_reduce_in_fp32
+        self.use_distributed_optimizer = use_distributed_optimizer
+        dp = mesh.dp.size
+        self.bucket_size = default_bucket_size(dp) if bucket_size is None else bucket_size
+        by_dtype: dict[torch.dtype, list] = {}
+        for name, param in module.named_parameters():
+            if param.requires_grad:
+                by_dtype.setdefault(param.dtype, []).append((name, param))
+        if not by_dtype:
+            raise ValueError("DistributedDataParallel: the module has no trainable parameters")
+        self.buffers_: list[GradBuffer] = []
+        self.buckets: list[Bucket] = []
+        for named in by_dtype.values():
+            buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
+                             pad_to=dp if use_distributed_optimizer else 1,
+                             hold_params=use_distributed_optimizer)
+            self.buffers_.append(buf)
+            self.buckets.extend(buf.buckets)
+        for bucket in self.buckets:
+            # A shared embedding's gradient is all-reduced again over the embedding group by
+            # finalize_model_grads, which needs the whole dp-reduced gradient on every rank.
+            bucket.reduce_scatter = use_distributed_optimizer and not any(
+                getattr(p, "shared_embedding", False) for p in bucket.params)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._next = 0  # index of the next bucket to launch
+        self._synced = False  # finish_grad_sync completed since the last synchronising backward
+        self._hooks = []
+        for bucket in self.buckets:
+            for param in bucket.params:
+                param.grad_added_to_main_grad = False  # opt in to the layers' fusion protocol
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    # ------------------------------------------------------------------ hooks and launching
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is not None:
+            if not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad)  # fp32 accumulation whatever .grad's dtype
+            param.grad = None  # the gradient lives in main_grad from now on
+        param.grad_added_to_main_grad = False
+        if not self._sync:
+            return
+        self._synced = False
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        if self.overlap_grad_reduce and bucket.is_complete():
+            self._launch_ready("backward")
+
+    def _launch_ready(self, phase: str) -> None:
+        """Launch complete buckets in index order (the same order on every rank)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].is_complete():
+            self._launch(self.buckets[self._next], phase)
+            self._next += 1
+
+    def _launch(self, bucket: Bucket, phase: str) -> None:
+        dp = self.mesh.dp
+        send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
+        if self.average and self.average_in_collective:
+            send.div_(dp.size)  # may be the buffer itself: the reduced result overwrites it
+        args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=True,
+                    bucket=bucket.index, params=list(bucket.names))
+        if bucket.reduce_scatter:
+            handle = comm.reduce_scatter(send, dp, split="gradient bucket, 1/dp contiguous shard",
+                                         **args)
+        else:
+            handle = comm.all_reduce(send, dp, split="gradient bucket (replicated)", **args)
+        bucket.pending = (handle, send)
+
+    def _complete(self, bucket: Bucket) -> None:
+        handle, _ = bucket.pending
+        result = handle.wait()
+        target = bucket.grad
+        if bucket.reduce_scatter:
+            lo, hi = bucket.shard(self.mesh.dp.rank, self.mesh.dp.size)
+            target = target[lo:hi]
+        if result.data_ptr() != target.data_ptr():
+            target.copy_(result)
+        if self.average and not self.average_in_collective:
+            target.div_(self.mesh.dp.size)
+        bucket.pending = None
+
+    # ------------------------------------------------------------------ public API
+    @contextmanager
+    def no_sync(self):
+        """Microbatches run inside accumulate into ``main_grad`` without communicating."""
+        saved, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = saved
+
+    def start_grad_sync(self) -> None:
+        """Launch every complete bucket not yet launched (phase ``optimizer``)."""
+        self._launch_ready("optimizer")
+
+    def finish_grad_sync(self) -> None:
+        """Wait until every bucket is reduced (launching the rest first when not overlapped).
+
+        Raises ``RuntimeError`` naming the parameters that received no gradient in the last
+        backward; the buckets holding them are never launched (on any rank, for a model whose
+        unused parameters are the same everywhere), so nothing hangs. A second call after a
+        successful one (e.g. the training loop, then :func:`finalize_model_grads`) does nothing.
+        """
+        if not self._sync:
+            raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside "
+                               "no_sync(): run the last microbatch's backward outside no_sync()")
+        if self._synced:
+            return
+        if not any(b.ready for b in self.buckets):
+            raise RuntimeError("DistributedDataParallel.finish_grad_sync(): no backward ran "
+                               "outside no_sync() since the last step; the last microbatch must")
+        missing = [name for b in self.buckets for name in b.missing()]
+        if not missing:
+            self._launch_ready("optimizer")
+        for bucket in self.buckets:
+            if bucket.pending is not None:
+                self._complete(bucket)
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        self._next, self._synced = 0, not missing
+        if missing:
+            raise RuntimeError(
+                f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in "
+                f"the last backward (not used to compute the loss?): {', '.join(missing)}. "
+                f"Remove them, set requires_grad=False, or make the loss depend on them.")
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` (start of a step) and forget readiness and pending work."""
+        for buf in self.buffers_:
+            buf.zero_()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            if bucket.pending is not None:
+                bucket.pending[0].wait()
+                bucket.pending = None
+            for param in bucket.params:
+                param.grad = None
+                param.grad_added_to_main_grad = False
+        self._next, self._synced = 0, False
+
+    def broadcast_params(self) -> None:
+        """Copy data-parallel rank 0's parameters to the other replicas (phase ``setup``)."""
+        src = self.mesh.dp.ranks[0] if self.mesh.dp.size > 1 else None
+        for name, param in self.module.named_parameters():
+            if src is not None:
+                comm.broadcast(param.data, self.mesh.dp, src=src, phase="setup", kind="dp",
+                               site="DistributedDataParallel.broadcast_params", module=name)
+
+    def param_range(self, param: nn.Parameter) -> tuple[Bucket, int, int]:
+        """``(bucket, start, end)`` of ``param``, bucket-relative."""
+        bucket = self._bucket_of[id(param)]
+        lo, hi = bucket.buffer.param_range(param)
+        return bucket, lo - bucket.start, hi - bucket.start
+
+    def named_main_params(self):
+        """``(name, param)`` of every parameter with a ``main_grad`` in this wrapper."""
+        for bucket in self.buckets:
+            yield from zip(bucket.names, bucket.params, strict=True)

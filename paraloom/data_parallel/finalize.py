@@ -1,0 +1,71 @@
+"""finalize_model_grads: everything between the last backward and the optimizer step.
+
+1. Finish the data-parallel reduction of every model chunk (:meth:`finish_grad_sync`).
+2. Sequence-parallel-replicated parameters (LayerNorm weights and biases, a RowParallelLinear bias
+   under sequence parallelism; attribute ``sequence_parallel=True``) saw only this rank's
+   ``s/tp`` tokens, so their gradients are partial sums: all-reduce them over ``mesh.tp``
+   (kind ``sp``), coalesced into one flat tensor so it is one collective whatever their number.
+3. Tied word embeddings (attribute ``shared_embedding=True``; the input embedding on the first
+   pipeline stage and the output projection on the last) are one parameter stored twice: sum
+   their gradients over the embedding group ``mesh.emb`` (kind ``emb``).
+
+Both sums are linear, so doing them after the data-parallel average gives the same result as
+before it. Each reduction is one ledger event with its kind (phase ``optimizer``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..mesh import ParallelMesh
+from .ddp import DistributedDataParallel
+
+__all__ = ["finalize_model_grads"]
+
+
+def _grad(param: nn.Parameter) -> torch.Tensor | None:
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def _allreduce_coalesced(params: list[tuple[str, nn.Parameter]], axis, *, kind: str,
+                         site: str) -> None:
+    """Sum the gradients of ``params`` over ``axis`` with one collective (flatten, reduce, copy
+    back); parameters without a gradient are skipped (the same on every rank of the group)."""
+    named = [(n, g) for n, p in params if (g := _grad(p)) is not None]
+    if axis.size <= 1 or not named:
+        return
+    grads = [g for _, g in named]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, axis, phase="optimizer", kind=kind, site=site,
+                    params=[n for n, _ in named])
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def finalize_model_grads(model_chunks, mesh: ParallelMesh) -> None:
+    """Finish dp reduction, then the sp (over tp) and tied-embedding (over emb) gradient sums.
+
+    ``model_chunks``: one module or a list (virtual pipeline chunks); each may be a
+    :class:`DistributedDataParallel` wrapper (then its reduction is finished first) or a plain
+    module (its ``main_grad`` / ``.grad`` are used as they are). The tied-embedding parameters
+    must be listed in the same order (and shapes) on the first and the last stage: they are
+    flattened into one tensor for a single all-reduce.
+    """
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    for chunk in chunks:
+        if isinstance(chunk, DistributedDataParallel):
+            chunk.finish_grad_sync()
+    modules = [c.module if isinstance(c, DistributedDataParallel) else c for c in chunks]
+    named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+    sp = [(n, p) for n, p in named if getattr(p, "sequence_parallel", False)]
+    _allreduce_coalesced(sp, mesh.tp, kind="sp",
+                         site="finalize_model_grads:sequence_parallel_grads")
+    if mesh.emb.rank >= 0:  # a middle pipeline stage is in no embedding group
+        emb = [(n, p) for n, p in named if getattr(p, "shared_embedding", False)]
+        _allreduce_coalesced(emb, mesh.emb, kind="emb",
+                             site="finalize_model_grads:embedding_grads")

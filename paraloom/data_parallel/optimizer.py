@@ -1,0 +1,160 @@
+"""Adam(W) on fp32 main parameters and ``main_grad``: replicated, or sharded over dp (ZeRO-1).
+
+Adam is written out in torch ops (:func:`adam_update_`), the same elementwise formula as
+``torch.optim.AdamW`` / ``Adam``, applied to whatever flat or shaped tensors it is given. It is
+elementwise, so updating a shard of a flat buffer gives, element for element, what updating the
+whole parameter gives: the exactness of the distributed optimizer rests on that.
+
+* :class:`MainParamsOptimizer` keeps, for every parameter, an fp32 master copy (the parameter
+  itself when it is already fp32) and the Adam moments; every dp rank repeats the whole update.
+  State: ``2 * N * 4`` bytes (+ ``N * 4`` for non-fp32 parameters).
+* :class:`DistributedOptimizer` (ZeRO-1) works with a :class:`DistributedDataParallel` built with
+  ``use_distributed_optimizer=True``: each gradient bucket is reduce-scattered (not all-reduced),
+  so data-parallel rank ``r`` holds the reduced gradient of the ``r``-th contiguous ``1/dp`` of the
+  bucket; it keeps master weights and moments for that shard only, updates it, and the updated
+  shards are all-gathered into the flat parameter buffer (kind ``dp``, phase ``optimizer``). State:
+  ``2 * N * 4 / dp`` bytes (+ the fp32 master shard for non-fp32 parameters); bucket padding
+  elements have zero gradient and zero value, so their update is exactly zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from .ddp import DistributedDataParallel
+
+__all__ = ["adam_update_", "MainParamsOptimizer", "DistributedOptimizer"]
+
+
+def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                 exp_avg_sq: torch.Tensor, step: int, *, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One Adam step in place (``decoupled``: AdamW's weight decay, else L2 added to the grad)."""
+    if weight_decay and decoupled:
+        param.mul_(1.0 - lr * weight_decay)
+    elif weight_decay:
+        grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    bias1, bias2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
+class _AdamBase:
+    def __init__(self, ddp: DistributedDataParallel, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = True) -> None:
+        if not isinstance(ddp, DistributedDataParallel):
+            raise TypeError(f"{type(self).__name__} needs a DistributedDataParallel model (it "
+                            f"reads main_grad from its buffers), got {type(ddp).__name__}")
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid Adam hyper-parameters: lr={lr}, betas={betas}, eps={eps}, "
+                             f"weight_decay={weight_decay} (need lr, eps, weight_decay >= 0 and "
+                             f"0 <= beta < 1)")
+        self.ddp, self.step_count = ddp, 0
+        self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
+                       weight_decay=weight_decay, decoupled=decoupled_weight_decay)
+
+    @property
+    def lr(self) -> float:
+        return self.hp["lr"]
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.hp["lr"] = value
+
+    def zero_grad(self) -> None:
+        """Zero the main grads (the DDP buffers) for the next step."""
+        self.ddp.zero_grad_buffer()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this optimizer allocated (moments and separate master copies)."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        """Measured bytes of :meth:`state_tensors` (distinct storages only)."""
+        seen, total = set(), 0
+        for t in self.state_tensors():
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+class MainParamsOptimizer(_AdamBase):
+    """Adam(W) replicated on every dp rank, on fp32 master params with ``main_grad``."""
+
+    def __init__(self, ddp: DistributedDataParallel, **hp) -> None:
+        super().__init__(ddp, **hp)
+        self.groups = []  # (param, master, exp_avg, exp_avg_sq)
+        for _, param in ddp.named_main_params():
+            fp32 = param.dtype == torch.float32
+            master = param.data if fp32 else param.data.float()
+            self.groups.append((param, master, torch.zeros_like(master),
+                                torch.zeros_like(master), fp32))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for p, m, a, b, fp32 in self.groups for t in ((a, b) if fp32 else (m, a, b))]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update every parameter from its ``main_grad`` (call after finalize_model_grads)."""
+        self.step_count += 1
+        for param, master, exp_avg, exp_avg_sq, fp32 in self.groups:
+            adam_update_(master, param.main_grad, exp_avg, exp_avg_sq, self.step_count, **self.hp)
+            if not fp32:
+                param.data.copy_(master)
+
+
+class DistributedOptimizer(_AdamBase):
+    """ZeRO-1 Adam(W): each dp rank updates only its ``1/dp`` shard of every bucket.
+
+    Buckets that are all-reduced rather than reduce-scattered (a tied embedding's own bucket)
+    are still updated shard-wise here: their full gradient is valid, the shard is a subset.
+    """
+
+    def __init__(self, ddp: DistributedDataParallel, **hp) -> None:
+        super().__init__(ddp, **hp)
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., "
+                             "use_distributed_optimizer=True): its buckets must be padded to a "
+                             "multiple of dp, reduce-scattered, and the parameters held flat")
+        dp = ddp.mesh.dp
+        self.shards = []  # (bucket, lo, hi, master, exp_avg, exp_avg_sq, is_copy)
+        for bucket in ddp.buckets:
+            lo, hi = bucket.shard(dp.rank, dp.size)
+            values = bucket.param_data[lo:hi]
+            copy = values.dtype != torch.float32
+            master = values.float() if copy else values  # fp32 params: update in place
+            self.shards.append((bucket, lo, hi, master, torch.zeros_like(master),
+                                torch.zeros_like(master), copy))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [t for *_, m, a, b, copy in self.shards for t in ((m, a, b) if copy else (a, b))]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Update this rank's shards, then all-gather every bucket's parameters."""
+        self.step_count += 1
+        dp = self.ddp.mesh.dp
+        pending = []
+        for bucket, lo, hi, master, exp_avg, exp_avg_sq, copy in self.shards:
+            adam_update_(master, bucket.grad[lo:hi], exp_avg, exp_avg_sq, self.step_count,
+                         **self.hp)
+            shard = bucket.param_data[lo:hi]
+            if copy:
+                shard.copy_(master)
+            handle = comm.all_gather(shard, dp, phase="optimizer", kind="dp", async_op=True,
+                                     site="DistributedOptimizer.step:param_shards",
+                                     split="parameter bucket, 1/dp contiguous shard",
+                                     bucket=bucket.index, params=list(bucket.names))
+            pending.append((bucket, handle))
+        for bucket, handle in pending:  # all launched first: the gathers overlap each other
+            full = handle.wait()
+            if full.data_ptr() != bucket.param_data.data_ptr():
+                bucket.param_data.copy_(full)
