@@ -1,0 +1,163 @@
+"""``paraloom plan``: the validated model extrapolated to a layout far beyond this machine.
+
+Nothing is started: every number comes from :mod:`paraloom.analysis.formulas` (the same
+per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs).
+
+Memory per GPU (the busiest pipeline stage) assumes Megatron's mixed precision when the dtype is
+16-bit: weights in ``dtype``, fp32 ``main_grad`` (4 B/param), Adam with fp32 master weights
+(12 B/param; 8 B/param in fp32), the optimizer states divided by ``dp`` with the distributed
+optimizer. Activations: Korthikanti et al.'s per-layer bytes (scaled from their 16-bit figures to
+``dtype``) times the layers of a stage times the microbatches 1F1B keeps in flight on the first
+stage (``min(p, m)``), times ``1 + (p-1)/(p v)`` for the interleaved schedule.
+
+    paraloom plan --layers 96 --hidden 12288 --heads 96 --seq-len 2048 --vocab 51200 \\
+        --global-batch-size 1536 --micro-batch-size 1 --tp 8 --pp 16 --dp 8 \\
+        --sequence-parallel --recompute selective --distributed-optimizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .formulas import (
+    CommConfig,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    expected_comm,
+    flops_per_iteration,
+    param_count,
+    params_per_rank,
+    stage_layers,
+)
+
+__all__ = ["plan", "plan_main", "render_plan", "human_bytes"]
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``1.50 KiB`` (binary units up to PiB)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} PiB"
+
+
+def plan(c: CommConfig) -> dict:
+    """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
+    stages = range(c.pp)
+    per_rank = max(params_per_rank(c, r) for r in stages)
+    opt_bytes = 12 if c.dtype_bytes < 4 else 8
+    layer_act = activation_bytes_per_layer(c.seq_len, c.micro_batch, c.hidden, c.heads, c.tp,
+                                           sequence_parallel=c.sp, recompute=c.recompute)
+    interleave = 1 + (c.pp - 1) / (c.pp * c.v) if c.v > 1 else 1.0
+    activations = (layer_act * c.dtype_bytes / 2 * stage_layers(c)
+                   * min(c.pp, c.num_microbatches) * interleave)
+    memory = {"weights": per_rank * c.dtype_bytes, "grads": per_rank * 4,
+              "optimizer": per_rank * opt_bytes / (c.dp if c.distributed_optimizer else 1),
+              "activations": activations}
+    memory["total"] = sum(memory.values())
+    comm_bytes: dict[str, int] = {}
+    comm_ops: dict[str, int] = {}
+    for r in stages:  # per kind, the busiest stage
+        kinds: dict[str, list[int]] = {}
+        for (kind, _op, _phase), v in expected_comm(c, r).items():
+            cell = kinds.setdefault(kind, [0, 0])
+            cell[0] += v["count"]
+            cell[1] += v["bytes"]
+        for kind, (n, b) in kinds.items():
+            if b > comm_bytes.get(kind, -1):
+                comm_bytes[kind], comm_ops[kind] = b, n
+    gbs = c.micro_batch * c.num_microbatches * c.dp
+    flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
+    gpus = c.tp * c.pp * c.dp
+    return {"gpus": gpus, "global_batch_size": gbs,
+            "parameters": {"total": param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
+                           "per_gpu": per_rank},
+            "memory_per_gpu_bytes": memory, "comm_bytes_per_step": comm_bytes,
+            "comm_ops_per_step": comm_ops,
+            "bubble_fraction": bubble_fraction(c.pp, c.num_microbatches, c.vpp),
+            "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus}
+
+
+def render_plan(c: CommConfig, p: dict) -> str:
+    """The plan as a few aligned lines for people."""
+    mem = p["memory_per_gpu_bytes"]
+    lines = [f"{p['parameters']['total'] / 1e9:.1f}B parameters on {p['gpus']} GPUs "
+             f"(tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.v}, sp={'on' if c.sp else 'off'}, "
+             f"recompute={c.recompute}, distributed optimizer="
+             f"{'on' if c.distributed_optimizer else 'off'})",
+             f"global batch {p['global_batch_size']} = micro {c.micro_batch} x "
+             f"{c.num_microbatches} microbatches x dp {c.dp}",
+             f"parameters per GPU   {p['parameters']['per_gpu'] / 1e6:,.1f}M", "memory per GPU:"]
+    lines += [f"  {k:<12} {human_bytes(v)}" for k, v in mem.items()]
+    lines.append("communication per GPU per step (busiest stage):")
+    lines += [f"  {k:<4} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
+              for k, b in sorted(p["comm_bytes_per_step"].items())]
+    lines.append(f"pipeline bubble      {p['bubble_fraction']:.1%}")
+    lines.append(f"FLOPs per step       {p['flops_per_step']:.3e} "
+                 f"({p['flops_per_gpu_per_step'] / 1e12:,.1f} TFLOP per GPU)")
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="paraloom plan", description=__doc__.splitlines()[0])
+    for name in ("layers", "hidden", "heads", "seq-len", "vocab", "global-batch-size",
+                 "micro-batch-size", "tp", "pp", "dp"):
+        ap.add_argument(f"--{name}", type=int, required=name not in ("tp", "pp", "dp"),
+                        default=1)
+    ap.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
+    ap.add_argument("--vpp", type=int, default=None)
+    ap.add_argument("--sequence-parallel", action="store_true")
+    ap.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
+    ap.add_argument("--distributed-optimizer", action="store_true")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def _config(a: argparse.Namespace) -> CommConfig:
+    """Validate the arguments (every number named) and build the formulas' config."""
+    problems = []
+    for name in ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch_size",
+                 "micro_batch_size", "tp", "pp", "dp"):
+        if getattr(a, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    if a.hidden % a.heads:
+        problems.append(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    for name, value in (("hidden", a.hidden), ("heads", a.heads), ("vocab", a.vocab)):
+        if value % a.tp:
+            problems.append(f"--{name} {value} is not divisible by --tp {a.tp}")
+    if a.layers % (a.pp * (a.vpp or 1)):
+        problems.append(f"--layers {a.layers} is not divisible by --pp * --vpp = "
+                        f"{a.pp} * {a.vpp or 1}")
+    if a.global_batch_size % (a.micro_batch_size * a.dp):
+        problems.append(f"--global-batch-size {a.global_batch_size} is not divisible by "
+                        f"--micro-batch-size * --dp = {a.micro_batch_size} * {a.dp}")
+    if a.sequence_parallel and a.seq_len % a.tp:
+        problems.append(f"--seq-len {a.seq_len} is not divisible by --tp {a.tp}")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return CommConfig(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq_len,
+                      vocab=a.vocab, ffn=a.ffn, micro_batch=a.micro_batch_size,
+                      num_microbatches=a.global_batch_size // (a.micro_batch_size * a.dp),
+                      tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp,
+                      sequence_parallel=a.sequence_parallel, recompute=a.recompute,
+                      distributed_optimizer=a.distributed_optimizer,
+                      dtype_bytes=2 if a.dtype == "bf16" else 4)
+
+
+def plan_main(argv: list[str] | None = None) -> int:
+    """CLI entry: print the plan (``--json`` for machines); exit 2 naming a bad value."""
+    args = _parser().parse_args(argv)
+    try:
+        config = _config(args)
+    except ValueError as err:
+        print(f"paraloom plan: error: {err}", file=sys.stderr)
+        return 2
+    result = plan(config)
+    print(json.dumps(result, indent=2) if args.json else render_plan(config, result))
+    return 0

@@ -1,0 +1,179 @@
+"""The communication order table: what one rank communicated in one step, in execution order.
+
+One row per communication (compute spans are not rows, but they say what an asynchronous
+operation overlapped: every compute span running between its launch and its completion), with the
+columns of SPEC.md — parallel type, split object, primitive, trigger location (phase · site ·
+module), async — in English or Chinese headings, as Markdown, CSV or JSON. ``group=True`` folds
+consecutive layers whose rows are identical except for the layer index into one block marked
+``x4 layers``, so a deep model's table stays readable.
+
+    paraloom table RUN_DIR [--lang en|zh] [--format md|csv|json] [--rank R] [--step N] [--group]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import re
+import sys
+from pathlib import Path
+
+from ..ledger import load
+
+__all__ = ["HEADINGS", "table_rows", "render_table", "table_main"]
+
+HEADINGS = {
+    "en": ("#", "Parallel type", "Split object", "Primitive", "Trigger location", "Async"),
+    "zh": ("#", "并行类型", "切分对象", "通信原语", "触发位置", "是否异步"),
+}
+"""Column headings per language (the first, ``#``, is the execution order)."""
+KEYS = ("index", "parallel_type", "split_object", "primitive", "trigger_location", "async")
+_WORDS = {"en": ("yes", "no", "overlaps", "layers"), "zh": ("是", "否", "重叠", "层")}
+_LAYER = re.compile(r"layers\.\d+")
+
+
+def _site(site: str) -> str:
+    """``ColumnParallelLinear.backward:input_grad`` -> ``ColumnParallelLinear input grad``."""
+    head, _, tag = site.partition(":")
+    for phase in (".forward", ".backward", ".optimizer", ".setup"):
+        head = head.removesuffix(phase)
+    return f"{head} {tag.replace('_', ' ')}".strip()
+
+
+def _phase(event: dict) -> str:
+    return "backward (recompute)" if event.get("recompute") else event["phase"]
+
+
+def _select(events: list[dict], rank: int, step: int | None) -> list[dict]:
+    mine = [e for e in events if e["rank"] == rank]
+    if not mine:
+        ranks = sorted({e["rank"] for e in events})
+        raise ValueError(f"rank {rank} has no events in this ledger; ranks present: {ranks}")
+    steps = sorted({e["step"] for e in mine})
+    step = steps[0] if step is None else step
+    if step not in steps:
+        raise ValueError(f"step {step} has no events on rank {rank}; steps present: {steps}")
+    return sorted((e for e in mine if e["step"] == step), key=lambda e: (e["t_start"], e["seq"]))
+
+
+def table_rows(events: list[dict], *, rank: int = 0, step: int | None = None,
+               lang: str = "en") -> list[dict]:
+    """One dict per communication of ``rank`` in ``step`` (default: its first step), in order
+    of launch: the table columns under :data:`KEYS` plus the raw fields behind them."""
+    yes, no, overlaps, _ = _WORDS[lang]
+    chosen = _select(events, rank, step)
+    spans = [e for e in chosen if e["op"] == "compute"]
+    rows = []
+    for e in chosen:
+        if e["op"] == "compute":
+            continue
+        over = [s for s in spans if s["t_start"] < e["t_end"] and s["t_end"] > e["t_start"]]
+        names = [_site(s["site"]) + (f" ({s['module']})" if s.get("module") else "")
+                 for s in over]
+        asynchronous = yes if e["async"] else no
+        if e["async"] and names:
+            asynchronous += f", {overlaps}: " + "; ".join(names)
+        location = " · ".join(x for x in (_phase(e), _site(e["site"]), e.get("module")) if x)
+        rows.append({"index": len(rows) + 1, "parallel_type": e["kind"],
+                     "split_object": e.get("split") or "—", "primitive": e["op"],
+                     "trigger_location": location, "async": asynchronous, "count": 1,
+                     "seq": e["seq"], "step": e["step"], "microbatch": e["microbatch"],
+                     "phase": e["phase"], "site": e["site"], "module": e.get("module"),
+                     "bytes": e["bytes"], "overlaps": names})
+    return rows
+
+
+def _layer_of(row: dict) -> str | None:
+    m = _LAYER.search(row.get("module") or "")
+    return m.group(0) if m else None
+
+
+def _shape(row: dict) -> tuple:
+    return tuple(_LAYER.sub("layers.*", str(row[k])) for k in KEYS[1:])
+
+
+def _group(rows: list[dict], lang: str) -> list[dict]:
+    """Fold runs of consecutive layer blocks identical up to the layer index."""
+    blocks: list[list[dict]] = []
+    for row in rows:  # a block: consecutive rows of one layer (or one row outside layers)
+        layer = _layer_of(row)
+        if blocks and layer is not None and _layer_of(blocks[-1][0]) == layer:
+            blocks[-1].append(row)
+        else:
+            blocks.append([row])
+    out: list[dict] = []
+    i = 0
+    while i < len(blocks):
+        j = i + 1
+        if _layer_of(blocks[i][0]) is not None:
+            shape = [_shape(r) for r in blocks[i]]
+            while j < len(blocks) and _layer_of(blocks[j][0]) is not None \
+                    and [_shape(r) for r in blocks[j]] == shape:
+                j += 1
+        n = j - i
+        for row in blocks[i]:
+            row = dict(row)
+            if n > 1:
+                row["count"] = n
+                for k in ("trigger_location", "async"):
+                    row[k] = _LAYER.sub("layers.*", row[k])
+                row["trigger_location"] += f" (x{n} {_WORDS[lang][3]})"
+            row["index"] = len(out) + 1
+            out.append(row)
+        i = j
+    return out
+
+
+def render_table(events: list[dict], *, rank: int = 0, step: int | None = None,
+                 lang: str = "en", fmt: str = "md", group: bool = False) -> str:
+    """The table as Markdown (``md``), CSV or JSON (``{"rank", "step", "columns", "rows"}``)."""
+    if lang not in HEADINGS:
+        raise ValueError(f"lang must be one of {sorted(HEADINGS)}, got {lang!r}")
+    if fmt not in ("md", "csv", "json"):
+        raise ValueError(f"format must be md, csv or json, got {fmt!r}")
+    rows = table_rows(events, rank=rank, step=step, lang=lang)
+    if group:
+        rows = _group(rows, lang)
+    heads = HEADINGS[lang]
+    if fmt == "json":
+        step_no = rows[0]["step"] if rows else step
+        columns = dict(zip(KEYS, heads, strict=True))
+        return json.dumps({"rank": rank, "step": step_no, "columns": columns, "rows": rows},
+                          ensure_ascii=False, indent=1)
+    cells = [[str(r[k]) for k in KEYS] for r in rows]
+    if fmt == "csv":
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(heads)
+        writer.writerows(cells)
+        return buf.getvalue()
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
+    return "\n".join(lines) + "\n"
+
+
+def table_main(argv: list[str] | None = None) -> int:
+    """``paraloom table RUN_DIR ...``: print the table of RUN_DIR/ledger.jsonl; exit 2 (naming
+    the bad value) on a missing ledger, an unknown rank or step."""
+    ap = argparse.ArgumentParser(prog="paraloom table", description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", metavar="RUN_DIR")
+    ap.add_argument("--lang", choices=sorted(HEADINGS), default="en")
+    ap.add_argument("--format", choices=("md", "csv", "json"), default="md", dest="fmt")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--step", type=int, default=None)
+    ap.add_argument("--group", action="store_true", help="fold repeated layers")
+    args = ap.parse_args(argv)
+    path = Path(args.run_dir) / "ledger.jsonl"
+    try:
+        if not path.is_file():
+            raise ValueError(f"no ledger at {path} (RUN_DIR {args.run_dir!r} must hold "
+                             f"ledger.jsonl, written by paraloom train)")
+        text = render_table(load(path), rank=args.rank, step=args.step, lang=args.lang,
+                            fmt=args.fmt, group=args.group)
+    except (ValueError, KeyError, json.JSONDecodeError) as err:
+        print(f"paraloom table: error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text)
+    return 0

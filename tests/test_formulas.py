@@ -1,0 +1,201 @@
+"""The analytical model against published figures and against recorded GPT ledgers (exactly)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from paraloom.analysis.check import all_ok, check_run, compare, render_diff, tally
+from paraloom.analysis.formulas import (
+    CommConfig,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    expected_comm,
+    flops_per_iteration,
+    param_count,
+    params_per_rank,
+)
+from paraloom.analysis.plan import plan, plan_main
+
+S, B, H, A, L, V = 16, 2, 32, 4, 2, 64
+
+
+def record_gpt(tp: int, sp: bool, recompute: str, async_ar: bool = False) -> list[dict]:
+    """One forward + backward of the GPT on this rank under a ledger (mesh tp=t, dp=4/t)."""
+    import torch
+
+    from paraloom.config import ModelConfig
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel, ParallelOptions
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, num_layers=L, num_attention_heads=A,
+                      seq_length=S)
+    mesh = ParallelMesh(tp=tp, dp=4 // tp)
+    opt = ParallelOptions(sequence_parallel=sp, recompute=recompute, async_grad_allreduce=async_ar)
+    model = GPTModel(cfg, mesh, options=opt)
+    tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    ledger = Ledger(mesh.rank)
+    with recording(ledger):
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return ledger.events
+
+
+def _config(tp, sp, recompute, **kw) -> CommConfig:
+    return CommConfig(layers=L, hidden=H, heads=A, seq_len=S, vocab=V, micro_batch=B, tp=tp,
+                      dp=4 // tp, sequence_parallel=sp, recompute=recompute, grad_sync=False,
+                      **kw)
+
+
+@pytest.fixture(scope="module")
+def ledgers(world4):
+    """Every (tp, sp, recompute) layout recorded once, all ranks merged."""
+    out = {}
+    for tp, sp, rc in itertools.product([2, 4], [False, True], ["none", "full"]):
+        out[tp, sp, rc] = [e for events in world4.run(record_gpt, tp, sp, rc) for e in events]
+    return out
+
+
+def test_formulas_equal_recorded_gpt_ledgers_exactly(ledgers):
+    for (tp, sp, rc), events in ledgers.items():
+        rows = check_run(_config(tp, sp, rc), events)
+        assert {r["rank"] for r in rows} == {0, 1, 2, 3}
+        assert all_ok(rows), f"tp={tp} sp={sp} recompute={rc}\n{render_diff(rows)}"
+    # the shape of the numbers, not just their agreement: tp=2, sp off, L=2, [s,b,h] fp32
+    exp = expected_comm(_config(2, False, "none"))
+    act = S * B * H * 4
+    assert exp["tp", "all_reduce", "forward"] == {"count": 2 * L + 1 + 2,
+                                                   "bytes": (2 * L + 1) * act + 3 * S * B * 4}
+    assert exp["tp", "all_reduce", "backward"] == {"count": 2 * L + 1, "bytes": (2 * L + 1) * act}
+    full = expected_comm(_config(4, True, "full"))
+    # recompute re-runs QKV/fc1 gathers and proj's reduce-scatter, not fc2's (early stop)
+    assert full["sp", "reduce_scatter", "recompute"] == {"count": L, "bytes": L * act}
+    assert full["sp", "all_gather", "recompute"] == {"count": 2 * L, "bytes": 2 * L * act // 4}
+
+
+def test_check_names_an_altered_ledger(ledgers):
+    events = ledgers[2, False, "none"]
+    config = _config(2, False, "none")
+    dropped = list(events)
+    dropped.remove(next(e for e in events if e["rank"] == 1 and e["op"] == "all_reduce"
+                        and e["phase"] == "backward"))
+    rows = check_run(config, dropped)
+    bad = [r for r in rows if not r["ok"]]
+    assert [(r["rank"], r["kind"], r["op"], r["phase"]) for r in bad] == \
+        [(1, "tp", "all_reduce", "backward")]
+    assert bad[0]["recorded_count"] == bad[0]["expected_count"] - 1
+    assert "rank 1 tp all_reduce backward" in render_diff(rows)
+
+    changed = [dict(e) for e in events]
+    victim = next(e for e in changed if e["rank"] == 0 and e["site"].endswith(":sums"))
+    victim["bytes"] += 1
+    rows = compare(expected_comm(config), changed, rank=0)
+    assert [(r["op"], r["phase"], r["recorded_bytes"] - r["expected_bytes"])
+            for r in rows if not r["ok"]] == [("all_reduce", "forward", 1)]
+    assert "DIFF" in render_diff(rows, only_diff=True)
+
+
+def test_async_grad_allreduce_and_recompute_keys(ledgers, world4):
+    events = [e for ev in world4.run(record_gpt, 2, False, "none", True) for e in ev]
+    assert all_ok(check_run(_config(2, False, "none"), events))
+    assert any(e["async"] for e in events if e["op"] == "all_reduce")
+    counts = tally(ledgers[2, False, "full"], rank=0)
+    assert counts["tp", "all_reduce", "recompute"]["count"] == L
+    assert {e["module"] for e in ledgers[2, False, "full"] if e.get("recompute")
+            and e["op"] != "compute"} == {f"layers.{i}.attention.proj" for i in range(L)}
+    assert ("tp", "all_reduce", "recompute") not in tally(ledgers[2, False, "none"], rank=0)
+
+
+def test_pipeline_and_data_parallel_formulas():
+    act = 2048 * 1 * 1024 * 2
+    c = CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=50304, tp=2, pp=4,
+                   dp=2, num_microbatches=8, dtype_bytes=2, buckets=(1000, 3000))
+    mid = expected_comm(c, 1)
+    for key in [("pp", "send", "forward"), ("pp", "recv", "forward"), ("pp", "send", "backward"),
+                ("pp", "recv", "backward")]:
+        assert mid[key] == {"count": 8, "bytes": 8 * act}
+    first, last = expected_comm(c, 0), expected_comm(c, 3)
+    assert ("pp", "recv", "forward") not in first and ("pp", "send", "forward") not in last
+    assert mid["dp", "all_reduce", "backward"] == {"count": 2, "bytes": 4000 * 4}
+    assert first["emb", "all_reduce", "optimizer"]["bytes"] == 50304 * 1024 // 2 * 4
+    assert ("emb", "all_reduce", "optimizer") not in mid
+    # interleaved: v chunks per rank, v times the p2p (first rank has no predecessor once)
+    vi = expected_comm(CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=50304,
+                                  pp=4, vpp=2, num_microbatches=8, dtype_bytes=2), 0)
+    assert vi["pp", "send", "forward"]["count"] == 2 * 8
+    assert vi["pp", "recv", "forward"]["count"] == 8
+    # sequence parallel halves the p2p tensor; distributed optimizer: reduce-scatter + all-gather
+    spd = expected_comm(CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=50304,
+                                   tp=2, pp=4, dp=2, sequence_parallel=True, dtype_bytes=2,
+                                   distributed_optimizer=True, buckets=(1000,)), 1)
+    assert spd["pp", "send", "forward"]["bytes"] == act // 2
+    assert spd["dp", "reduce_scatter", "backward"] == {"count": 1, "bytes": 4000}
+    assert spd["dp", "all_gather", "optimizer"] == {"count": 1, "bytes": 500 * 2}
+    assert spd["sp", "all_reduce", "optimizer"]["bytes"] == 2 * 6 * 1024 * 4
+
+
+def test_korthikanti_activation_memory_gpt3_175b():
+    # Korthikanti et al. 2022, Table 2 evaluated for their GPT-3 175B row (s=2048, b=1,
+    # h=12288, a=96, t=8). The paper notes 5as/h = 80 for GPT-3, so 5as/(ht) = 10 at t=8;
+    # sbh = 25,165,824. Per layer: no parallelism sbh(34+80) = 114 sbh; tp sbh(10+3+10) = 23 sbh;
+    # tp+sp sbh(4.25+10) = 14.25 sbh; selective+tp 13 sbh; selective+tp+sp 4.25 sbh; full 2 sbh.
+    sbh = 2048 * 1 * 12288
+    assert 5 * 96 * 2048 / 12288 == 80
+    args = (2048, 1, 12288, 96)
+    assert activation_bytes_per_layer(*args) == 114 * sbh == 2_868_903_936
+    assert activation_bytes_per_layer(*args, 8) == 23 * sbh == 578_813_952
+    assert activation_bytes_per_layer(*args, 8, sequence_parallel=True) == 14.25 * sbh
+    assert activation_bytes_per_layer(*args, 8, recompute="selective") == 13 * sbh
+    assert activation_bytes_per_layer(*args, 8, sequence_parallel=True,
+                                      recompute="selective") == 4.25 * sbh == 106_954_752
+    assert activation_bytes_per_layer(*args, 8, recompute="full") == 2 * sbh
+
+
+def test_narayanan_flops_and_parameter_counts():
+    # Narayanan et al. 2021 eq. (3): 96 B s l h^2 (1 + s/(6h) + V/(16 l h)); GPT-3 175B with
+    # B=1536, s=2048, l=96, h=12288, V=51200 evaluated by hand: 4.5110e18 per iteration.
+    f = flops_per_iteration(1536, 2048, 96, 12288, 51200)
+    by_hand = 96 * 1536 * 2048 * 96 * 12288 ** 2 * (1 + 2048 / 73728 + 51200 / 18874368)
+    assert f == pytest.approx(by_hand, rel=1e-12)
+    assert f == pytest.approx(4.5110e18, rel=1e-4)
+    # ~ 8 N B s (forward + backward + recompute = 4 passes of 2 N FLOPs/token) with N = 174.6B
+    assert f / (8 * 174.6e9 * 1536 * 2048) == pytest.approx(1.0, abs=0.03)
+    # Narayanan et al. Table 1: 145.6B (h=12288, l=80) and 1008.0B (h=25600, l=128), V=51200,
+    # s=2048; Section 5.2: GPT-3 175B = 174.6B (h=12288, l=96). Ours adds the final LayerNorm.
+    for l_, h_, billions in [(80, 12288, 145.6), (96, 12288, 174.6), (128, 25600, 1008.0)]:
+        assert param_count(l_, h_, 51200, 2048) / 1e9 == pytest.approx(billions, abs=0.05)
+    # per-rank parameters add up to the model (the tied copy on the last stage counted once)
+    c = CommConfig(layers=8, hidden=64, heads=4, seq_len=32, vocab=128, pp=2)
+    assert params_per_rank(c, 0) + params_per_rank(c, 1) - 128 * 64 == param_count(8, 64, 128, 32)
+
+
+def test_bubble():
+    assert bubble_fraction(1, 8) == 0
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert bubble_fraction(4, 8, vpp=2) == pytest.approx(3 / 19)
+
+
+def test_plan_gpt3_on_1024_gpus(capsys):
+    c = CommConfig(layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200, tp=8, pp=16,
+                   dp=8, num_microbatches=192, sequence_parallel=True, recompute="selective",
+                   distributed_optimizer=True, dtype_bytes=2)
+    p = plan(c)
+    assert p["gpus"] == 1024 and p["global_batch_size"] == 1536
+    assert p["bubble_fraction"] == pytest.approx(15 / 207)
+    assert p["flops_per_step"] == pytest.approx(flops_per_iteration(1536, 2048, 96, 12288, 51200))
+    assert p["parameters"]["total"] / 1e9 == pytest.approx(174.6, abs=0.05)
+    mem = p["memory_per_gpu_bytes"]
+    assert mem["activations"] == pytest.approx(6 * 16 * 4.25 * 2048 * 12288)  # L/p * p in flight
+    assert 0 < mem["total"] < 80 * 2 ** 30
+    assert set(p["comm_bytes_per_step"]) >= {"sp", "pp", "dp", "emb"}
+    argv = ["--layers", "96", "--hidden", "12288", "--heads", "96", "--seq-len", "2048",
+            "--vocab", "51200", "--global-batch-size", "1536", "--micro-batch-size", "1",
+            "--tp", "8", "--pp", "16", "--dp", "8", "--sequence-parallel", "--recompute",
+            "selective", "--distributed-optimizer"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1024 GPUs" in out and "GiB" in out and "bubble" in out
+    assert plan_main(argv[:-4] + ["--json"]) == 0
+    assert plan_main(argv[:2] + ["--hidden", "100", "--heads", "3"] + argv[6:]) == 2
+    assert "hidden" in capsys.readouterr().err

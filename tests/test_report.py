@@ -1,0 +1,195 @@
+"""Communication order table and Perfetto trace on ledgers recorded from real GPT runs (tp=2)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from paraloom.report.table import render_table, table_main, table_rows
+from paraloom.report.trace import build_trace, trace_main, write_trace
+
+S, B, H, A, L, V = 16, 2, 32, 4, 2, 64
+
+
+def record_gpt(tp: int, sp: bool, recompute: str, async_ar: bool) -> list[dict]:
+    """One forward + backward of a 2-layer GPT on this rank under a ledger (tp=t, dp=4/t)."""
+    import torch
+
+    from paraloom.config import ModelConfig
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel, ParallelOptions
+
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, num_layers=L, num_attention_heads=A,
+                      seq_length=S)
+    mesh = ParallelMesh(tp=tp, dp=4 // tp)
+    opt = ParallelOptions(sequence_parallel=sp, recompute=recompute, async_grad_allreduce=async_ar)
+    model = GPTModel(cfg, mesh, options=opt)
+    tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(0))
+    ledger = Ledger(mesh.rank)
+    with recording(ledger):
+        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return ledger.events
+
+
+@pytest.fixture(scope="module")
+def runs(world4):
+    out = {}
+    for name, args in {"async": (2, False, "none", True), "sync": (2, False, "none", False),
+                       "sp": (2, True, "full", False)}.items():
+        out[name] = [e for events in world4.run(record_gpt, *args) for e in events]
+    return out
+
+
+EN_HEAD = "| # | Parallel type | Split object | Primitive | Trigger location | Async |"
+ZH_HEAD = "| # | 并行类型 | 切分对象 | 通信原语 | 触发位置 | 是否异步 |"
+
+
+def test_table_en_snapshot_tp2_async(runs):
+    lines = render_table(runs["async"]).splitlines()
+    assert lines[0] == EN_HEAD and lines[1] == "|---|---|---|---|---|---|"
+    assert lines[2:5] == [
+        "| 1 | tp | embedding rows, vocabulary range | all_reduce | forward · "
+        "VocabParallelEmbedding output · embedding.word_embeddings | no |",
+        "| 2 | tp | RowParallelLinear weight, input dim | all_reduce | forward · "
+        "RowParallelLinear output · layers.0.attention.proj | no |",
+        "| 3 | tp | RowParallelLinear weight, input dim | all_reduce | forward · "
+        "RowParallelLinear output · layers.0.mlp.fc2 | no |",
+    ]
+    # backward: the input-grad all-reduce is async and overlaps the weight-gradient GEMM
+    assert lines[10] == (
+        "| 9 | tp | ColumnParallelLinear weight, output dim | all_reduce | backward · "
+        "ColumnParallelLinear input grad · layers.1.mlp.fc1 | yes, overlaps: "
+        "ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
+    assert len(lines) == 2 + 4 * L + 4  # emb + 2L forward, CE max + sums, output + 2L backward
+    # every tp rank communicates the same, in the same order
+    assert render_table(runs["async"], rank=3) == render_table(runs["async"], rank=0)
+
+
+def test_table_zh_snapshot_and_sync_rows(runs):
+    lines = render_table(runs["async"], lang="zh").splitlines()
+    assert lines[0] == ZH_HEAD
+    assert lines[2] == ("| 1 | tp | embedding rows, vocabulary range | all_reduce | forward · "
+                        "VocabParallelEmbedding output · embedding.word_embeddings | 否 |")
+    assert lines[10].endswith("| 是, 重叠: ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
+    sync = table_rows(runs["sync"])
+    grads = [r for r in sync if r["site"] == "ColumnParallelLinear.backward:input_grad"]
+    assert len(grads) == 2 * L and all(r["async"] == "no" for r in grads)
+    assert all(r["primitive"] == "all_reduce" and r["phase"] == "backward" for r in grads)
+
+
+def test_table_sp_rows_in_megatron_order(runs):
+    rows = table_rows(runs["sp"])
+    assert {r["parallel_type"] for r in rows} == {"sp", "tp"}  # tp: the cross-entropy only
+    assert [r["primitive"] for r in rows[:5]] == ["reduce_scatter", "all_gather",
+                                                  "reduce_scatter", "all_gather",
+                                                  "reduce_scatter"]
+    fc1 = [r for r in rows if r["module"] == "layers.1.mlp.fc1" and r["phase"] == "backward"
+           and "recompute" not in r["trigger_location"]]
+    assert [(r["primitive"], r["overlaps"]) for r in fc1] == [
+        ("all_gather", ["ColumnParallelLinear dgrad (layers.1.mlp.fc1)"]),
+        ("reduce_scatter", ["ColumnParallelLinear wgrad (layers.1.mlp.fc1)"])]
+    assert sum("backward (recompute)" in r["trigger_location"] for r in rows) == 3 * L
+
+
+def test_csv_and_json_parse_back(runs):
+    events = runs["async"]
+    parsed = list(csv.reader(io.StringIO(render_table(events, fmt="csv"))))
+    assert parsed[0] == ["#", "Parallel type", "Split object", "Primitive", "Trigger location",
+                         "Async"]
+    assert len(parsed) == 1 + 4 * L + 4
+    assert parsed[2][3] == "all_reduce" and parsed[2][4].endswith("layers.0.attention.proj")
+    doc = json.loads(render_table(events, fmt="json", lang="zh"))
+    assert doc["rank"] == 0 and doc["step"] == 0
+    assert doc["columns"]["parallel_type"] == "并行类型"
+    assert [r["primitive"] for r in doc["rows"]] == [row[3] for row in parsed[1:]]
+    assert doc["rows"][8]["overlaps"] == ["ColumnParallelLinear wgrad (layers.1.mlp.fc1)"]
+
+
+def test_group_folds_identical_layers_only(runs):
+    lines = render_table(runs["async"], group=True).splitlines()
+    assert len(lines) == 2 + 2 * 2 + 4
+    folded = [ln for ln in lines if "(x2 layers)" in ln]
+    assert len(folded) == 4 and not any("layers.0" in ln or "layers.1" in ln for ln in lines)
+    assert "layers.*.mlp.fc2 (x2 layers)" in lines[4]
+    assert "(x2 层)" in render_table(runs["async"], group=True, lang="zh")
+    sp = render_table(runs["sp"], group=True).splitlines()
+    assert len(sp) == 2 + 1 + 4 + 1 + 2 + 1 + 9 + 1  # emb, layer block, output, CE, ..., emb
+    # a layer whose rows differ (here: one primitive changed) is not folded
+    altered = [dict(e) for e in runs["async"]]
+    next(e for e in altered if e["rank"] == 0 and e["module"] == "layers.1.mlp.fc2")["op"] = \
+        "all_gather"
+    assert "x2 layers" not in render_table(altered, group=True).split("backward")[0]
+
+
+def test_table_main_reads_run_dir_and_rejects_bad_values(runs, tmp_path, capsys):
+    with open(tmp_path / "ledger.jsonl", "w") as f:
+        for e in runs["async"]:
+            f.write(json.dumps(e) + "\n")
+    assert table_main([str(tmp_path), "--lang", "zh", "--rank", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ZH_HEAD
+    assert table_main([str(tmp_path), "--rank", "7"]) == 2
+    assert "rank 7" in capsys.readouterr().err
+    assert table_main([str(tmp_path), "--step", "5"]) == 2
+    assert "step 5" in capsys.readouterr().err
+    assert table_main([str(tmp_path / "nope")]) == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        table_main([str(tmp_path), "--format", "xml"])
+    assert err.value.code == 2
+
+
+def _check_chrome_trace(trace: dict, ranks: set[int]) -> None:
+    events = trace["traceEvents"]
+    assert isinstance(events, list) and events
+    for e in events:
+        assert {"ph", "name", "pid"} <= e.keys(), e
+        if e["ph"] in ("X", "b", "e", "i"):
+            assert isinstance(e["ts"], (int, float)) and "tid" in e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in ranks}
+    assert {e["pid"] for e in events} == ranks
+    begins = {(e["pid"], e["id"]): e for e in events if e["ph"] == "b"}
+    ends = {(e["pid"], e["id"]): e for e in events if e["ph"] == "e"}
+    assert begins.keys() == ends.keys()
+    for key, b in begins.items():
+        assert b["ts"] <= ends[key]["ts"] and b["cat"] == ends[key]["cat"] == "async"
+
+
+def test_trace_is_valid_chrome_json(runs, tmp_path):
+    trace = json.loads(json.dumps(build_trace(runs["async"])))
+    _check_chrome_trace(trace, {0, 1, 2, 3})
+    events = trace["traceEvents"]
+    threads = {(e["pid"], e["args"]["name"]): e["tid"] for e in events
+               if e["name"] == "thread_name"}
+    assert threads[0, "compute"] == 0 and threads[0, "tp"] == 1
+    asyncs = [e for e in events if e["ph"] == "b" and e["pid"] == 0]
+    assert len(asyncs) == 2 * L  # the column layers' input-grad all-reduces
+    waits = [e for e in events if e["ph"] == "i" and e["pid"] == 0]
+    assert len(waits) == len(asyncs)
+    ends = {e["id"]: e["ts"] for e in events if e["ph"] == "e"}
+    for b, w in zip(asyncs, waits, strict=True):
+        assert b["ts"] <= w["ts"] <= ends[b["id"]]
+    wgrad = [e for e in events if e["ph"] == "X" and e["tid"] == 0 and e["pid"] == 0
+             and e["name"].endswith("wgrad")]
+    assert len(wgrad) == 4 * L
+    sync = [e for e in events if e["ph"] == "X" and e["tid"] == 1 and e["pid"] == 0]
+    assert len(sync) == 2 * L + 4 and all(e["args"]["op"] == "all_reduce" for e in sync)
+    # trace_main rebuilds RUN_DIR/trace.json; sp kinds get their own thread
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in runs["sp"]))
+    assert trace_main([str(run)]) == 0
+    rebuilt = json.loads((run / "trace.json").read_text())
+    _check_chrome_trace(rebuilt, {0, 1, 2, 3})
+    assert {e["args"]["name"] for e in rebuilt["traceEvents"] if e["name"] == "thread_name"} \
+        == {"compute", "tp", "sp"}
+    assert trace_main([str(tmp_path / "missing")]) == 2
+    write_trace(runs["sync"], tmp_path / "t.json")
+    assert not [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+                if e["ph"] == "b"]
