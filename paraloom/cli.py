@@ -8,15 +8,82 @@ import sys
 __all__ = ["main"]
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _add_schedule(sub) -> None:
+    cmd = sub.add_parser("schedule", help="draw a pipeline schedule (PNG) and print its bubble",
+                         description="Draw the pipeline timetable for --pp/--microbatches[/--vpp], "
+                                     "or the real one recorded in RUN_DIR/ledger.jsonl.")
+    cmd.add_argument("run_dir", nargs="?", help="a run folder (or a ledger.jsonl) to draw from")
+    cmd.add_argument("--pp", "--pipeline-model-parallel-size", type=_positive, default=4)
+    cmd.add_argument("--microbatches", "--num-microbatches", type=_positive, default=8)
+    cmd.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=_positive,
+                     default=1)
+    cmd.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "none"],
+                     help="default: interleaved with --vpp > 1, none with --pp 1, else 1f1b")
+    cmd.add_argument("--step", type=int, help="step of the run to draw (default: the last)")
+    cmd.add_argument("--out", default="sched.png", help="PNG to write (default sched.png)")
+
+
+def _schedule(args) -> int:
+    from pathlib import Path
+
+    from .report import plots
+
+    if args.run_dir:
+        from . import ledger
+
+        path = Path(args.run_dir)
+        path = path / "ledger.jsonl" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"{args.run_dir!r} is neither a run folder with a ledger.jsonl nor "
+                             f"a ledger file")
+        blocks, rows = plots.ledger_blocks(ledger.load(path), args.step)
+        bubble = plots.bubble_of(blocks, len(rows))
+        title = f"recorded pipeline schedule ({path}), bubble {bubble:.3f}"
+        unit = "seconds"
+    else:
+        from .pipeline_parallel import timetable as tt
+
+        p, m, v = args.pp, args.microbatches, args.vpp
+        name = args.schedule or ("none" if p == 1 else "interleaved" if v > 1 else "1f1b")
+        slots = tt.timetable(name, p, m, v)
+        blocks, rows = plots.timetable_blocks(slots)
+        bubble = tt.bubble_fraction(slots, p)
+        title = (f"{name} schedule: pp={p}, microbatches={m}" + (f", vpp={v}" if v > 1 else "")
+                 + f" — bubble {bubble:.3f} = (p-1)/({'v*' if v > 1 else ''}m+p-1)"
+                 * (name != "none"))
+        unit = "time slot (one chunk's forward or backward)"
+    out = plots.draw_schedule(blocks, rows, args.out, title=title, time_unit=unit)
+    print(f"bubble fraction: {bubble:.4f}")
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paraloom", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("train", help="train a GPT on the bundled corpus (not yet available)")
+    _add_schedule(sub)
     args = parser.parse_args(argv)
     if args.command == "train":
         print("paraloom train: not yet — the GPT model and the train command land with issue 5. "
               "The parallel layers are ready: see README.md and tests/.")
         return 0
+    if args.command == "schedule":
+        try:
+            return _schedule(args)
+        except (ValueError, OSError) as err:
+            print(f"paraloom schedule: {err}", file=sys.stderr)
+            return 2
     return 2
 
 

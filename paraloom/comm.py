@@ -168,24 +168,27 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
 
     ``ops`` are ``("send" | "recv", tensor, peer_global_rank)``; the received tensors are filled in
     place. Each op is one ledger event (with its ``peer``); returns the list of tensors, or a
-    Handle when ``async_op``.
+    Handle when ``async_op``. An op may carry a fourth element, a dict of ledger fields for its
+    own event only (``{"phase": "backward", "microbatch": 3}``): one batch can mix a forward
+    activation and a backward gradient of different microbatches.
     """
     if not ops:
         return _done([], async_op)
     led = _ledger.active()
     events, p2p = [], []
-    for name, tensor, peer in ops:
+    for name, tensor, peer, *own in ops:
         if name not in ("send", "recv"):
             raise ValueError(f"p2p op must be 'send' or 'recv', got {name!r}")
         fn = dist.isend if name == "send" else dist.irecv
         p2p.append(dist.P2POp(fn, tensor, peer, group=axis.group))
         if led:
-            events.append(led.record(op=name, phase=phase, kind=kind, site=site, module=module,
-                                     async_op=async_op, tensor=tensor, group=axis.ranks,
-                                     peer=peer, **extra))
+            fields = dict(phase=phase, kind=kind, site=site, module=module, **extra)
+            fields.update(*own)
+            events.append(led.record(op=name, async_op=async_op, tensor=tensor,
+                                     group=axis.ranks, peer=peer, **fields))
     works = dist.batch_isend_irecv(p2p)
-    peers = ", ".join(f"{n} {p}" for n, _, p in ops)
-    handle = _P2PHandle(works, [t for _, t, _ in ops], events, f"p2p ({peers}) at {site}")
+    peers = ", ".join(f"{op[0]} {op[2]}" for op in ops)
+    handle = _P2PHandle(works, [op[1] for op in ops], events, f"p2p ({peers}) at {site}")
     return handle if async_op else handle.wait()
 
 

@@ -1,0 +1,222 @@
+"""Point-to-point communication between neighbouring pipeline stages.
+
+Activations travel to the next stage in forward (phase ``forward``), their gradients back to the
+previous stage in backward (phase ``backward``); every transfer is a ``P2POp`` posted through
+:func:`paraloom.comm.batch_p2p` (``batch_isend_irecv``) on the pipeline group, recorded with kind
+``pp``, its own microbatch and a site naming the Megatron function (``p2p.send_forward``,
+``p2p.send_forward_recv_backward``, ...). Neighbours come from the mesh: ``mesh.next_rank`` and
+``mesh.prev_rank`` wrap around the ring, which interleaved schedules use to go from the last
+stage's chunk ``c`` to the first stage's chunk ``c + 1``.
+
+Why the combined functions: a stage that first waited for its send to finish and only then
+posted its receive would deadlock against a neighbour doing the same in the other direction
+(1F1B's steady state: stage ``r`` sends an activation forward while stage ``r + 1`` sends a
+gradient back). Posting both in one batch lets each pair meet.
+
+Shapes: every tensor is ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism), known to both
+sides. With ``variable_seq_lengths=True`` the sender first sends the shape as a small int64
+tensor (:data:`SHAPE_SLOTS` entries: the number of dims, then the dims, zero-padded); the
+receiver validates it (number of dims, no negative size, at most :data:`MAX_ELEMENTS` elements)
+before it allocates anything, so a corrupt or mismatched peer gives a ``ValueError`` naming the
+peer rank and the shape, never a hang or a huge allocation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+from ..launch import get_device
+from ..mesh import ParallelMesh
+
+__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "encode_shape", "decode_shape",
+           "recv_forward", "send_forward", "recv_backward", "send_backward",
+           "send_forward_recv_backward", "send_backward_recv_forward", "send_forward_recv_forward",
+           "send_backward_recv_backward", "send_forward_backward_recv_forward_backward"]
+
+SHAPE_SLOTS = 8
+"""Length of an exchanged shape tensor: ``[ndim, d0, ..., d6]`` (at most 7 dims)."""
+MAX_ELEMENTS = 2 ** 31
+"""Largest tensor a received shape may describe (a bigger one is taken as corruption)."""
+
+
+def encode_shape(shape) -> torch.Tensor:
+    """``[ndim, *shape, 0, ...]`` as int64 of length :data:`SHAPE_SLOTS`."""
+    dims = list(shape)
+    if len(dims) > SHAPE_SLOTS - 1:
+        raise ValueError(f"cannot exchange a {len(dims)}-dim shape {dims}: at most "
+                         f"{SHAPE_SLOTS - 1} dims")
+    return torch.tensor([len(dims), *dims] + [0] * (SHAPE_SLOTS - 1 - len(dims)),
+                        dtype=torch.int64)
+
+
+def decode_shape(buffer: torch.Tensor, peer: int, ndim: int | None = None) -> list[int]:
+    """Validate a received shape tensor; ``ValueError`` naming ``peer`` if it is not plausible."""
+    raw = [int(x) for x in buffer.tolist()]
+    n, dims = raw[0], raw[1:]
+    if not 1 <= n <= SHAPE_SLOTS - 1:
+        raise ValueError(f"p2p shape from rank {peer} is invalid: it claims {n} dims (raw "
+                         f"{raw}); valid: 1..{SHAPE_SLOTS - 1}")
+    shape = dims[:n]
+    if ndim is not None and n != ndim:
+        raise ValueError(f"p2p shape from rank {peer} has {n} dims {shape}, expected {ndim} "
+                         f"(an [s, b, h] activation)")
+    if any(d < 0 for d in shape) or any(dims[n:]):
+        raise ValueError(f"p2p shape from rank {peer} is invalid: {shape} (raw {raw}); sizes "
+                         f"must be non-negative and the padding zero")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise ValueError(f"p2p shape from rank {peer} is {shape} = {math.prod(shape)} elements, "
+                         f"more than the limit {MAX_ELEMENTS}; refusing to allocate it")
+    return shape
+
+
+def _site(ops) -> str:
+    """Megatron's name for a batch: ``p2p.send_forward_backward_recv_forward_backward`` etc."""
+    parts = []
+    for what in ("send", "recv"):
+        phases = [ph for ph in ("forward", "backward") if any(o[0] == what and o[3] == ph
+                                                              for o in ops)]
+        if phases:
+            parts.append(f"{what}_{'_'.join(phases)}")
+    return "p2p." + "_".join(parts)
+
+
+def communicate(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
+                variable_seq_lengths: bool = False, site: str | None = None,
+                device: torch.device | None = None) -> list:
+    """Post one batch of pipeline sends and receives, wait, and return the received tensors.
+
+    ``ops`` are ``(what, side, tensor, phase, microbatch)``: ``what`` is ``"send"`` (``tensor``
+    is sent) or ``"recv"`` (``tensor`` is ``None``; a buffer of ``tensor_shape`` is allocated),
+    ``side`` is ``"next"`` or ``"prev"``, ``phase`` ``"forward"`` for activations and
+    ``"backward"`` for gradients. Received activations require grad (the stage differentiates
+    with respect to them). Ops are posted in the given order, which the peers must mirror per
+    direction (see :func:`paraloom.pipeline_parallel.timetable.p2p_plan`). Receive buffers go on
+    ``device``: by default that of a tensor being sent, else the backend's (:func:`get_device`).
+    """
+    if not ops:
+        return []
+    site = site or _site(ops)
+    peer_of = {"next": mesh.next_rank, "prev": mesh.prev_rank}
+    device = device or next((o[2].device for o in ops if o[2] is not None), None) or get_device()
+    shapes = [list(tensor_shape)] * len(ops)
+    if variable_seq_lengths:
+        batch = [(o[0], encode_shape(o[2].shape) if o[0] == "send" else
+                  torch.zeros(SHAPE_SLOTS, dtype=torch.int64), peer_of[o[1]],
+                  {"phase": o[3], "microbatch": o[4]} if o[4] is not None else {"phase": o[3]})
+                 for o in ops]
+        got = comm.batch_p2p([(w, t.to(device), peer, f) for w, t, peer, f in batch], mesh.pp,
+                             phase=ops[0][3], kind="pp", site=site + ".shape")
+        shapes = [decode_shape(t.cpu(), peer_of[o[1]], len(tensor_shape)) if o[0] == "recv"
+                  else None for o, t in zip(ops, got, strict=True)]
+    batch = []
+    for (what, side, tensor, phase, mb), shape in zip(ops, shapes, strict=True):
+        if what == "send":
+            tensor = tensor.detach().contiguous()
+        else:
+            tensor = torch.empty(shape, dtype=dtype, device=device)
+        fields = {"phase": phase} if mb is None else {"phase": phase, "microbatch": mb}
+        batch.append((what, tensor, peer_of[side], fields))
+    got = comm.batch_p2p(batch, mesh.pp, phase=ops[0][3], kind="pp", site=site)
+    out = []
+    for (what, _, _, phase, _), tensor in zip(ops, got, strict=True):
+        if what == "recv":
+            out.append(tensor.requires_grad_() if phase == "forward" else tensor)
+    return out
+
+
+def _first(mesh, chunk):
+    return mesh.is_first_stage and chunk == 0
+
+
+def _last(mesh, chunk):
+    return mesh.is_last_stage and chunk == mesh.vpp - 1
+
+
+def _one(ops, **kw):
+    got = communicate(ops, **kw)
+    return got[0] if got else None
+
+
+def recv_forward(tensor_shape, *, mesh, chunk=0, microbatch=None, **kw):
+    """Receive this stage's input activation from the previous stage (``None`` on the first)."""
+    if _first(mesh, chunk):
+        return None
+    return _one([("recv", "prev", None, "forward", microbatch)], mesh=mesh,
+                tensor_shape=tensor_shape, **kw)
+
+
+def send_forward(output_tensor, *, mesh, chunk=0, microbatch=None, **kw) -> None:
+    """Send this stage's output activation to the next stage (nothing on the last)."""
+    if not _last(mesh, chunk):
+        communicate([("send", "next", output_tensor, "forward", microbatch)], mesh=mesh,
+                    tensor_shape=output_tensor.shape, **kw)
+
+
+def recv_backward(tensor_shape, *, mesh, chunk=0, microbatch=None, **kw):
+    """Receive the gradient of this stage's output from the next stage (``None`` on the last)."""
+    if _last(mesh, chunk):
+        return None
+    return _one([("recv", "next", None, "backward", microbatch)], mesh=mesh,
+                tensor_shape=tensor_shape, **kw)
+
+
+def send_backward(input_tensor_grad, *, mesh, chunk=0, microbatch=None, **kw) -> None:
+    """Send the gradient of this stage's input to the previous stage (nothing on the first)."""
+    if not _first(mesh, chunk):
+        communicate([("send", "prev", input_tensor_grad, "backward", microbatch)], mesh=mesh,
+                    tensor_shape=input_tensor_grad.shape, **kw)
+
+
+def send_forward_recv_backward(output_tensor, tensor_shape, *, mesh, chunk=0, microbatch=None,
+                               **kw):
+    """1F1B steady state after a forward: send the activation and receive an output gradient."""
+    if _last(mesh, chunk):
+        return None
+    return _one([("send", "next", output_tensor, "forward", microbatch),
+                 ("recv", "next", None, "backward", microbatch)], mesh=mesh,
+                tensor_shape=tensor_shape, **kw)
+
+
+def send_backward_recv_forward(input_tensor_grad, tensor_shape, *, mesh, chunk=0,
+                               microbatch=None, **kw):
+    """1F1B steady state after a backward: send the input gradient and receive an activation."""
+    if _first(mesh, chunk):
+        return None
+    return _one([("send", "prev", input_tensor_grad, "backward", microbatch),
+                 ("recv", "prev", None, "forward", microbatch)], mesh=mesh,
+                tensor_shape=tensor_shape, **kw)
+
+
+def send_forward_recv_forward(output_tensor, recv_prev: bool, tensor_shape, *, mesh, **kw):
+    """Interleaved warm-up: send an activation on (if any) and receive the next one (if asked)."""
+    ops = [("send", "next", output_tensor, "forward", None)] if output_tensor is not None else []
+    ops += [("recv", "prev", None, "forward", None)] if recv_prev else []
+    got = communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw)
+    return got[0] if recv_prev else None
+
+
+def send_backward_recv_backward(input_tensor_grad, recv_next: bool, tensor_shape, *, mesh, **kw):
+    """Interleaved cool-down: send an input gradient back and receive the next output gradient."""
+    ops = [("send", "prev", input_tensor_grad, "backward", None)] \
+        if input_tensor_grad is not None else []
+    ops += [("recv", "next", None, "backward", None)] if recv_next else []
+    got = communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw)
+    return got[0] if recv_next else None
+
+
+def send_forward_backward_recv_forward_backward(output_tensor, input_tensor_grad, recv_prev: bool,
+                                                recv_next: bool, tensor_shape, *, mesh, **kw):
+    """Interleaved steady state: both sends and both receives in one batch.
+
+    Returns ``(input_tensor, output_tensor_grad)`` (``None`` where nothing was received).
+    """
+    ops = [("send", "next", output_tensor, "forward", None)] if output_tensor is not None else []
+    ops += [("send", "prev", input_tensor_grad, "backward", None)] \
+        if input_tensor_grad is not None else []
+    ops += [("recv", "prev", None, "forward", None)] if recv_prev else []
+    ops += [("recv", "next", None, "backward", None)] if recv_next else []
+    got = iter(communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw))
+    return (next(got) if recv_prev else None), (next(got) if recv_next else None)

@@ -1,0 +1,152 @@
+"""Pipeline schedules and layer splits as pure logic (no processes), and the schedule picture."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from paraloom import cli
+from paraloom.pipeline_parallel import stage as st
+from paraloom.pipeline_parallel import timetable as tt
+from paraloom.report import plots
+
+CONFIGS = [(p, m) for p, m in itertools.product([2, 3, 4, 8], [1, 2, 3, 4, 8, 16])]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", CONFIGS)
+def test_bubble_and_in_flight(schedule, p, m):
+    slots = tt.timetable(schedule, p, m)
+    assert len(slots) == 2 * (m + p - 1)
+    assert tt.bubble_fraction(slots, p) == pytest.approx((p - 1) / (m + p - 1))
+    for rank in range(p):
+        want = min(p - rank, m) if schedule == "1f1b" else m
+        assert tt.max_in_flight(slots, rank) == want
+        order = tt.stage_order(schedule, p, m, rank)
+        assert sorted(order) == sorted([("F", i, 0) for i in range(m)]
+                                       + [("B", i, 0) for i in range(m)])
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 2), (2, 4, 2), (2, 8, 3), (4, 4, 2), (4, 8, 2),
+                                   (4, 8, 4), (3, 9, 2), (8, 16, 2)])
+def test_interleaved_bubble(p, m, v):
+    slots = tt.timetable("interleaved", p, m, v)
+    assert tt.bubble_fraction(slots, p) == pytest.approx((p - 1) / (v * m + p - 1))
+    one = tt.bubble_fraction(tt.timetable("1f1b", p, m), p)
+    assert tt.bubble_fraction(slots, p) < one
+    for rank in range(p):  # every (microbatch, chunk) goes forward and backward exactly once
+        order = tt.stage_order("interleaved", p, m, rank, v)
+        assert sorted(order) == sorted((k, i, c) for k in "FB" for i in range(m)
+                                       for c in range(v))
+
+
+def test_1f1b_phases():
+    # p=4, m=8, stage 1: 2 warm-up forwards, steady F/B pairs, 2 cool-down backwards
+    order = tt.stage_order("1f1b", 4, 8, 1)
+    assert [k for k, _, _ in order[:3]] == ["F", "F", "F"] and order[3] == ("B", 0, 0)
+    assert [k for k, _, _ in order[-2:]] == ["B", "B"]
+    assert tt.warmup_count("1f1b", 4, 2, 0) == 2  # min(p - rank - 1, m)
+    assert tt.stage_order("none", 1, 3, 0) == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0),
+                                               ("B", 1, 0), ("F", 2, 0), ("B", 2, 0)]
+    assert tt.stage_order("1f1b", 4, 3, 0, forward_only=True) == [("F", i, 0) for i in range(3)]
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="num_microbatches = 6, pp = 4"):
+        tt.timetable("interleaved", 4, 6, 2)
+    with pytest.raises(ValueError, match="unknown schedule 'zb'"):
+        tt.timetable("zb", 2, 4)
+    with pytest.raises(ValueError, match="num_microbatches must be a positive integer, got 0"):
+        tt.stage_order("1f1b", 2, 0, 0)
+    with pytest.raises(ValueError, match="vpp = 2 needs the interleaved schedule"):
+        tt.timetable("1f1b", 2, 4, 2)
+
+
+@pytest.mark.parametrize("schedule,vs", [("gpipe", [1]), ("1f1b", [1]),
+                                         ("interleaved", [2, 3])])
+def test_p2p_plans_match_and_never_deadlock(schedule, vs):
+    for (p, m), v in itertools.product(CONFIGS, vs):
+        if schedule == "interleaved" and m % p:
+            continue
+        for forward_only in (False, True):
+            tt.check_plans([tt.p2p_plan(schedule, p, m, r, v, forward_only) for r in range(p)])
+
+
+def test_check_plans_catches_deadlock_and_swaps():
+    # a send posted alone waits for a receive the peer posts only after its own send
+    deadlock = [[("comm", [("send", "next", ("act", 0, 0))]), ("comm", [("recv", "next",
+                                                                          ("grad", 0, 1))])],
+                [("comm", [("send", "prev", ("grad", 0, 1))]), ("comm", [("recv", "prev",
+                                                                          ("act", 0, 0))])]]
+    with pytest.raises(RuntimeError, match="deadlock"):
+        tt.check_plans(deadlock)
+    swapped = [[("comm", [("send", "next", ("act", 0, 0)), ("send", "next", ("act", 1, 0))])],
+               [("comm", [("recv", "prev", ("act", 1, 0)), ("recv", "prev", ("act", 0, 0))])]]
+    with pytest.raises(RuntimeError, match="carries"):
+        tt.check_plans(swapped)
+
+
+def test_stage_split():
+    assert st.stage_layers(8, 4, 1) == [range(2, 4)]
+    # Megatron's interleaved assignment: chunk c of stage r holds piece c*p + r
+    assert st.stage_layers(8, 2, 0, vpp=2) == [range(0, 2), range(4, 6)]
+    assert st.stage_layers(8, 2, 1, vpp=2) == [range(2, 4), range(6, 8)]
+    assert st.layer_names(8, 4, 3, vpp=2, chunk=1) == ["layers.7"]
+    every = [i for r in range(4) for c in range(2) for i in st.layer_range(16, 4, r, 2, c)]
+    assert sorted(every) == list(range(16))
+    assert all(st.owner_of_layer(i, 16, 4, 2) == (r, c) for r in range(4) for c in range(2)
+               for i in st.layer_range(16, 4, r, 2, c))
+    first, last, mid = st.stage_role(8, 4, 0), st.stage_role(8, 4, 3), st.stage_role(8, 4, 1)
+    assert first.has_embedding and not first.has_loss and last.has_loss and not mid.is_first
+    assert not st.stage_role(8, 4, 3, vpp=2, chunk=0).has_loss
+    assert st.stage_role(8, 4, 3, vpp=2, chunk=1).has_loss
+    assert not st.stage_role(8, 4, 0, vpp=2, chunk=1).has_embedding
+
+
+def test_stage_split_errors():
+    with pytest.raises(ValueError, match=r"num_layers = 10 is not divisible by pp \* vpp = 2 \* "
+                                         r"2 = 4"):
+        st.layer_range(10, 2, 0, vpp=2)
+    with pytest.raises(ValueError, match="pipeline rank 4 is outside 0..3"):
+        st.layer_range(8, 4, 4)
+    with pytest.raises(ValueError, match="chunk 2 is outside 0..1"):
+        st.layer_range(8, 2, 0, vpp=2, chunk=2)
+
+
+def test_cli_schedule_picture(tmp_path, capsys):
+    out = tmp_path / "sched.png"
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "8", "--vpp", "2",
+                     "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"bubble fraction: {3 / 19:.4f}" in capsys.readouterr().out
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "6", "--vpp", "2",
+                     "--out", str(out)]) == 2
+    assert "num_microbatches = 6" in capsys.readouterr().err
+    assert cli.main(["schedule", str(tmp_path / "missing")]) == 2
+    assert "missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["schedule", "--pp", "zero"])
+    assert info.value.code == 2 and "'zero'" in capsys.readouterr().err
+
+
+def test_cli_schedule_from_ledger(tmp_path, capsys):
+    """A recorded ledger is drawn at its real times; the bubble is measured from the spans."""
+    events = []
+    for t, slot in enumerate(tt.timetable("1f1b", 2, 2)):  # a fake 2-rank run, 0.1 s per step
+        for stage, kind, mb, c in slot:
+            events.append(dict(rank=stage, seq=t, step=0, microbatch=mb, op="compute",
+                               kind="compute", phase="forward" if kind == "F" else "backward",
+                               site="pipeline." + ("forward" if kind == "F" else "backward"),
+                               stage=stage, chunk=c, t_start=0.1 * t, t_end=0.1 * t + 0.1))
+    (tmp_path / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    blocks, rows = plots.ledger_blocks(events)
+    assert rows == ["stage 0 (rank 0)", "stage 1 (rank 1)"] and len(blocks) == 8
+    assert plots.bubble_of(blocks, 2) == pytest.approx(1 / 3)  # (p-1)/(m+p-1)
+    assert cli.main(["schedule", str(tmp_path), "--out", str(tmp_path / "run.png")]) == 0
+    assert "bubble fraction: 0.3333" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "ledger.jsonl").write_text("")
+    assert cli.main(["schedule", str(tmp_path / "empty")]) == 2
+    assert "no pipeline compute spans" in capsys.readouterr().err
