@@ -68,16 +68,31 @@ def _schedule(args) -> int:
     return 0
 
 
+_FORWARDED = {
+    "table": ("paraloom.report.table", "table_main"),
+    "trace": ("paraloom.report.trace", "trace_main"),
+    "plan": ("paraloom.analysis.plan", "plan_main"),
+}
+"""Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _FORWARDED:
+        import importlib
+        module, fn = _FORWARDED[argv[0]]
+        return getattr(importlib.import_module(module), fn)(argv[1:])
+    from .training.command import add_train_parser, train_main
+
     parser = argparse.ArgumentParser(prog="paraloom", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("train", help="train a GPT on the bundled corpus (not yet available)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_train_parser(sub)
     _add_schedule(sub)
+    for name, (module, _) in _FORWARDED.items():
+        sub.add_parser(name, help=f"see paraloom {name} --help", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "train":
-        print("paraloom train: not yet — the GPT model and the train command land with issue 5. "
-              "The parallel layers are ready: see README.md and tests/.")
-        return 0
+        return train_main(args)
     if args.command == "schedule":
         try:
             return _schedule(args)

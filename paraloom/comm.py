@@ -28,7 +28,7 @@ from . import ledger as _ledger
 from .mesh import Axis
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "batch_p2p", "barrier",
-           "Handle", "CommTimeout", "set_timeout", "get_timeout"]
+           "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout"]
 
 _TIMEOUT = timedelta(seconds=300)
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -216,3 +216,16 @@ def barrier(axis: Axis, *, phase: str = "setup", site: str = "barrier") -> None:
     record = dict(op="barrier", phase=phase, kind=axis.name, site=site)
     _run(lambda: dist.barrier(group=axis.group, async_op=True), None, axis, False,
          record=record, what=f"barrier at {site}")
+
+
+def gather_objects(obj, axis: Axis, *, dst: int = 0) -> list | None:
+    """Every rank's picklable ``obj`` on global rank ``dst`` (others get ``None``).
+
+    For reports only (the ledger's events and metrics after a run), never inside a step, and not
+    recorded: it moves the record itself.
+    """
+    if axis.size == 1:
+        return [obj]
+    out = [None] * axis.size if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=axis.group)
+    return out

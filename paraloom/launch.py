@@ -86,18 +86,18 @@ def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads
         shutdown()
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 300.0) -> None:
+def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks and wait for all.
 
     Ranks are forked from this process (which has already imported torch, so starting costs
-    ~0.1 s instead of ~2.5 s a rank). A forked rank runs with one intra-op thread: OpenMP's thread
-    pool does not survive ``fork`` once the parent has used it (more threads would hang), and on
-    a laptop the ranks share the cores anyway. If any rank raises or is killed, the rest are
+    ~0.1 s instead of ~2.5 s a rank). A forked rank runs with ``threads`` intra-op threads
+    (default 1): OpenMP's thread pool does not survive ``fork`` once the parent has used it, so
+    more than one is safe only when this process has not run a parallel torch op yet (the CLI
+    forks before computing anything). If any rank raises or is killed, the rest are
     terminated and a ``RuntimeError`` names the rank and carries its traceback.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    threads = 1
     fd, store = tempfile.mkstemp(prefix="paraloom-store-")
     os.close(fd)
     os.unlink(store)  # the file store creates it; a stale file would confuse the rendezvous

@@ -98,11 +98,14 @@ class ParallelMesh:
             if mine is None:  # emb: a middle pipeline stage is in no embedding group
                 mine = Axis(name, (), -1, None)
             self.axes[name] = mine
+        world_group = dist.group.WORLD if distributed and world > 1 else None
+        self.axes["world"] = Axis("world", tuple(range(world)), self.rank, world_group)
 
     tp = property(lambda self: self.axes["tp"], doc="Tensor-parallel axis.")
     dp = property(lambda self: self.axes["dp"], doc="Data-parallel axis.")
     pp = property(lambda self: self.axes["pp"], doc="Pipeline axis (stage = ``mesh.pp.rank``).")
     emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
+    world = property(lambda self: self.axes["world"], doc="Every rank (the step's scalars).")
 
     @property
     def vpp(self) -> int:

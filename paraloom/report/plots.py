@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule"]
+__all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule", "plot_loss"]
 
 _SITES = {"pipeline.forward": "F", "pipeline.backward": "B"}
 
@@ -118,5 +118,31 @@ def draw_schedule(blocks: list[Block], rows: list[str], out: str | Path, *, titl
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=130)
+    plt.close(fig)
+    return out
+
+
+def plot_loss(metrics_path: str | Path, out: str | Path) -> Path:
+    """Training loss (and gradient norm, right axis) per step from a run's ``metrics.jsonl``."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / byte)", color="tab:blue")
+    norm = ax.twinx()
+    norm.plot(steps, [r["grad_norm"] for r in rows], color="tab:grey", alpha=0.5, lw=1)
+    norm.set_ylabel("gradient norm", color="tab:grey")
+    ax.set_title("paraloom train", fontsize=10)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

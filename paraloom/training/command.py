@@ -1,0 +1,188 @@
+"""``paraloom train`` and ``paraloom eval``: flags -> :class:`TrainConfig` -> ranks.
+
+Every flag has its Megatron-LM long name as an alias (``--tensor-model-parallel-size`` for
+``--tp``, ``--train-iters`` for ``--steps``, ...). The configuration is validated before any rank
+starts; a bad value is reported with what is valid and exit code 2. Without ``torchrun`` the
+command forks ``tp * pp * dp`` local gloo ranks; under ``torchrun`` it joins the given world::
+
+    paraloom train                                   # tp=2, pp=2, dp=2 on 8 local ranks
+    torchrun --nproc-per-node 4 -m paraloom train --tp 2 --pp 2 --dp 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+__all__ = ["add_train_parser", "train_main", "config_from_args"]
+
+_DEFAULTS = dict(tp=2, pp=2, dp=2, layers=4, hidden=64, heads=4, seq_len=64,
+                 global_batch_size=16, micro_batch_size=2, steps=150, lr=3e-3)
+
+
+def add_train_parser(sub) -> argparse.ArgumentParser:
+    cmd = sub.add_parser("train", help="train a GPT (default: the bundled corpus, tp=pp=dp=2)",
+                         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = cmd.add_argument
+    a("--tp", "--tensor-model-parallel-size", type=int, default=_DEFAULTS["tp"])
+    a("--pp", "--pipeline-model-parallel-size", type=int, default=_DEFAULTS["pp"])
+    a("--dp", "--data-parallel-size", type=int, default=_DEFAULTS["dp"])
+    a("--vpp", "--virtual-pipeline-model-parallel-size", "--num-layers-per-virtual-stage",
+      dest="vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved)")
+    a("--sequence-parallel", action="store_true")
+    a("--global-batch-size", type=int, default=_DEFAULTS["global_batch_size"])
+    a("--micro-batch-size", type=int, default=_DEFAULTS["micro_batch_size"])
+    a("--seq-len", "--seq-length", dest="seq_len", type=int, default=_DEFAULTS["seq_len"])
+    a("--layers", "--num-layers", dest="layers", type=int, default=_DEFAULTS["layers"])
+    a("--hidden", "--hidden-size", dest="hidden", type=int, default=_DEFAULTS["hidden"])
+    a("--heads", "--num-attention-heads", dest="heads", type=int, default=_DEFAULTS["heads"])
+    a("--ffn", "--ffn-hidden-size", dest="ffn", type=int, default=None)
+    a("--vocab", "--vocab-size", dest="vocab", type=int, default=256)
+    a("--steps", "--train-iters", dest="steps", type=int, default=_DEFAULTS["steps"])
+    a("--lr", type=float, default=_DEFAULTS["lr"])
+    a("--min-lr", type=float, default=3e-4)
+    a("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=5)
+    a("--weight-decay", type=float, default=0.1)
+    a("--clip-grad", type=float, default=1.0)
+    a("--seed", type=int, default=1234)
+    a("--dropout", "--hidden-dropout", dest="dropout", type=float, default=0.0)
+    a("--dtype", choices=["fp32", "bf16"], default="fp32")
+    a("--recompute", "--recompute-granularity", dest="recompute",
+      choices=["none", "selective", "full"], default="none")
+    a("--schedule", choices=["1f1b", "interleaved", "none"], default=None,
+      help="default: none with pp 1, interleaved with vpp > 1, else 1f1b")
+    a("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
+    a("--distributed-optimizer", "--use-distributed-optimizer", dest="distributed_optimizer",
+      action="store_true")
+    a("--async-grad-allreduce", "--async-tensor-model-parallel-allreduce",
+      dest="async_grad_allreduce", action="store_true")
+    a("--grad-accum-fusion", "--gradient-accumulation-fusion", dest="grad_accum_fusion",
+      action="store_true")
+    a("--bucket-size", type=int, default=None, help="gradient bucket size in elements")
+    a("--data", "--data-path", dest="data", default=None, help="text file (default: bundled)")
+    a("--out", "--save", dest="out", default="runs/latest", help="run folder")
+    a("--save-every", "--save-interval", dest="save_every", type=int, default=50,
+      help="checkpoint every N steps and at the end (0: never)")
+    a("--resume", "--load", dest="resume", default=None, help="run or checkpoint folder")
+    a("--ledger-steps", type=int, default=2, help="steps recorded in the ledger (-1: all)")
+    a("--timeout", dest="timeout_s", type=float, default=120.0,
+      help="seconds any collective may wait before the run is ended")
+    a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
+      help="local ranks to start (must equal tp*pp*dp; default: tp*pp*dp)")
+    return cmd
+
+
+def config_from_args(args):
+    """The validated :class:`TrainConfig` for parsed flags (``ValueError`` names bad values)."""
+    from ..config import ModelConfig, ParallelConfig, TrainConfig
+    vpp = args.vpp if args.vpp and args.vpp > 1 else None
+    schedule = args.schedule or ("none" if args.pp == 1 else "interleaved" if vpp else "1f1b")
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
+                              sequence_parallel=args.sequence_parallel,
+                              async_grad_allreduce=args.async_grad_allreduce,
+                              gradient_accumulation_fusion=args.grad_accum_fusion)
+    model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
+                        num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
+                        seq_length=args.seq_len, dropout=args.dropout)
+    if args.vocab < 256:
+        raise ValueError(f"--vocab {args.vocab}: byte-level data needs a vocabulary of at least "
+                         f"256")
+    return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
+                       micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr,
+                       min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup_steps,
+                       weight_decay=args.weight_decay, clip_grad=args.clip_grad, seed=args.seed,
+                       dtype=args.dtype, recompute=args.recompute, schedule=schedule,
+                       overlap_grad_reduce=args.overlap_grad_reduce,
+                       distributed_optimizer=args.distributed_optimizer,
+                       bucket_size=args.bucket_size, data=args.data, out=args.out,
+                       save_every=args.save_every, resume=args.resume,
+                       ledger_steps=args.ledger_steps, timeout_s=args.timeout_s)
+
+
+def _check_inputs(cfg) -> None:
+    from .checkpoint import latest_checkpoint, read_meta
+    from .data import load_corpus
+    load_corpus(cfg.data)  # missing / empty --data: a clear error now, not in 8 ranks
+    if cfg.resume is not None:
+        ckpt = latest_checkpoint(cfg.resume)
+        if ckpt is None:
+            raise ValueError(f"--resume {cfg.resume!r}: no complete paraloom checkpoint there "
+                             f"(expected checkpoints/step_N/ with .metadata and meta.json)")
+        if read_meta(ckpt).get("format") != "paraloom-checkpoint-1":
+            raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
+    if cfg.dtype == "bf16":
+        import torch
+        if not torch.ones(1, dtype=torch.bfloat16).matmul(torch.ones(1, 1, dtype=torch.bfloat16)
+                                                          ).isfinite().all():
+            raise ValueError("--dtype bf16 is not supported by this PyTorch build")
+
+
+def _rank(rank: int, world: int, cfg, t0: float) -> None:
+    from .loop import run_rank
+    summary = run_rank(cfg, t0)
+    if summary is not None:
+        _report(cfg, summary)
+
+
+def _report(cfg, summary: dict) -> None:
+    from pathlib import Path
+    out = Path(cfg.out)
+    ledger = out / "ledger.jsonl"
+    if ledger.is_file():
+        from ..ledger import load
+        from ..report.table import render_table
+        print("\nCommunication order, rank 0, first recorded step (layers folded; the full "
+              "table is comm_table.md):\n" + render_table(load(ledger), rank=0, group=True))
+    print(f"held-out loss: {summary['held_out_loss_before']:.4f} before -> "
+          f"{summary['held_out_loss_after']:.4f} after {summary['steps']} steps")
+    print(f"run folder: {out.resolve()}  (metrics.jsonl, ledger.jsonl, trace.json, "
+          f"comm_table.md, loss.png, config.json, checkpoints/)")
+
+
+def train_main(args) -> int:
+    """Validate, then train on local ranks or in the torchrun world; returns the exit code."""
+    from .. import launch
+    try:
+        cfg = config_from_args(args)
+        _check_inputs(cfg)
+        world = cfg.parallel.world_size
+        if launch.under_torchrun():
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(f"torchrun started WORLD_SIZE = {os.environ['WORLD_SIZE']} "
+                                 f"ranks but tp*pp*dp = {cfg.parallel.tp}*{cfg.parallel.pp}*"
+                                 f"{cfg.parallel.dp} = {world}")
+        elif args.nprocs is not None and args.nprocs != world:
+            raise ValueError(f"--nprocs {args.nprocs} does not match tp*pp*dp = "
+                             f"{cfg.parallel.tp}*{cfg.parallel.pp}*{cfg.parallel.dp} = {world}")
+    except ValueError as err:
+        print(f"paraloom train: error: {err}", file=sys.stderr)
+        return 2
+    if launch.under_torchrun():
+        launch.init_distributed(timeout_s=cfg.timeout_s)
+        try:
+            _rank(int(os.environ["RANK"]), world, cfg, _shared_t0())
+        finally:
+            launch.shutdown()
+        return 0
+    threads = max(1, (os.cpu_count() or 1) // world)
+    try:
+        launch.spawn(_rank, world, cfg, time.time(), timeout_s=cfg.timeout_s, threads=threads)
+    except RuntimeError as err:
+        print(f"paraloom train: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _shared_t0() -> float:
+    """Rank 0's clock, broadcast, so every rank's ledger times share one origin."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import comm
+    from ..mesh import Axis
+    world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
+    t = torch.tensor([time.time()], dtype=torch.float64)
+    comm.broadcast(t, world, src=0, phase="setup", kind="world", site="train:clock")
+    return float(t.item())

@@ -1,0 +1,137 @@
+"""The training loop on one rank, and the run folder it writes (DESIGN.md, "Run folder").
+
+Rank 0 writes ``config.json`` and ``metrics.jsonl`` (one flushed line per step); every rank
+appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step, so a
+crash keeps what was done. At the end rank 0 merges them into ``ledger.jsonl`` and writes
+``trace.json``, ``comm_table.md``, ``loss.png`` and ``summary.json`` (held-out loss before and
+after). Checkpoints go to ``checkpoints/step_N/`` (atomically, see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .. import comm
+from ..ledger import Ledger, merge, recording
+from ..mesh import ParallelMesh
+from .checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from .data import Corpus, eval_batches, load_corpus
+from .state import state_entries
+from .train import build, evaluate, train_step
+
+__all__ = ["run_rank", "config_dict", "EVAL_BATCHES"]
+
+EVAL_BATCHES = 2
+"""Held-out global batches evaluated before and after training."""
+
+
+def config_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _progress(step: int, total: int, metrics: dict, tok_s: float) -> None:
+    width = 24
+    done = int(width * (step + 1) / total)
+    line = (f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{total}  "
+            f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"lr {metrics['lr']:.2e}  {tok_s:,.0f} tok/s")
+    end = "\r" if sys.stdout.isatty() and step + 1 < total else "\n"
+    print(line, end=end, flush=True)
+
+
+def _resume(run, path: str) -> int:
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(f"--resume {path!r}: no complete checkpoint (checkpoints/step_N with "
+                         f".metadata and meta.json) found there")
+    meta = read_meta(ckpt)
+    saved, now = meta.get("config", {}).get("model"), config_dict(run.cfg)["model"]
+    if saved != now:
+        diff = {k: (saved.get(k), now.get(k)) for k in now if saved and saved.get(k) != now.get(k)}
+        raise ValueError(f"--resume {str(ckpt)!r} holds a different model shape: "
+                         f"{diff or saved} (checkpoint, this run)")
+    entries, finish = state_entries(run, for_save=False)
+    load_checkpoint(ckpt, entries, run.mesh)
+    finish(meta)
+    run.tokens = int(meta["tokens"])
+    return int(meta["step"])
+
+
+def _save(run, out: Path, step: int) -> None:
+    entries, _ = state_entries(run, for_save=True)
+    meta = {"step": step, "tokens": run.tokens, "optimizer_steps": run.optimizers[0].step_count,
+            "config": config_dict(run.cfg), "format": "paraloom-checkpoint-1"}
+    save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh)
+
+
+def run_rank(cfg, t0: float) -> dict | None:
+    """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary."""
+    out = Path(cfg.out)
+    rank = dist.get_rank()
+    mesh = ParallelMesh(cfg.parallel)
+    corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
+    run = build(cfg, mesh, corpus)
+    start = _resume(run, cfg.resume) if cfg.resume else 0
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1))
+        if start == 0:
+            (out / "metrics.jsonl").write_text("")
+    comm.barrier(mesh.world, site="run_rank:setup")
+    (out / "ledger").mkdir(exist_ok=True)
+    held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
+    val_before = evaluate(run, held_out)
+    ledger = Ledger(rank=rank, t0=t0)
+    ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
+    if start == 0:
+        ledger_file.write_text("")
+    for step in range(start, cfg.steps):
+        record = cfg.ledger_steps < 0 or step - start < cfg.ledger_steps
+        ledger.events.clear()
+        tic = time.time()
+        with recording(ledger) if record else nullcontext(), ledger.at(step=step):
+            metrics = train_step(run, step)
+        elapsed = time.time() - tic
+        if record:
+            ledger.dump(ledger_file, mode="a")
+        if rank == 0:
+            line = {"step": step, **metrics, "tokens": run.tokens, "time_s": elapsed}
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+            tokens = cfg.global_batch_size * cfg.model.seq_length
+            _progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+            _save(run, out, step + 1)
+    val_after = evaluate(run, held_out)
+    summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
+               "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
+    from ..ledger import load
+    events = comm.gather_objects(load(ledger_file), mesh.world)
+    if rank == 0:
+        _write_reports(out, merge(events), summary)
+        return summary
+    return None
+
+
+def _write_reports(out: Path, events: list[dict], summary: dict) -> None:
+    from ..report.table import render_table
+    from ..report.trace import write_trace
+    with open(out / "ledger.jsonl", "w") as f:
+        for event in events:
+            f.write(json.dumps(event) + "\n")
+    write_trace(events, out / "trace.json")
+    if events:
+        (out / "comm_table.md").write_text(render_table(events, rank=0) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    try:
+        from ..report.plots import plot_loss
+        plot_loss(out / "metrics.jsonl", out / "loss.png")
+    except ImportError as err:  # matplotlib missing: everything else is written
+        print(f"loss.png not written: {err}", file=sys.stderr)

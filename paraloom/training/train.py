@@ -1,0 +1,195 @@
+"""Composition and one training step: the ONE place the order of parallelisms is written.
+
+:func:`build` composes, on every rank::
+
+    mesh -> stage model chunks (tensor-parallel, only this stage's layers)
+         -> data-parallel wrapper per chunk -> optimizer per chunk -> schedule
+
+:func:`train_step` runs one optimizer step: this rank's microbatches of the (layout-independent)
+global batch through the pipeline schedule, gradient finalisation (dp buckets, sp and tied
+embedding sums), the global gradient norm and clipping, and the AdamW update. The step's loss and
+gradient norm are reduced in one small all-reduce over every rank (kind ``loss``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import comm
+from ..config import TrainConfig
+from ..data_parallel import (
+    DistributedDataParallel,
+    DistributedOptimizer,
+    MainParamsOptimizer,
+    finalize_model_grads,
+)
+from ..launch import get_device
+from ..mesh import ParallelMesh
+from ..models.gpt import GPTModel, ParallelOptions
+from ..pipeline_parallel import stage_layers, stage_role
+from ..pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+)
+from ..tensor_parallel.random import model_parallel_seed
+from .data import Corpus, microbatches
+from .schedule_lr import learning_rate
+
+__all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
+
+_SCHEDULES = {"none": forward_backward_no_pipelining,
+              "1f1b": forward_backward_pipelining_without_interleaving,
+              "interleaved": forward_backward_pipelining_with_interleaving}
+
+
+@dataclass
+class Run:
+    """Everything one rank holds for a training run."""
+
+    cfg: TrainConfig
+    mesh: ParallelMesh
+    corpus: Corpus
+    chunks: list[GPTModel]
+    ddps: list[DistributedDataParallel]
+    optimizers: list
+    device: torch.device
+    step: int = 0
+    tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
+
+
+def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus) -> Run:
+    """Compose the run on this rank (same call, same order, on every rank)."""
+    device = get_device()
+    model_parallel_seed(cfg.seed, mesh.tp.rank, device)
+    p = cfg.parallel
+    options = ParallelOptions(sequence_parallel=p.sequence_parallel,
+                              async_grad_allreduce=p.async_grad_allreduce,
+                              gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                              recompute=cfg.recompute, seed=cfg.seed,
+                              params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    L, vpp = cfg.model.num_layers, mesh.vpp
+    chunks = []
+    for c, layers in enumerate(stage_layers(L, p.pp, mesh.pp.rank, vpp)):
+        role = stage_role(L, p.pp, mesh.pp.rank, vpp, c)
+        chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
+                               post_process=role.is_last, options=options).to(device))
+    zero = cfg.distributed_optimizer
+    ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                    bucket_size=cfg.bucket_size, use_distributed_optimizer=zero)
+            for chunk in chunks]
+    opt_cls = DistributedOptimizer if zero else MainParamsOptimizer
+    optimizers = [opt_cls(d, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
+                          weight_decay=cfg.weight_decay) for d in ddps]
+    return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device)
+
+
+def forward_step(data_iterator, model: GPTModel):
+    """Megatron's ``forward_step_func``: read a microbatch where the chunk needs one."""
+    tokens, labels = next(data_iterator)
+    out = model(tokens if model.pre_process else None, labels if model.post_process else None)
+
+    def loss_func(per_token):  # [b, s] on the last stage
+        loss = per_token.float().mean()
+        return loss, loss.detach()
+    return out, loss_func
+
+
+def _run_schedule(run: Run, step: int, batch: torch.Tensor, forward_only: bool) -> list:
+    cfg, mesh = run.cfg, run.mesh
+    mbs = [(t.to(run.device), lab.to(run.device)) for t, lab in
+           microbatches(batch, mesh.dp.rank, mesh.dp.size, batch.shape[0] // (
+               cfg.micro_batch_size * mesh.dp.size))]
+    iters = [iter(mbs) for _ in run.chunks]
+    schedule = _SCHEDULES[cfg.schedule]
+    interleaved = cfg.schedule == "interleaved"
+    kw = dict(mesh=mesh, hidden_size=cfg.model.hidden_size, dtype=run.dtype,
+              sequence_parallel=cfg.parallel.sequence_parallel and mesh.tp.size > 1)
+    if not forward_only:
+        kw.update(no_sync_func=[d.no_sync for d in run.ddps],
+                  finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))
+    for chunk in run.chunks:
+        chunk.train(not forward_only)
+    return schedule(forward_step, iters if interleaved else iters[0],
+                    run.chunks if interleaved else run.chunks[0], len(mbs),
+                    cfg.model.seq_length, cfg.micro_batch_size, forward_only, **kw)
+
+
+def _counts_once(param, mesh: ParallelMesh) -> bool:
+    """Whether this rank's copy of ``param`` is its one counted copy in the global norm."""
+    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
+        return False  # the last stage's tied copy: counted on the first stage
+    return getattr(param, "tensor_model_parallel", False) or mesh.tp.rank == 0
+
+
+def _local_sq_norm(run: Run) -> torch.Tensor:
+    """Sum of squared main grads this rank is responsible for (dedup over tp, pp, dp)."""
+    mesh, zero = run.mesh, run.cfg.distributed_optimizer
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    if not zero and mesh.dp.rank != 0:
+        return total  # replicated after the all-reduce: dp rank 0 counts it
+    for ddp in run.ddps:
+        for bucket in ddp.buckets:
+            lo, hi = bucket.shard(mesh.dp.rank, mesh.dp.size) if zero else (0, bucket.numel)
+            grad = bucket.grad
+            for param in bucket.params:
+                if not _counts_once(param, mesh):
+                    continue
+                _, a, b = ddp.param_range(param)
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    total += grad[a:b].double().pow(2).sum()
+    return total
+
+
+def train_step(run: Run, step: int) -> dict:
+    """One optimizer step; returns ``{"loss", "grad_norm", "lr"}`` (the same on every rank)."""
+    cfg, mesh = run.cfg, run.mesh
+    batch = run.corpus.global_batch(step, cfg.global_batch_size)
+    for opt in run.optimizers:
+        opt.zero_grad()
+    losses = _run_schedule(run, step, batch, forward_only=False)
+    loss_sum = torch.stack(losses).double().sum() if losses else torch.zeros((), dtype=torch.float64)
+    # this rank's loss counts once per (dp replica): last stage, tp rank 0
+    weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
+    scalars = torch.stack([_local_sq_norm(run), loss_sum.to(run.device) * weight])
+    comm.all_reduce(scalars, mesh.world, phase="optimizer", kind="loss",
+                    site="train_step:grad_norm_and_loss", split="per-rank partial sums")
+    grad_norm = math.sqrt(scalars[0].item())
+    loss = scalars[1].item() / (mesh.dp.size * run.cfg.num_microbatches)
+    if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad:
+        scale = cfg.clip_grad / (grad_norm + 1e-6)
+        for ddp in run.ddps:
+            for buf in ddp.buffers_:
+                buf.grad.mul_(scale)
+    lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                       total_steps=cfg.steps)
+    for opt in run.optimizers:
+        opt.lr = lr
+        opt.step()
+    run.step = step + 1
+    run.tokens += cfg.global_batch_size * cfg.model.seq_length
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+
+
+@torch.no_grad()
+def evaluate(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss over ``batches`` (each ``[b, s]``, every rank given the same), forward only."""
+    cfg, mesh = run.cfg, run.mesh
+    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    for tokens, labels in batches:
+        batch = torch.cat([tokens, labels[:, -1:]], dim=1)  # back to [b, s + 1] windows
+        losses = _run_schedule(run, -1, batch, forward_only=True)
+        if losses and mesh.tp.rank == 0:
+            total += torch.stack(losses).double().sum()
+    comm.all_reduce(total, mesh.world, phase="forward", kind="loss", site="evaluate:loss")
+    per_batch = cfg.global_batch_size // (cfg.micro_batch_size * mesh.dp.size)
+    return total.item() / (len(batches) * mesh.dp.size * per_batch)
