@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_train_parser(sub)
     _add_schedule(sub)
-    for name, (module, _) in _FORWARDED.items():
+    for name in _FORWARDED:
         sub.add_parser(name, help=f"see paraloom {name} --help", add_help=False)
     args = parser.parse_args(argv)
     if args.command == "train":

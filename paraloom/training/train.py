@@ -103,7 +103,7 @@ def forward_step(data_iterator, model: GPTModel):
     return out, loss_func
 
 
-def _run_schedule(run: Run, step: int, batch: torch.Tensor, forward_only: bool) -> list:
+def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     cfg, mesh = run.cfg, run.mesh
     mbs = [(t.to(run.device), lab.to(run.device)) for t, lab in
            microbatches(batch, mesh.dp.rank, mesh.dp.size, batch.shape[0] // (
@@ -156,8 +156,9 @@ def train_step(run: Run, step: int) -> dict:
     batch = run.corpus.global_batch(step, cfg.global_batch_size)
     for opt in run.optimizers:
         opt.zero_grad()
-    losses = _run_schedule(run, step, batch, forward_only=False)
-    loss_sum = torch.stack(losses).double().sum() if losses else torch.zeros((), dtype=torch.float64)
+    losses = _run_schedule(run, batch, forward_only=False)
+    zero = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.stack(losses).double().sum() if losses else zero
     # this rank's loss counts once per (dp replica): last stage, tp rank 0
     weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
     scalars = torch.stack([_local_sq_norm(run), loss_sum.to(run.device) * weight])
@@ -187,7 +188,7 @@ def evaluate(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
     total = torch.zeros((), dtype=torch.float64, device=run.device)
     for tokens, labels in batches:
         batch = torch.cat([tokens, labels[:, -1:]], dim=1)  # back to [b, s + 1] windows
-        losses = _run_schedule(run, -1, batch, forward_only=True)
+        losses = _run_schedule(run, batch, forward_only=True)
         if losses and mesh.tp.rank == 0:
             total += torch.stack(losses).double().sum()
     comm.all_reduce(total, mesh.world, phase="forward", kind="loss", site="evaluate:loss")
