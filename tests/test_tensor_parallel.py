@@ -232,21 +232,24 @@ def embedding_case(tp, reduce_scatter):
     torch.testing.assert_close(emb.weight.grad, shard(ref.weight.grad, 0, mesh), **TOL)
 
 
-def cross_entropy_case(tp, label_smoothing):
+def cross_entropy_case(tp, label_smoothing, real_vocab=32):
+    """``real_vocab`` < 32: the last columns are vocabulary padding (junk values, never a class)."""
     mesh = ParallelMesh(tp=tp, dp=4 // tp)
     vocab = 32
     g = torch.Generator().manual_seed(4)
     logits = (torch.randn(S, B, vocab, generator=g) * 3).requires_grad_()
-    target = torch.randint(0, vocab, (S, B), generator=g)
-    ref = F.cross_entropy(logits.view(-1, vocab), target.view(-1), reduction="none",
-                          label_smoothing=label_smoothing).view(S, B)
+    target = torch.randint(0, real_vocab, (S, B), generator=g)
+    ref = F.cross_entropy(logits[..., :real_vocab].reshape(-1, real_vocab), target.view(-1),
+                          reduction="none", label_smoothing=label_smoothing).view(S, B)
     weights = torch.rand(S, B, generator=g)
     (ref * weights).sum().backward()
     local = shard(logits.detach(), -1, mesh).clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, target, mesh.tp, label_smoothing=label_smoothing)
+    loss = vocab_parallel_cross_entropy(local, target, mesh.tp, label_smoothing=label_smoothing,
+                                        vocab_size=real_vocab if real_vocab < vocab else None)
     torch.testing.assert_close(loss, ref.detach(), **TOL)
     (loss * weights).sum().backward()
-    torch.testing.assert_close(local.grad, shard(logits.grad, -1, mesh), **TOL)
+    full_grad = logits.grad if logits.grad is not None else torch.zeros_like(logits)
+    torch.testing.assert_close(local.grad, shard(full_grad, -1, mesh), **TOL)
 
 
 def test_gather_output_and_scatter_input_paths(world4):
@@ -262,6 +265,8 @@ def test_vocab_parallel_embedding_matches_nn_embedding(world4):
 def test_vocab_parallel_cross_entropy_matches_f_cross_entropy(world4):
     for tp, ls in itertools.product((1, 2, 4), (0.0, 0.1, 0.3)):
         world4.run(cross_entropy_case, tp, ls)
+    for tp, ls in itertools.product((1, 4), (0.0, 0.2)):  # padded vocabulary: 27 real of 32
+        world4.run(cross_entropy_case, tp, ls, 27)
 
 
 # --------------------------------------------------------------------------- init, errors

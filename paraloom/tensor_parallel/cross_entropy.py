@@ -26,13 +26,17 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, axis, label_smoothing, module):
+    def forward(ctx, logits, target, axis, label_smoothing, module, vocab_size):
         where = dict(phase="forward", kind="tp", module=module,
                      split="logits, vocabulary range")
         logits = logits.float()
         vocab_local = logits.shape[-1]
-        vocab = vocab_local * axis.size
         start = axis.rank * vocab_local
+        vocab = vocab_size or vocab_local * axis.size
+        real = min(max(vocab - start, 0), vocab_local)  # this rank's columns that are not padding
+        if real < vocab_local:  # padded vocabulary rows: never a class, probability 0
+            logits = logits.clone()
+            logits[..., real:] = float("-inf")
 
         logits_max = logits.amax(dim=-1)
         comm.all_reduce(logits_max, axis, op="max", site="vocab_parallel_cross_entropy.forward:max",
@@ -46,7 +50,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         stats = [target_logit, exp.sum(-1)]
         if label_smoothing > 0:
-            stats.append(shifted.sum(-1))
+            stats.append(shifted[..., :real].sum(-1))
         stats = torch.stack(stats)
         comm.all_reduce(stats, axis, site="vocab_parallel_cross_entropy.forward:sums", **where)
         log_sum_exp = stats[1].log()
@@ -57,7 +61,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(stats[1].unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)
-        ctx.label_smoothing, ctx.vocab = label_smoothing, vocab
+        ctx.label_smoothing, ctx.vocab, ctx.real = label_smoothing, vocab, real
         return loss
 
     @staticmethod
@@ -68,18 +72,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         inside = (~outside).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(1.0 - eps) * inside.unsqueeze(-1))
         if eps > 0:
-            grad.sub_(eps / ctx.vocab)
+            grad[..., :ctx.real].sub_(eps / ctx.vocab)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  axis: Axis | None = None, label_smoothing: float = 0.0,
-                                 module: str | None = "output") -> torch.Tensor:
+                                 module: str | None = "output",
+                                 vocab_size: int | None = None) -> torch.Tensor:
     """Per-token loss ``[..]`` from logits ``[.., V/tp]`` split over ``axis`` (the tp axis).
 
-    Equals ``F.cross_entropy(full_logits, target, reduction="none", label_smoothing=...)``;
-    computed in fp32 whatever the logits' dtype.
+    Equals ``F.cross_entropy(full_logits[..., :vocab_size], target, reduction="none",
+    label_smoothing=...)``; computed in fp32 whatever the logits' dtype. ``vocab_size`` is the
+    real vocabulary when the logits include padding columns (a vocabulary padded to divide by
+    tp): those are excluded from the softmax and the label-smoothing mean (default: none).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
@@ -87,4 +94,4 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         from ..parallel_state import get_mesh
         axis = get_mesh().tp
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, axis,
-                                            float(label_smoothing), module)
+                                            float(label_smoothing), module, vocab_size)
