@@ -19,6 +19,9 @@ Conventions:
 
 from __future__ import annotations
 
+import sys
+import time
+from collections import deque
 from datetime import timedelta
 
 import torch
@@ -28,7 +31,8 @@ from . import ledger as _ledger
 from .mesh import Axis
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "batch_p2p", "barrier",
-           "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout"]
+           "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout",
+           "flight_recorder"]
 
 _TIMEOUT = timedelta(seconds=300)
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -78,14 +82,30 @@ class Handle:
         return self._result
 
 
+_RECENT: deque = deque(maxlen=16)
+"""Flight recorder: the last operations launched on this rank (always on; a deque append)."""
+
+
+def flight_recorder() -> str:
+    """The recent operations of this rank, oldest first, as text (what a hang was waiting on)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    now = time.time()
+    lines = [f"  {now - t:8.3f} s ago: {desc}" for t, desc in _RECENT]
+    return f"flight recorder, rank {rank}, last {len(lines)} operations (oldest first):\n" + \
+        "\n".join(lines)
+
+
 def _wait(work, desc: str) -> None:
     try:
         ok = work.wait(_TIMEOUT)
+        limit = _TIMEOUT.total_seconds()
+        problem = None if ok is not False else f"did not complete within {limit:g} s"
     except RuntimeError as err:  # gloo raises on timeout or on a peer that went away
-        raise CommTimeout(f"{desc} failed or timed out after {_TIMEOUT.total_seconds():g} s: "
-                          f"{err}") from err
-    if ok is False:
-        raise CommTimeout(f"{desc} did not complete within {_TIMEOUT.total_seconds():g} s")
+        problem = f"failed or timed out after {_TIMEOUT.total_seconds():g} s: {err}"
+    if problem is not None:
+        record = flight_recorder()
+        print(f"paraloom: {desc} {problem}\n{record}", file=sys.stderr, flush=True)
+        raise CommTimeout(f"{desc} {problem}\n{record}")
 
 
 def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, what: str = ""):
@@ -94,6 +114,7 @@ def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, w
     event = led.record(async_op=async_op, group=axis.ranks, **record) if led else None
     work = launch()
     desc = f"{what} over {axis.name} group {list(axis.ranks)}"
+    _RECENT.append((time.time(), desc))
     handle = Handle([work], result, event, finish, desc)
     return handle if async_op else handle.wait()
 
@@ -188,7 +209,9 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
                                      group=axis.ranks, peer=peer, **fields))
     works = dist.batch_isend_irecv(p2p)
     peers = ", ".join(f"{op[0]} {op[2]}" for op in ops)
-    handle = _P2PHandle(works, [op[1] for op in ops], events, f"p2p ({peers}) at {site}")
+    desc = f"p2p ({peers}) at {site}"
+    _RECENT.append((time.time(), desc))
+    handle = _P2PHandle(works, [op[1] for op in ops], events, desc)
     return handle if async_op else handle.wait()
 
 

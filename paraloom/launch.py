@@ -11,7 +11,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import tempfile
+import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -75,41 +79,108 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads: int, fn, args):
+def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads: int, fn, args,
+               errors) -> None:
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    init_distributed(rank, world_size, init_method=f"file://{store}", backend="gloo",
-                     timeout_s=timeout_s)
+    # gloo connects the ranks over TCP: keep a local world on the loopback interface
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
-        fn(rank, world_size, *args)
-    finally:
-        shutdown()
+        init_distributed(rank, world_size, init_method=f"file://{store}", backend="gloo",
+                         timeout_s=timeout_s)
+        try:
+            fn(rank, world_size, *args)
+        finally:
+            shutdown()
+    except BaseException as err:  # noqa: BLE001 - reported to the launcher, then exit non-zero
+        secondary = _is_peer_failure(err)  # another rank's failure surfacing here
+        errors.put((rank, time.time(), secondary, traceback.format_exc()))
+        sys.stdout.flush()
+        os._exit(1)
 
 
-def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1) -> None:
+_PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+
+
+def _is_peer_failure(err: BaseException) -> bool:
+    """Whether ``err`` only says that a peer went away or stopped answering."""
+    if isinstance(err, comm.CommTimeout):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _PEER_GONE)
+
+
+def _root_cause(failures: dict, exits: dict) -> str:
+    """The error to report: a rank's own exception before a killed rank before a rank that only
+    saw a peer disappear (a communication timeout or reset), earliest first."""
+    own = sorted((t, r) for r, (t, secondary, _) in failures.items() if not secondary)
+    if own:
+        rank = own[0][1]
+        return f"rank {rank} failed:\n{failures[rank][2]}"
+    died = sorted(r for r, code in exits.items() if code is not None and code < 0)
+    if died:
+        rank, code = died[0], exits[died[0]]
+        return f"rank {rank} died (exit code {code}, signal {signal.Signals(-code).name})"
+    if failures:
+        rank = min(failures, key=lambda r: failures[r][0])
+        return f"rank {rank} failed:\n{failures[rank][2]}"
+    rank = min(r for r, code in exits.items() if code)
+    return f"rank {rank} exited with code {exits[rank]}"
+
+
+def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1,
+          grace_s: float = 3.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks and wait for all.
 
     Ranks are forked from this process (which has already imported torch, so starting costs
     ~0.1 s instead of ~2.5 s a rank). A forked rank runs with ``threads`` intra-op threads
     (default 1): OpenMP's thread pool does not survive ``fork`` once the parent has used it, so
     more than one is safe only when this process has not run a parallel torch op yet (the CLI
-    forks before computing anything). If any rank raises or is killed, the rest are
-    terminated and a ``RuntimeError`` names the rank and carries its traceback.
+    forks before computing anything). The rendezvous is a file, and gloo binds to loopback.
+
+    If any rank raises or dies, the others get ``grace_s`` seconds to report (their own errors
+    are usually just "peer went away"), then every survivor is killed; the ``RuntimeError`` names
+    the rank that caused it (its own exception first, then a killed rank) with its traceback.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    ctx = mp.get_context("fork")
+    errors = ctx.SimpleQueue()
     fd, store = tempfile.mkstemp(prefix="paraloom-store-")
     os.close(fd)
     os.unlink(store)  # the file store creates it; a stale file would confuse the rendezvous
+    procs = [ctx.Process(target=_rank_main, daemon=True, name=f"paraloom-rank-{rank}",
+                         args=(rank, world_size, store, timeout_s, threads, fn, args, errors))
+             for rank in range(world_size)]
+    failures: dict[int, tuple] = {}
     try:
-        mp.start_processes(_rank_main, args=(world_size, store, timeout_s, threads, fn, args),
-                           nprocs=world_size, start_method="fork")
-    except mp.ProcessRaisedException as err:
-        raise RuntimeError(f"rank {err.error_index} failed:\n{err}") from None
-    except mp.ProcessExitedException as err:
-        raise RuntimeError(f"rank {err.error_index} died (exit code {err.exit_code}, "
-                           f"signal {err.signal_name})") from None
+        for proc in procs:
+            proc.start()
+        failed_at = None
+        while True:
+            while not errors.empty():  # drain as we go: a full pipe would block the writer
+                rank, t, secondary, text = errors.get()
+                failures[rank] = (t, secondary, text)
+            if not any(p.is_alive() for p in procs):
+                break
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in procs):
+                failed_at = time.time()
+            if failed_at is not None and time.time() - failed_at > grace_s:
+                break
+            time.sleep(0.02)
+        exits = {rank: proc.exitcode for rank, proc in enumerate(procs)}  # before we kill any
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join()
+        while not errors.empty():
+            rank, t, secondary, text = errors.get()
+            failures[rank] = (t, secondary, text)
+        if failures or any(exits.values()):
+            raise RuntimeError(_root_cause(failures, exits))
     finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
         if os.path.exists(store):
             os.unlink(store)
 

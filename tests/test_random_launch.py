@@ -88,9 +88,15 @@ def test_spawn_names_the_failed_rank():
 def _timeout_case(rank, world):
     mesh = ParallelMesh(tp=world)
     comm.set_timeout(1.0)
+    comm.all_reduce(torch.ones(1), mesh.tp, phase="forward", kind="tp", site="together")
     if rank == 0:  # rank 1 never joins this all-reduce
-        with pytest.raises(comm.CommTimeout, match=r"all_reduce at lonely over tp group \[0, 1\]"):
+        with pytest.raises(comm.CommTimeout) as err:
             comm.all_reduce(torch.ones(1), mesh.tp, phase="forward", kind="tp", site="lonely")
+        message = str(err.value)
+        assert "all_reduce at lonely over tp group [0, 1]" in message
+        # the flight recorder lists what this rank launched last, the stuck op at the end
+        recorder = message.split("flight recorder, rank 0")[1].splitlines()
+        assert "all_reduce at together" in recorder[-2] and "lonely" in recorder[-1]
 
 
 def test_a_missing_peer_times_out_instead_of_hanging():
