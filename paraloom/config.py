@@ -173,6 +173,8 @@ class TrainConfig:
     """Steps recorded in the ledger (from the first); -1 records every step."""
     timeout_s: float = 120.0
     """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with a NaN/Inf loss or gradient (each skipped)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):
@@ -211,6 +213,7 @@ class TrainConfig:
         if self.warmup_steps < 0 or self.save_every < 0 or self.clip_grad < 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}), save_every ({self.save_every}) "
                              f"and clip_grad ({self.clip_grad}) must be >= 0")
+        _positive_int("max_bad_steps", self.max_bad_steps)
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 

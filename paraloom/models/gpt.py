@@ -78,7 +78,7 @@ class CoreAttention(nn.Module):
         probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
         if self.dropout and self.training:
             with get_rng_tracker().fork():  # heads are split: a different mask per tp rank
-                probs = F.dropout(probs, self.dropout)
+                probs = _drop(probs, self.dropout)
         return probs @ v                                     # [b, a/tp, s, d]
 
 
@@ -133,14 +133,23 @@ def _common(mesh: ParallelMesh, opt: ParallelOptions) -> dict:
                 params_dtype=opt.params_dtype)
 
 
+def _drop(x, p: float):
+    """``F.dropout`` in training, keeping a 1-byte mask for backward. On CPU ``F.dropout`` saves
+    its scaled noise in the activation dtype (2-4 bytes per element); ``native_dropout`` (what it
+    runs on CUDA) draws the same mask from the same generator, gives the same output and saves the
+    mask as bool. fp32 gradients are bitwise the same; in bf16 on CPU its backward scales by
+    ``1/(1-p)`` in fp32 where ``F.dropout`` used ``1/(1-p)`` rounded to bf16 (a last-bit change)."""
+    return torch.native_dropout(x, p, True)[0]
+
+
 def _dropout(x, p: float, training: bool, split: bool):
     """Dropout on activations; ``split`` ones (sequence-parallel) use the tp-rank stream."""
     if not (p and training):
         return x
     if split:
         with get_rng_tracker().fork():
-            return F.dropout(x, p)
-    return F.dropout(x, p)
+            return _drop(x, p)
+    return _drop(x, p)
 
 
 class TransformerLayer(nn.Module):

@@ -4,7 +4,8 @@ Each is "forward: X / backward: Y", with Megatron's names. ``axis`` is the tenso
 :class:`~paraloom.mesh.Axis`; ``site`` names the caller (``"RowParallelLinear"``) and ``tag`` the
 tensor (``"output"``), so the ledger reads ``RowParallelLinear.forward:output``. Activations are
 sequence-first ``[s, b, h]``: tensor-parallel splits act on the last dim, sequence-parallel ones
-on dim 0.
+on dim 0. All-reduces work in place on the tensor they are given (as Megatron's do): the partial
+output in forward, the incoming gradient in backward; nothing else holds those tensors.
 
 ==========================================  ==========================  ==========================
 function                                     forward                     backward

@@ -69,6 +69,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--ledger-steps", type=int, default=2, help="steps recorded in the ledger (-1: all)")
     a("--timeout", dest="timeout_s", type=float, default=120.0,
       help="seconds any collective may wait before the run is ended")
+    a("--max-bad-steps", type=int, default=3,
+      help="stop after this many consecutive NaN/Inf steps (each is skipped)")
     a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
       help="local ranks to start (must equal tp*pp*dp; default: tp*pp*dp)")
     return cmd
@@ -98,7 +100,8 @@ def config_from_args(args):
                        distributed_optimizer=args.distributed_optimizer,
                        bucket_size=args.bucket_size, data=args.data, out=args.out,
                        save_every=args.save_every, resume=args.resume,
-                       ledger_steps=args.ledger_steps, timeout_s=args.timeout_s)
+                       ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
+                       max_bad_steps=args.max_bad_steps)
 
 
 def _check_inputs(cfg) -> None:

@@ -92,6 +92,7 @@ def run_rank(cfg, t0: float) -> dict | None:
     ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
     if start == 0:
         ledger_file.write_text("")
+    bad = 0
     for step in range(start, cfg.steps):
         record = cfg.ledger_steps < 0 or step - start < cfg.ledger_steps
         ledger.events.clear()
@@ -107,6 +108,15 @@ def run_rank(cfg, t0: float) -> dict | None:
                 f.write(json.dumps(line) + "\n")
             tokens = cfg.global_batch_size * cfg.model.seq_length
             _progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+            if metrics.get("skipped"):
+                print(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
+                      f"({metrics['grad_norm']}): update skipped", file=sys.stderr, flush=True)
+        bad = bad + 1 if metrics.get("skipped") else 0
+        if bad >= cfg.max_bad_steps:
+            raise FloatingPointError(
+                f"stopping at step {step}: {bad} consecutive steps with a non-finite loss or "
+                f"gradient (max_bad_steps = {cfg.max_bad_steps}); lower --lr, check the data, "
+                f"or resume from the last checkpoint")
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
             _save(run, out, step + 1)
     val_after = evaluate(run, held_out)

@@ -151,7 +151,11 @@ def _local_sq_norm(run: Run) -> torch.Tensor:
 
 
 def train_step(run: Run, step: int) -> dict:
-    """One optimizer step; returns ``{"loss", "grad_norm", "lr"}`` (the same on every rank)."""
+    """One optimizer step; returns ``{"loss", "grad_norm", "lr"}`` (the same on every rank).
+
+    A non-finite loss or gradient norm skips the update (``"skipped": True``); the data of the
+    step is consumed all the same, so a run that recovers stays on the same batches.
+    """
     cfg, mesh = run.cfg, run.mesh
     batch = run.corpus.global_batch(step, cfg.global_batch_size)
     for opt in run.optimizers:
@@ -166,13 +170,17 @@ def train_step(run: Run, step: int) -> dict:
                     site="train_step:grad_norm_and_loss", split="per-rank partial sums")
     grad_norm = math.sqrt(scalars[0].item())
     loss = scalars[1].item() / (mesh.dp.size * run.cfg.num_microbatches)
+    lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                       total_steps=cfg.steps)
+    # One all-reduce carried both numbers, so every rank sees the same NaN/Inf and decides alike.
+    if not (math.isfinite(grad_norm) and math.isfinite(loss)):
+        run.step, run.tokens = step + 1, run.tokens + cfg.global_batch_size * cfg.model.seq_length
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": True}
     if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad:
         scale = cfg.clip_grad / (grad_norm + 1e-6)
         for ddp in run.ddps:
             for buf in ddp.buffers_:
                 buf.grad.mul_(scale)
-    lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                       total_steps=cfg.steps)
     for opt in run.optimizers:
         opt.lr = lr
         opt.step()
