@@ -72,6 +72,9 @@ _FORWARDED = {
     "table": ("paraloom.report.table", "table_main"),
     "trace": ("paraloom.report.trace", "trace_main"),
     "plan": ("paraloom.analysis.plan", "plan_main"),
+    "check": ("paraloom.analysis.check", "check_main"),
+    "explain": ("paraloom.explain", "explain_main"),
+    "doctor": ("paraloom.explain", "doctor_main"),
 }
 """Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
 

@@ -135,6 +135,36 @@ def test_pipeline_and_data_parallel_formulas():
     assert spd["sp", "all_reduce", "optimizer"]["bytes"] == 2 * 6 * 1024 * 4
 
 
+def test_train_step_buckets_finalize_and_loss():
+    """A train step's additions, per rank: the tied embedding's own bucket stays an all-reduce
+    under the distributed optimizer, every bucket's shard is all-gathered (not when the step was
+    skipped), the buckets cover exactly the rank's parameters, and the loss reduction is 16 B."""
+    from dataclasses import replace
+
+    from paraloom.analysis.formulas import default_buckets
+
+    c = CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256, pp=2, dp=2,
+                   num_microbatches=4, distributed_optimizer=True, overlap_grad_reduce=False)
+    emb = 256 * 32
+    for r in (0, 1):
+        exp = expected_comm(c, r)
+        rest = params_per_rank(c, r) - emb
+        assert default_buckets(c, r) == (rest + rest % 2, emb)  # padded to a multiple of dp
+        assert exp["dp", "reduce_scatter", "optimizer"] == {"count": 1,
+                                                            "bytes": (rest + rest % 2) * 4}
+        assert exp["dp", "all_reduce", "optimizer"] == {"count": 1, "bytes": emb * 4}
+        assert exp["dp", "all_gather", "optimizer"]["count"] == 2
+        assert exp["emb", "all_reduce", "optimizer"] == {"count": 1, "bytes": emb * 4}
+        assert exp["loss", "all_reduce", "optimizer"] == {"count": 1, "bytes": 16}
+        assert ("dp", "all_gather", "optimizer") not in expected_comm(
+            replace(c, optimizer_step=False), r)
+    small = replace(c, bucket_size=5000, distributed_optimizer=False)
+    assert len(default_buckets(small, 0)) > 2 and sum(default_buckets(small, 0)) == \
+        params_per_rank(small, 0)
+    assert ("loss", "all_reduce", "optimizer") not in expected_comm(
+        CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256))  # one rank: no comm
+
+
 def test_korthikanti_activation_memory_gpt3_175b():
     # Korthikanti et al. 2022, Table 2 evaluated for their GPT-3 175B row (s=2048, b=1,
     # h=12288, a=96, t=8). The paper notes 5as/h = 80 for GPT-3, so 5as/(ht) = 10 at t=8;

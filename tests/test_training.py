@@ -13,7 +13,6 @@ from dataclasses import replace
 import pytest
 
 from paraloom import launch
-from paraloom.cli import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=8, num_attention_heads=4,
@@ -76,28 +75,3 @@ def test_resume_continues_exactly(tmp_path):
         name = "re-" + "-".join(f"{k}{v}" for k, v in layout.items())
         other = train(tmp_path, name, steps=6, resume=step3, **layout)
         _assert_same(other, straight[3:])
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--tp", "3"], "hidden_size = 64 is not divisible by tp = 3"),
-    (["--tp", "2", "--pp", "1", "--dp", "1", "--nprocs", "4"], "--nprocs 4 does not match"),
-    (["--global-batch-size", "10"], "global_batch_size = 10 is not divisible by"),
-    (["--sequence-parallel", "--async-grad-allreduce"], "cannot be combined"),
-    (["--layers", "5"], "num_layers = 5 is not divisible by pp * vpp = 2"),
-    (["--vpp", "2", "--global-batch-size", "12", "--micro-batch-size", "2"],
-     "multiple of pp = 2"),
-    (["--tp", "0"], "tp must be a positive integer, got 0"),
-    (["--data", "/nonexistent/corpus.txt"], "is not a readable file"),
-    (["--resume", "/nonexistent/run"], "no complete paraloom checkpoint"),
-])
-def test_bad_flags_are_named_before_any_rank_starts(capsys, argv, message):
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err, err
-
-
-def test_empty_data_file_is_refused(tmp_path, capsys):
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    assert main(["train", "--data", str(empty)]) == 2
-    assert "is empty" in capsys.readouterr().err

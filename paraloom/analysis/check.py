@@ -4,18 +4,31 @@
 keys its numbers (compute spans and ``setup`` operations are not part of a step; an event with
 ``recompute: true`` is keyed with phase ``recompute``) and returns one diff row per key present
 on either side. :func:`check_run` does it for every rank of a run, each against the expectation
-of its own pipeline stage. :func:`render_diff` prints the rows as a Markdown table; ``paraloom
-check RUN_DIR`` exits 0 only if every row agrees.
+of its own pipeline stage. :func:`render_diff` prints the rows as a Markdown table.
+
+    paraloom check RUN_DIR [--step N] [--only-diff]
+
+reads ``RUN_DIR/config.json`` (the run's ``TrainConfig``), derives the :class:`CommConfig`
+(:func:`config_from_run`; the bucket layout is derived from the model's parameters, see
+:mod:`paraloom.analysis.layout`; a step ``metrics.jsonl`` marks ``skipped`` expects no optimizer
+all-gathers), compares every rank of every recorded step (or ``--step N``) and exits 0 only if
+every row agrees; 1 naming the differences; 2 on an unreadable run folder.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
 
 from .formulas import CommConfig, expected_comm
 
-__all__ = ["tally", "compare", "check_run", "render_diff", "all_ok"]
+__all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
+           "check_main"]
 
 
 def _phase(event: dict) -> str:
@@ -55,12 +68,15 @@ def compare(expected: dict, events: Iterable[dict], *, rank: int = 0,
 
 
 def check_run(config: CommConfig, events: list[dict], *, step: int | None = None) -> list[dict]:
-    """:func:`compare` for every rank in ``events``, each against its own pipeline stage
-    (rank order tp fastest, then dp, then pp: ``pp_rank = rank // (tp * dp)``)."""
+    """:func:`compare` for every rank of the layout (and any other rank in ``events``), each
+    against its own pipeline stage (rank order tp fastest, then dp, then pp: ``pp_rank = rank
+    // (tp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
     rows = []
-    for rank in sorted({e["rank"] for e in events}):
+    world = config.tp * config.pp * config.dp
+    for rank in sorted(set(range(world)) | {e["rank"] for e in events}):
         pp_rank = rank // (config.tp * config.dp)
-        rows += compare(expected_comm(config, pp_rank), events, rank=rank, step=step)
+        expected = expected_comm(config, pp_rank) if rank < world else {}  # outside: all DIFF
+        rows += compare(expected, events, rank=rank, step=step)
     return rows
 
 
@@ -86,3 +102,71 @@ def render_diff(rows: list[dict], *, only_diff: bool = False) -> str:
                    f"{r['expected_count']} ops / {r['expected_bytes']} B, recorded "
                    f"{r['recorded_count']} / {r['recorded_bytes']} B" for r in bad[:5]))
     return "\n".join(lines) + "\n\n" + verdict + "\n"
+
+
+def config_from_run(cfg: dict) -> CommConfig:
+    """The :class:`CommConfig` of a run from its ``config.json`` (``asdict(TrainConfig)``):
+    a train step (gradient sync, loss reduction) with the run's layout, switches and dtypes
+    (bf16 activations and parameters: 2 bytes; fp32 main grads: 4 bytes)."""
+    m, p = cfg["model"], cfg["parallel"]
+    dp = p["dp"]
+    return CommConfig(
+        layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
+        seq_len=m["seq_length"], vocab=m["vocab_size"], ffn=m.get("ffn_hidden_size"),
+        micro_batch=cfg["micro_batch_size"],
+        num_microbatches=cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp),
+        tp=p["tp"], pp=p["pp"], dp=dp, vpp=p.get("vpp"),
+        sequence_parallel=p.get("sequence_parallel", False),
+        recompute=cfg.get("recompute", "none"),
+        distributed_optimizer=cfg.get("distributed_optimizer", False),
+        overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
+        bucket_size=cfg.get("bucket_size"),
+        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4)
+
+
+def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:
+    """``config.json``, the ledger, and the steps metrics.jsonl marks ``skipped``."""
+    from ..ledger import load
+
+    root = Path(run_dir)
+    for name in ("config.json", "ledger.jsonl"):
+        if not (root / name).is_file():
+            raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "
+                             f"train holds config.json and ledger.jsonl)")
+    skipped = set()
+    if (root / "metrics.jsonl").is_file():
+        for line in (root / "metrics.jsonl").read_text().splitlines():
+            if line.strip() and (m := json.loads(line)).get("skipped"):
+                skipped.add(m["step"])
+    return (json.loads((root / "config.json").read_text()), load(root / "ledger.jsonl"),
+            skipped)
+
+
+def check_main(argv: list[str] | None = None) -> int:
+    """``paraloom check RUN_DIR [--step N] [--only-diff]``: 0 if the ledger agrees exactly
+    with the formulas on every rank and recorded step, 1 (differences named) if not, 2 on a
+    missing or unreadable run folder or an unrecorded step."""
+    ap = argparse.ArgumentParser(prog="paraloom check",
+                                 description="Compare a run's ledger with the formulas.")
+    ap.add_argument("run_dir", metavar="RUN_DIR")
+    ap.add_argument("--step", type=int, default=None, help="one recorded step (default: all)")
+    ap.add_argument("--only-diff", action="store_true", help="print the differing rows only")
+    args = ap.parse_args(argv)
+    try:
+        cfg, events, skipped = _load(args.run_dir)
+        config = config_from_run(cfg)
+        steps = sorted({e["step"] for e in events if e["op"] != "compute"})
+        if args.step is not None and args.step not in steps:
+            raise ValueError(f"step {args.step} is not in the ledger; recorded steps: {steps}")
+        if not steps:
+            raise ValueError(f"the ledger of {args.run_dir!r} holds no communication")
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
+        print(f"paraloom check: error: {err}", file=sys.stderr)
+        return 2
+    ok = True
+    for step in [args.step] if args.step is not None else steps:
+        step_config = replace(config, optimizer_step=step not in skipped)
+        rows = check_run(step_config, events, step=step)
+        print(f"## step {step}\n\n" + render_diff(rows, only_diff=args.only_diff))
+        ok = ok and all_ok(rows)
+    return 0 if ok else 1

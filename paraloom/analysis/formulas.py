@@ -7,6 +7,11 @@ tensor), so :mod:`paraloom.analysis.check` can demand exact equality with a reco
 Re-runs of forward communication under full recomputation are keyed with phase ``recompute``
 (the ledger marks them ``recompute: true``; their recorded phase is ``forward``).
 
+A train step (``grad_sync``) adds the data-parallel bucket reductions of the exact bucket
+layout (:mod:`paraloom.analysis.layout`), ``finalize_model_grads``' sp and tied-embedding sums
+and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_main` compares all
+of it with a ``paraloom train`` run folder.
+
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``
 vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches.
 
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+
+from .layout import rank_buckets, sp_elems
 
 __all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
            "flops_per_iteration", "param_count", "params_per_rank", "stage_layers",
@@ -60,15 +67,19 @@ class CommConfig:
     distributed_optimizer: bool = False
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
     grad_sync: bool = True
-    """The step reduces gradients (data-parallel buckets, ``finalize_model_grads``) as a train
-    step does; ``False`` for a bare forward + backward of the model."""
+    """The step is a train step: it reduces gradients (data-parallel buckets,
+    ``finalize_model_grads``) and the loss + gradient norm (kind ``loss``); ``False`` for a
+    bare forward + backward of the model."""
+    optimizer_step: bool = True
+    """The optimizer step ran; a train step whose loss or gradient norm is not finite skips
+    it (``"skipped"`` in metrics.jsonl), and with it the distributed optimizer's all-gathers."""
     overlap_grad_reduce: bool = True
     """Bucket reductions launched from backward hooks (phase ``backward``), else ``optimizer``."""
     buckets: tuple[int, ...] | None = None
-    """Elements per gradient bucket of this rank (padded as the buffer pads them); ``None``:
-    :func:`default_buckets`."""
+    """Elements per gradient bucket of this rank (padded as the buffer pads them), an override
+    for one stage; ``None``: the exact layout (:func:`paraloom.analysis.layout.rank_buckets`)."""
     bucket_size: int | None = None
-    """Elements per bucket for :func:`default_buckets` (``None``: ``max(40M, 1M * dp)``)."""
+    """Elements at which a bucket closes (``None``: Megatron's ``max(40M, 1M * dp)``)."""
     dtype_bytes: int = 4
     """Bytes per activation / parameter element (fp32 4, bf16 2)."""
     grad_bytes: int = 4
@@ -138,31 +149,9 @@ def param_count(layers: int, hidden: int, vocab: int, seq_len: int,
 
 
 def default_buckets(c: CommConfig, pp_rank: int = 0) -> tuple[int, ...]:
-    """Bucket sizes as the gradient buffer would cut this rank's parameters (approximately:
-    full buckets of ``bucket_size`` and a remainder; the tied embedding gets its own)."""
-    size = c.bucket_size or max(40_000_000, 1_000_000 * c.dp)
-    total = params_per_rank(c, pp_rank)
-    out = []
-    if c.pp > 1 and pp_rank in (0, c.pp - 1):
-        emb = c.vocab * c.hidden // c.tp
-        out.append(emb)
-        total -= emb
-    while total > 0:
-        out.append(min(size, total))
-        total -= size
-    pad = c.dp if c.distributed_optimizer else 1
-    return tuple(-(-n // pad) * pad for n in out)
-
-
-def _sp_param_elems(c: CommConfig, pp_rank: int) -> int:
-    """Elements of the parameters marked ``sequence_parallel`` on this rank (LayerNorms, row
-    biases, position embeddings, final LayerNorm): their grads are all-reduced over tp."""
-    n = stage_layers(c) * 6 * c.hidden
-    if pp_rank == 0:
-        n += c.seq_len * c.hidden
-    if pp_rank == c.pp - 1:
-        n += 2 * c.hidden
-    return n
+    """Elements of each gradient bucket of this rank (all chunks, padded), exactly as the
+    gradient buffer cuts them (:func:`paraloom.analysis.layout.rank_buckets`)."""
+    return tuple(b.numel for b in rank_buckets(c, pp_rank))
 
 
 def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str], dict]:
@@ -235,21 +224,27 @@ def _pipeline(c: CommConfig, r: int, add, nbytes: int) -> None:
 
 
 def _grad_sync(c: CommConfig, r: int, add) -> None:
-    """Data-parallel bucket reductions, then finalize: sp-replicated grads over tp, tied
-    embedding grads over the embedding group."""
+    """What a train step adds after the schedule: the data-parallel bucket reductions (launched
+    from the gradient hooks, phase ``backward``, or at finish, phase ``optimizer``; under the
+    distributed optimizer reduce-scattered, except a tied embedding's own bucket, and every
+    bucket's parameter shard all-gathered), ``finalize_model_grads`` (one coalesced all-reduce
+    over tp of the sequence-parallel grads, one over the embedding group of the tied word
+    embedding) and the step's loss + gradient-norm reduction over all ranks (2 float64)."""
     if c.dp > 1:
         phase = "backward" if c.overlap_grad_reduce else "optimizer"
-        buckets = c.buckets if c.buckets is not None else default_buckets(c, r)
-        for n in buckets:
-            if c.distributed_optimizer:
-                add("dp", "reduce_scatter", phase, 1, n * c.grad_bytes)
+        buckets = [(b.numel, b.reduce_scatter) for b in rank_buckets(c, r)] \
+            if c.buckets is None else [(n, c.distributed_optimizer) for n in c.buckets]
+        for n, scatter in buckets:
+            add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1, n * c.grad_bytes)
+            if c.distributed_optimizer and c.optimizer_step:
                 add("dp", "all_gather", "optimizer", 1, n // c.dp * c.dtype_bytes)
-            else:
-                add("dp", "all_reduce", phase, 1, n * c.grad_bytes)
     if c.sp:
-        add("sp", "all_reduce", "optimizer", 1, _sp_param_elems(c, r) * c.grad_bytes)
+        add("sp", "all_reduce", "optimizer", 1, sp_elems(c, r) * c.grad_bytes)
     if c.pp > 1 and r in (0, c.pp - 1):
-        add("emb", "all_reduce", "optimizer", 1, c.vocab * c.hidden // c.tp * c.grad_bytes)
+        vocab = -(-c.vocab // c.tp) * c.tp
+        add("emb", "all_reduce", "optimizer", 1, vocab * c.hidden // c.tp * c.grad_bytes)
+    if c.tp * c.pp * c.dp > 1:
+        add("loss", "all_reduce", "optimizer", 1, 2 * 8)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, vpp: int | None = None) -> float:

@@ -5,7 +5,9 @@ operation overlapped: every compute span running between its launch and its comp
 columns of SPEC.md — parallel type, split object, primitive, trigger location (phase · site ·
 module), async — in English or Chinese headings, as Markdown, CSV or JSON. ``group=True`` folds
 consecutive layers whose rows are identical except for the layer index into one block marked
-``x4 layers``, so a deep model's table stays readable.
+``x4 layers``, so a deep model's table stays readable. Events recorded without a ``split``
+(pipeline p2p, the tied-embedding and sp finalize sums, the loss reduction) get a description
+of what travels, e.g. ``activations [16, 1, 32] to the next stage``.
 
     paraloom table RUN_DIR [--lang en|zh] [--format md|csv|json] [--rank R] [--step N] [--group]
 """
@@ -40,6 +42,39 @@ def _site(site: str) -> str:
     for phase in (".forward", ".backward", ".optimizer", ".setup"):
         head = head.removesuffix(phase)
     return f"{head} {tag.replace('_', ' ')}".strip()
+
+
+_FILL = {  # split text for events recorded without one: (kind, op, phase) or kind
+    "en": {("pp", "send", "forward"): "activations {shape} to the next stage",
+           ("pp", "recv", "forward"): "activations {shape} from the previous stage",
+           ("pp", "send", "backward"): "activation grads {shape} to the previous stage",
+           ("pp", "recv", "backward"): "activation grads {shape} from the next stage",
+           "pp": "activations {shape} between stages",
+           "emb": "tied word-embedding grads [V/tp, h], first + last stage",
+           "loss": "per-rank partial sums (grad norm², loss)",
+           "sp": "sequence-parallel replicated grads (LayerNorms, row biases, positions)"},
+    "zh": {("pp", "send", "forward"): "激活 {shape}，发往下一流水级",
+           ("pp", "recv", "forward"): "激活 {shape}，来自上一流水级",
+           ("pp", "send", "backward"): "激活梯度 {shape}，发往上一流水级",
+           ("pp", "recv", "backward"): "激活梯度 {shape}，来自下一流水级",
+           "pp": "流水级之间的激活 {shape}",
+           "emb": "共享词嵌入梯度 [V/tp, h]，首末流水级",
+           "loss": "各 rank 的部分和（梯度范数²、损失）",
+           "sp": "序列并行下复制参数的梯度（LayerNorm、行并行偏置、位置嵌入）"},
+}
+
+
+def _split(event: dict, lang: str) -> str:
+    """The event's ``split``; for pp, emb, loss and finalize-sp events recorded without one, a
+    description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``)."""
+    if event.get("split"):
+        return event["split"]
+    kind, fill = event["kind"], _FILL[lang]
+    text = fill.get((kind, event["op"], event["phase"])) or fill.get(kind)
+    if text is None or (kind == "sp" and event["op"] != "all_reduce"):
+        return "—"
+    shape = str(list(event["shape"])) if event.get("shape") else "[s, b, h]"
+    return text.format(shape=shape)
 
 
 def _phase(event: dict) -> str:
@@ -77,7 +112,7 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | None = None,
             asynchronous += f", {overlaps}: " + "; ".join(names)
         location = " · ".join(x for x in (_phase(e), _site(e["site"]), e.get("module")) if x)
         rows.append({"index": len(rows) + 1, "parallel_type": e["kind"],
-                     "split_object": e.get("split") or "—", "primitive": e["op"],
+                     "split_object": _split(e, lang), "primitive": e["op"],
                      "trigger_location": location, "async": asynchronous, "count": 1,
                      "seq": e["seq"], "step": e["step"], "microbatch": e["microbatch"],
                      "phase": e["phase"], "site": e["site"], "module": e.get("module"),

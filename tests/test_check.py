@@ -1,0 +1,216 @@
+"""``paraloom check`` on real ``paraloom train`` runs: the formulas equal the ledger exactly.
+
+Six tiny runs (one recorded step each) are trained once for the module through the real command
+line (``paraloom.cli.main(["train", ...])`` forks the local ranks) and shared by every test: tp
+with dp (overlap off, several small buckets), sp with full recomputation and dp, pp 1F1B with tp,
+interleaved pp, pp with the distributed optimizer, and everything at once in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from paraloom.analysis.check import check_main, config_from_run
+from paraloom.analysis.layout import chunk_buckets, chunk_params
+from paraloom.cli import main
+from paraloom.ledger import load
+from paraloom.report.table import render_table, table_rows
+
+TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+        "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1",
+        "--ledger-steps", "1", "--save-every", "0", "--timeout", "60"]
+LAYOUTS = {  # name: (flags, kinds the ledger must hold)
+    "tp-dp": ("--tp 2 --pp 1 --dp 2 --async-grad-allreduce --bucket-size 3000 "
+              "--no-overlap-grad-reduce", {"tp", "dp", "loss"}),
+    "sp-dp": ("--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full",
+              {"sp", "tp", "dp", "loss"}),
+    "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "loss"}),
+    "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "loss"}),
+    "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer", {"pp", "dp", "emb", "loss"}),
+    "3d-bf16": ("--tp 2 --pp 2 --dp 2 --sequence-parallel --distributed-optimizer "
+                "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "loss"}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check_runs")
+    out = {}
+    for name, (flags, _) in LAYOUTS.items():
+        path = root / name
+        assert main(["train", *TINY, *flags.split(), "--out", str(path)]) == 0, name
+        out[name] = path
+    return out
+
+
+def _altered(src, dst, change) -> str:
+    """A copy of run ``src`` at ``dst`` whose ledger events went through ``change(events)``."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    events = change(load(src / "ledger.jsonl"))
+    (dst / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return str(dst)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_check_agrees_exactly_on_real_runs(runs, name, capsys):
+    events = load(runs[name] / "ledger.jsonl")
+    kinds = {e["kind"] for e in events if e["op"] != "compute" and e["phase"] != "setup"}
+    assert kinds == LAYOUTS[name][1]  # the check is not vacuous: every kind is there
+    assert check_main([str(runs[name])]) == 0
+    out = capsys.readouterr().out
+    assert "## step 0" in out and "rows agree" in out and "DIFF" not in out
+
+
+def test_check_through_cli_and_bucket_layout(runs, capsys):
+    assert main(["check", str(runs["tp-dp"]), "--step", "0"]) == 0
+    assert "DIFF" not in capsys.readouterr().out
+    # several buckets, launched at finish (overlap off): the derived layout is the real one
+    events = load(runs["tp-dp"] / "ledger.jsonl")
+    buckets = [e["bytes"] for e in events if e["rank"] == 0 and e["kind"] == "dp"]
+    cfg = config_from_run(json.loads((runs["tp-dp"] / "config.json").read_text()))
+    assert buckets == [4 * b.numel for b in chunk_buckets(cfg, 0)] and len(buckets) > 3
+    assert {e["phase"] for e in events if e["kind"] == "dp"} == {"optimizer"}
+    # distributed optimizer: the tied embedding's own bucket stays an all-reduce
+    zero = [(e["op"], e["phase"]) for e in load(runs["zero"] / "ledger.jsonl")
+            if e["rank"] == 0 and e["kind"] == "dp"]
+    assert zero == [("reduce_scatter", "backward"), ("all_reduce", "backward"),
+                    ("all_gather", "optimizer"), ("all_gather", "optimizer")]
+
+
+def test_check_names_a_removed_event(runs, tmp_path, capsys):
+    def drop(events):
+        victim = next(e for e in events if e["rank"] == 2 and e["kind"] == "pp"
+                      and e["op"] == "send" and e["phase"] == "backward")
+        return [e for e in events if e is not victim]
+    assert check_main([_altered(runs["1f1b"], tmp_path / "a", drop)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("DIFF") == 1
+    assert "1 of" in out and "rank 2 pp send backward: expected 8 ops" in out
+    assert "recorded 7 /" in out
+
+
+def test_check_names_a_changed_byte_count(runs, tmp_path, capsys):
+    def grow(events):
+        victim = next(e for e in events if e["rank"] == 1 and e["kind"] == "dp"
+                      and e["op"] == "reduce_scatter")
+        victim["bytes"] += 4
+        return events
+    assert check_main([_altered(runs["zero"], tmp_path / "b", grow), "--only-diff"]) == 1
+    out = capsys.readouterr().out
+    assert "rank 1 dp reduce_scatter backward" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| 1 | dp | reduce_scatter"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert int(cells[7]) - int(cells[6]) == 4 and cells[8] == "DIFF"
+    assert "| 0 |" not in out  # --only-diff: the agreeing rows are left out
+
+
+def test_check_rejects_bad_run_folders(runs, tmp_path, capsys):
+    assert check_main([str(tmp_path / "missing")]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert check_main([str(runs["tp-dp"]), "--step", "3"]) == 2
+    assert "step 3" in capsys.readouterr().err
+    # a rank that recorded nothing at all is missing, not skipped
+    silent = _altered(runs["tp-dp"], tmp_path / "c", lambda ev: [e for e in ev if e["rank"] != 3])
+    assert check_main([silent]) == 1
+    assert "rank 3 dp all_reduce optimizer" in capsys.readouterr().out
+
+
+def test_check_skipped_step_expects_no_parameter_all_gather(runs, tmp_path, capsys):
+    """A non-finite step skips the optimizer step (metrics.jsonl ``skipped``), so the
+    distributed optimizer all-gathers nothing; the check expects exactly that."""
+    def skip(events):
+        return [e for e in events if not (e["kind"] == "dp" and e["op"] == "all_gather")]
+    run = tmp_path / "skipped"
+    _altered(runs["zero"], run, skip)
+    assert check_main([str(run)]) == 1  # not marked skipped: the all-gathers are missing
+    assert "dp all_gather optimizer: expected 2 ops" in capsys.readouterr().out
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": float("nan"),
+                                                   "skipped": True}) + "\n")
+    assert check_main([str(run)]) == 0
+    capsys.readouterr()
+
+
+def _cells(row: dict) -> tuple:
+    return (row["parallel_type"], row["split_object"], row["primitive"],
+            row["trigger_location"], row["async"].split(",")[0])
+
+
+def test_table_snapshot_pipeline_en(runs):
+    events = load(runs["1f1b"] / "ledger.jsonl")
+    rows = table_rows(events, rank=0)
+    assert [_cells(r) for r in rows[:4]] == [
+        ("tp", "embedding rows, vocabulary range", "all_reduce",
+         "forward · VocabParallelEmbedding output · embedding.word_embeddings", "no"),
+        ("tp", "RowParallelLinear weight, input dim", "all_reduce",
+         "forward · RowParallelLinear output · layers.0.attention.proj", "no"),
+        ("tp", "RowParallelLinear weight, input dim", "all_reduce",
+         "forward · RowParallelLinear output · layers.0.mlp.fc2", "no"),
+        ("tp", "RowParallelLinear weight, input dim", "all_reduce",
+         "forward · RowParallelLinear output · layers.1.attention.proj", "no")]
+    pp = [r for r in rows if r["parallel_type"] == "pp"]
+    assert {(r["primitive"], r["phase"], r["split_object"]) for r in pp} == {
+        ("send", "forward", "activations [16, 1, 32] to the next stage"),
+        ("recv", "backward", "activation grads [16, 1, 32] from the next stage")}
+    assert len(pp) == 2 * 8  # 8 microbatches, first stage: sends activations, gets grads
+    last = [_cells(r) for r in table_rows(events, rank=2)]
+    assert {c[2] for c in last if c[0] == "pp"} == {"recv", "send"}
+    assert last[-2:] == [
+        ("emb", "tied word-embedding grads [V/tp, h], first + last stage", "all_reduce",
+         "optimizer · finalize_model_grads embedding grads", "no"),
+        ("loss", "per-rank partial sums", "all_reduce",
+         "optimizer · train_step grad norm and loss", "no")]
+    md = render_table(events, rank=0).splitlines()
+    assert md[0] == "| # | Parallel type | Split object | Primitive | Trigger location | Async |"
+    assert md[2].startswith("| 1 | tp | embedding rows, vocabulary range | all_reduce | ")
+
+
+def test_table_snapshot_data_parallel_zh(runs):
+    rows = table_rows(load(runs["tp-dp"] / "ledger.jsonl"), rank=0, lang="zh")
+    dp = [_cells(r) for r in rows if r["parallel_type"] == "dp"]
+    assert len(dp) > 3 and set(dp) == {
+        ("dp", "gradient bucket (replicated)", "all_reduce",
+         "optimizer · DistributedDataParallel bucket grads", "是")}
+    assert not any(r["parallel_type"] == "pp" for r in rows)
+    zero = load(runs["zero"] / "ledger.jsonl")
+    head = render_table(zero, rank=3, lang="zh").splitlines()[0]
+    assert head == "| # | 并行类型 | 切分对象 | 通信原语 | 触发位置 | 是否异步 |"
+    rows = table_rows(zero, rank=3, lang="zh")  # last stage, dp rank 1
+    assert [(c[2], c[1]) for c in map(_cells, rows) if c[0] == "dp"] == [
+        ("reduce_scatter", "gradient bucket, 1/dp contiguous shard"),
+        ("all_reduce", "gradient bucket (replicated)"),
+        ("all_gather", "parameter bucket, 1/dp contiguous shard"),
+        ("all_gather", "parameter bucket, 1/dp contiguous shard")]
+    pp = [c for c in map(_cells, rows) if c[0] == "pp"]
+    assert {(c[2], c[1]) for c in pp} == {("recv", "激活 [16, 1, 32]，来自上一流水级"),
+                                          ("send", "激活梯度 [16, 1, 32]，发往上一流水级")}
+    emb = [c[1] for c in map(_cells, rows) if c[0] == "emb"]
+    assert emb == ["共享词嵌入梯度 [V/tp, h]，首末流水级"]
+
+
+def test_layout_matches_the_model_and_its_grad_buffer():
+    """The derived parameter list and bucket cut equal GPTModel's and GradBuffer's (tp=1)."""
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.config import ModelConfig
+    from paraloom.data_parallel.grad_buffer import GradBuffer
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel
+
+    c = CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256, pp=2, dp=2,
+                   bucket_size=4000, distributed_optimizer=True)
+    cfg = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
+                      seq_length=16)
+    for pp_rank, layers in ((0, range(0, 2)), (1, range(2, 4))):
+        model = GPTModel(cfg, ParallelMesh(), layer_ids=layers, pre_process=pp_rank == 0,
+                         post_process=pp_rank == 1)
+        model.embedding.word_embeddings.weight.shared_embedding = True  # as with pp > 1
+        named = list(model.named_parameters())
+        assert [(p.name, p.numel) for p in chunk_params(c, pp_rank)] == \
+            [(n, p.numel()) for n, p in named]
+        buf = GradBuffer(named, bucket_size=4000, pad_to=2)
+        assert [(b.numel, b.reduce_scatter, b.names) for b in chunk_buckets(c, pp_rank)] == \
+            [(b.numel, not any(getattr(p, "shared_embedding", False) for p in b.params),
+              tuple(b.names)) for b in buf.buckets]
