@@ -82,6 +82,11 @@ class ModelConfig:
     """Dropout probability for attention and residual dropout."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
+    make_vocab_size_divisible_by: int = 128
+    """The embedding table has ``vocab_size`` rounded up to a multiple of this many rows, so its
+    vocabulary split divides by tp. A fixed multiple (not Megatron's ``128 * tp``) keeps the
+    table's shape, and so checkpoints, the same under every layout; padding rows are never a
+    token and their logits are excluded from the loss."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -94,6 +99,12 @@ class ModelConfig:
                              f"num_attention_heads = {self.num_attention_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``."""
+        m = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // m) * m
 
     @property
     def ffn(self) -> int:
@@ -110,9 +121,10 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
                         ("num_attention_heads", model.num_attention_heads)):
         if value % tp:
             problems.append(f"{name} = {value} is not divisible by tp = {tp}")
-    if model.vocab_size % tp:
-        problems.append(f"vocab_size = {model.vocab_size} is not divisible by tp = {tp} (the "
-                        f"vocabulary is split over tp ranks; pad it to a multiple of {tp})")
+    if model.padded_vocab_size % tp:
+        problems.append(f"the padded vocabulary ({model.vocab_size} rounded up to a multiple of "
+                        f"make_vocab_size_divisible_by = {model.make_vocab_size_divisible_by}: "
+                        f"{model.padded_vocab_size}) is not divisible by tp = {tp}")
     if model.num_layers % chunks:
         problems.append(f"num_layers = {model.num_layers} is not divisible by pp * vpp = {chunks}")
     if parallel.sequence_parallel and model.seq_length % tp:

@@ -101,3 +101,35 @@ def test_recomputation_replays_the_same_dropout_masks(world4):
             torch.testing.assert_close(loss, loss0, rtol=1e-6, atol=0)
             for name in g0:
                 torch.testing.assert_close(grads[name], g0[name], rtol=1e-5, atol=1e-7)
+
+
+PADDED = ModelConfig(vocab_size=100, make_vocab_size_divisible_by=32, hidden_size=32,
+                     num_layers=2, num_attention_heads=4, seq_length=16)
+
+
+def run_padded(tp, sp):
+    mesh = ParallelMesh(tp=tp, dp=4 // tp)
+    model = GPTModel(PADDED, mesh, options=ParallelOptions(sequence_parallel=sp))
+    tokens, labels = (t % PADDED.vocab_size for t in _batch())
+    loss = model(tokens, labels).mean()
+    loss.backward()
+    return loss.detach(), full_grads(model, mesh)
+
+
+def test_padded_vocabulary_is_excluded_from_the_loss(world4):
+    import torch.nn.functional as F
+    assert PADDED.padded_vocab_size == 128
+    model = GPTModel(PADDED, ParallelMesh())
+    tokens, labels = (t % PADDED.vocab_size for t in _batch())
+    logits = model(tokens)                                   # [s, b, 128]: 28 padding columns
+    want = F.cross_entropy(logits[..., :100].reshape(-1, 100), labels.t().reshape(-1))
+    loss = model(tokens, labels).mean()
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    loss.backward()
+    ref = {n: p.grad for n, p in model.named_parameters()}
+    assert ref["embedding.word_embeddings.weight"][100:].abs().max() == 0  # padding rows
+    for tp, sp in ((2, False), (4, True)):
+        got_loss, grads = world4.run(run_padded, tp, sp)[0]
+        torch.testing.assert_close(got_loss, loss.detach(), rtol=1e-5, atol=1e-6)
+        for name, g in grads.items():
+            torch.testing.assert_close(g, ref[name], rtol=1e-5, atol=1e-6)

@@ -104,6 +104,12 @@ def render_diff(rows: list[dict], *, only_diff: bool = False) -> str:
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
+def _padded(model: dict) -> int:
+    """The embedding table's rows: the vocabulary rounded up as ``ModelConfig`` pads it."""
+    multiple = model.get("make_vocab_size_divisible_by", 128)
+    return -(-model["vocab_size"] // multiple) * multiple
+
+
 def config_from_run(cfg: dict) -> CommConfig:
     """The :class:`CommConfig` of a run from its ``config.json`` (``asdict(TrainConfig)``):
     a train step (gradient sync, loss reduction) with the run's layout, switches and dtypes
@@ -112,7 +118,7 @@ def config_from_run(cfg: dict) -> CommConfig:
     dp = p["dp"]
     return CommConfig(
         layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
-        seq_len=m["seq_length"], vocab=m["vocab_size"], ffn=m.get("ffn_hidden_size"),
+        seq_len=m["seq_length"], vocab=_padded(m), ffn=m.get("ffn_hidden_size"),
         micro_batch=cfg["micro_batch_size"],
         num_microbatches=cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp),
         tp=p["tp"], pp=p["pp"], dp=dp, vpp=p.get("vpp"),

@@ -190,7 +190,8 @@ class Embedding(nn.Module):
         self.mesh, self.dropout = mesh, cfg.dropout
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
         self.word_embeddings = VocabParallelEmbedding(
-            cfg.vocab_size, cfg.hidden_size, init_method=init, reduce_scatter_embeddings=self.sp,
+            cfg.padded_vocab_size, cfg.hidden_size, init_method=init,
+            reduce_scatter_embeddings=self.sp,
             mesh=mesh, name="embedding.word_embeddings", params_dtype=opt.params_dtype)
         if mesh.pp.size > 1:
             self.word_embeddings.weight.shared_embedding = True
@@ -243,7 +244,8 @@ class GPTModel(nn.Module):
         self.input_tensor = tensor
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s(/tp), b, h] -> [s, b, V/tp]``: the tied output layer, vocabulary split over tp."""
+        """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the tied output layer, vocabulary split over tp
+        (``Vp`` is the padded vocabulary; columns past ``vocab_size`` are padding)."""
         axis = self.mesh.tp
         if self.sp:
             x = gather_from_sequence_parallel_region(x, axis, True, site="GPTModel.output",
@@ -265,4 +267,5 @@ class GPTModel(nn.Module):
         logits = self.logits(self.final_layernorm(x))
         if labels is None:
             return logits
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh.tp).t()
+        real = self.cfg.vocab_size if self.cfg.padded_vocab_size != self.cfg.vocab_size else None
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh.tp, vocab_size=real).t()
