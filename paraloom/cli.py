@@ -73,6 +73,7 @@ _FORWARDED = {
     "trace": ("paraloom.report.trace", "trace_main"),
     "plan": ("paraloom.analysis.plan", "plan_main"),
     "check": ("paraloom.analysis.check", "check_main"),
+    "eval": ("paraloom.training.evaluate", "eval_main"),
     "explain": ("paraloom.explain", "explain_main"),
     "doctor": ("paraloom.explain", "doctor_main"),
 }

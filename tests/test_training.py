@@ -75,3 +75,18 @@ def test_resume_continues_exactly(tmp_path):
         name = "re-" + "-".join(f"{k}{v}" for k, v in layout.items())
         other = train(tmp_path, name, steps=6, resume=step3, **layout)
         _assert_same(other, straight[3:])
+
+
+def test_eval_gives_the_same_loss_under_any_layout(tmp_path, capfd):
+    from paraloom.cli import main
+    train(tmp_path, "run", tp=2, pp=2, steps=2, save_every=2)
+    capfd.readouterr()
+    results = []
+    for layout in (["--tp", "1"], ["--tp", "4", "--sequence-parallel"], ["--pp", "2", "--dp", "2"]):
+        assert main(["eval", "--resume", str(tmp_path / "run"), "--batches", "2", *layout]) == 0
+        line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("{")][-1]
+        results.append(json.loads(line))
+    assert results[0]["step"] == 2 and results[0]["tokens"] == 2 * 8 * MODEL.seq_length
+    for r in results[1:]:
+        assert r["loss"] == pytest.approx(results[0]["loss"], rel=1e-5)
+    assert main(["eval", "--resume", str(tmp_path / "nowhere")]) == 2

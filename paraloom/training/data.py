@@ -74,14 +74,16 @@ def microbatches(batch: torch.Tensor, dp_rank: int, dp: int, num_microbatches: i
     return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(size)]
 
 
-def eval_batches(corpus: Corpus, batch_size: int, num_batches: int
+def eval_batches(corpus: Corpus, batch_size: int, num_batches: int, *, start: int | None = None
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced held-out windows (never seen in training), as ``(tokens, labels)``."""
-    span = len(corpus.data) - corpus.split - corpus.seq_len - 1
+    """Evenly spaced windows from byte ``start`` on (default: the held-out part, never seen in
+    training), as ``(tokens, labels)`` batches of ``batch_size``."""
+    start = corpus.split if start is None else start
+    span = len(corpus.data) - start - corpus.seq_len - 1
     if span <= 0:
-        raise ValueError(f"the held-out part ({len(corpus.data) - corpus.split} bytes) is shorter "
+        raise ValueError(f"the evaluated part ({len(corpus.data) - start} bytes) is shorter "
                          f"than seq_len + 1 = {corpus.seq_len + 1}")
     count = batch_size * num_batches
-    starts = corpus.split + (torch.arange(count) * span) // max(count, 1)
+    starts = start + (torch.arange(count) * span) // max(count, 1)
     windows = corpus._windows(starts)
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(batch_size)]

@@ -1,0 +1,103 @@
+"""``paraloom eval``: the loss of a checkpoint on held-out text, under any layout.
+
+The model's shape comes from the checkpoint; the layout (``--tp --pp --dp ...``) is free, since
+checkpoints are stored under global names. Prints one JSON line on rank 0::
+
+    paraloom eval --resume runs/latest --tp 2          # {"loss": 2.71, "tokens": 16384, ...}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+
+__all__ = ["eval_main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paraloom eval", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--resume", "--load", dest="resume", required=True,
+                   help="run folder or checkpoint folder")
+    p.add_argument("--data", "--data-path", dest="data", default=None,
+                   help="text file (default: the bundled corpus)")
+    p.add_argument("--split", choices=["heldout", "all"], default="heldout",
+                   help="heldout: the last 5%% of the bytes (never trained on); all: the file")
+    p.add_argument("--batches", type=int, default=8, help="global batches to evaluate")
+    p.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--dp", "--data-parallel-size", type=int, default=1)
+    p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=int, default=None)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0)
+    return p
+
+
+def _config(args):
+    from ..config import ModelConfig, ParallelConfig, TrainConfig
+    from .checkpoint import latest_checkpoint, read_meta
+    ckpt = latest_checkpoint(args.resume)
+    if ckpt is None:
+        raise ValueError(f"--resume {args.resume!r}: no complete paraloom checkpoint there")
+    meta = read_meta(ckpt)
+    if meta.get("format") != "paraloom-checkpoint-1":
+        raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
+    if args.batches < 1:
+        raise ValueError(f"--batches must be a positive integer, got {args.batches}")
+    model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
+    vpp = args.vpp if args.vpp and args.vpp > 1 else None
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
+                              sequence_parallel=args.sequence_parallel)
+    schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"
+    cfg = TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
+                      micro_batch_size=args.micro_batch_size, schedule=schedule,
+                      data=args.data, resume=str(ckpt), timeout_s=args.timeout_s)
+    return cfg, ckpt
+
+
+def _rank(rank, world, cfg, ckpt, split, batches) -> None:
+    import torch.distributed as dist
+
+    from ..mesh import ParallelMesh
+    from .checkpoint import load_checkpoint
+    from .data import Corpus, eval_batches, load_corpus
+    from .state import state_entries
+    from .train import build, evaluate
+    mesh = ParallelMesh(cfg.parallel)
+    corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
+    run = build(cfg, mesh, corpus)
+    entries = {k: e for k, e in state_entries(run, for_save=False)[0].items()
+               if k.startswith("model.")}  # parameters only: no optimizer state needed
+    meta = load_checkpoint(ckpt, entries, mesh)
+    start = 0 if split == "all" else None
+    loss = evaluate(run, eval_batches(corpus, cfg.global_batch_size, batches, start=start))
+    if dist.get_rank() == 0:
+        tokens = batches * cfg.global_batch_size * cfg.model.seq_length
+        print(json.dumps({"loss": loss, "tokens": tokens, "checkpoint": str(ckpt),
+                          "step": meta["step"], "split": split}), flush=True)
+
+
+def eval_main(argv) -> int:
+    from .. import launch
+    args = _parser().parse_args(argv)
+    try:
+        cfg, ckpt = _config(args)
+        from .data import load_corpus
+        load_corpus(cfg.data)
+    except (ValueError, TypeError) as err:
+        print(f"paraloom eval: error: {err}", file=sys.stderr)
+        return 2
+    world = cfg.parallel.world_size
+    threads = max(1, (os.cpu_count() or 1) // world)
+    try:
+        launch.spawn(_rank, world, replace(cfg, steps=1), ckpt, args.split, args.batches,
+                     timeout_s=cfg.timeout_s, threads=threads)
+    except RuntimeError as err:
+        print(f"paraloom eval: {err}", file=sys.stderr)
+        return 1
+    return 0
