@@ -6,10 +6,12 @@ What it measures
     fp32 on CPU over gloo, one intra-op thread per rank, ranks forked by
     :func:`paraloom.launch.spawn`:
 
-    * paraloom: ``forward_backward_pipelining_without_interleaving`` (ledger off);
+    * paraloom: ``forward_backward_pipelining_without_interleaving`` (ledger off), overlapping
+      p2p with compute (the default on gloo);
+    * paraloom-blocking: the same with ``overlap_p2p_comm=False`` (blocking p2p batches);
     * PyTorch: ``PipelineStage`` + ``Schedule1F1B`` (``step(x)`` / ``step(target=...)``).
 
-    Both run the same weights in the same processes, alternating every iteration (order rotated);
+    All run the same weights in the same processes, taking turns every iteration (order rotated);
     each timed step starts after a barrier and its time is the slower rank's. Compute time per
     stage is measured the same way for both, from inside the model: forward by timing the stage
     module's forward, backward from the first gradient reaching the stage output to the last
@@ -106,13 +108,14 @@ def data(seed: int = 1):
             for _ in range(M)]
 
 
-def _step_paraloom(model, mesh, batches):
+def _step_paraloom(model, mesh, batches, overlap=None):
     def forward_step(it, chunk):
         x, target = next(it)
         return chunk(x), lambda out: F.mse_loss(out, target)
 
     return forward_backward_pipelining_without_interleaving(
-        forward_step, iter(batches), model, M, S, B, mesh=mesh, hidden_size=H)
+        forward_step, iter(batches), model, M, S, B, mesh=mesh, hidden_size=H,
+        overlap_p2p_comm=overlap)
 
 
 def _step_torch(schedule, rank, batches):
@@ -158,25 +161,31 @@ timer_params: dict[int, list] = {}
 def main(rank: int, world: int, iters: int, picture: str | None) -> None:
     mesh = ParallelMesh(pp=P)
     layers = layer_range(L, P, rank)
-    ours_t, theirs_t = Timer(), Timer()
-    ours, theirs = Stage(layers, ours_t), Stage(layers, theirs_t)
-    timer_params[id(ours_t)], timer_params[id(theirs_t)] = list(ours.parameters()), \
-        list(theirs.parameters())
+    ours_t, blocking_t, theirs_t = Timer(), Timer(), Timer()
+    ours, blocking = Stage(layers, ours_t), Stage(layers, blocking_t)
+    theirs = Stage(layers, theirs_t)
+    for timer, model in ((ours_t, ours), (blocking_t, blocking), (theirs_t, theirs)):
+        timer_params[id(timer)] = list(model.parameters())
     loss_fn = lambda out, target: F.mse_loss(out.squeeze(0), target.squeeze(0))  # noqa: E731
     stage = PipelineStage(_TorchStage(theirs), rank, P, torch.device("cpu"),
                           group=mesh.pp.group)
     schedule = Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn)
     batches = data()
     runs = {"paraloom": (lambda: _step_paraloom(ours, mesh, batches), ours_t),
+            "paraloom-blocking": (lambda: _step_paraloom(blocking, mesh, batches, False),
+                                  blocking_t),
             "torch": (lambda: _step_torch(schedule, rank, batches), theirs_t)}
     for name in runs:  # warm up (torch infers shapes on its first step) and check equality
         _timed(*runs[name])
-    for (n, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+    for (n, a), b, c in zip(ours.named_parameters(), theirs.parameters(), blocking.parameters(),
+                            strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=f"grad of {n}")
+        torch.testing.assert_close(a.grad, c.grad, rtol=0, atol=0, msg=f"grad of {n}")
     times = {name: [] for name in runs}
     per_rank = {name: [] for name in runs}
+    names = list(runs)
     for it in range(iters):
-        for name in (list(runs) if it % 2 == 0 else list(reversed(runs))):
+        for name in names[it % len(names):] + names[:it % len(names)]:
             step, ranks = _timed(*runs[name])
             times[name].append(step)
             per_rank[name].append(ranks)
@@ -188,18 +197,24 @@ def main(rank: int, world: int, iters: int, picture: str | None) -> None:
     if rank != 0:
         return
     ratios = [a / b for a, b in zip(times["paraloom"], times["torch"], strict=True)]
+    blocking_ratios = [a / b for a, b in zip(times["paraloom-blocking"], times["torch"],
+                                             strict=True)]
+    overlap_ratios = [a / b for a, b in zip(times["paraloom"], times["paraloom-blocking"],
+                                            strict=True)]
     print(f"pp={P}, m={M}, 8 blocks h={H} ffn={FFN}, s={S}, b={B}, fp32 gloo, {iters} iters")
-    print(f"{'':10}{'median step':>13}{'stage':>7}{'compute':>10}{'idle':>9}{'idle share':>12}")
+    print(f"{'':18}{'median step':>13}{'stage':>7}{'compute':>10}{'idle':>9}{'idle share':>12}")
     for name in runs:
         med = statistics.median(times[name])
         for r in range(P):
             compute = statistics.median(x[r][1] for x in per_rank[name])
             idle = med - compute
-            print(f"{name if r == 0 else '':10}{med * 1e3 if r == 0 else float('nan'):>11.1f}ms"
+            print(f"{name if r == 0 else '':18}{med * 1e3 if r == 0 else float('nan'):>11.1f}ms"
                   .replace("nanms", "     ") + f"{r:>7}{compute * 1e3:>8.1f}ms{idle * 1e3:>7.1f}ms"
                   f"{idle / med:>12.3f}")
     print(f"ratio paraloom / torch (median of paired ratios): {statistics.median(ratios):.3f}"
           f"  (goal <= 0.95); ideal idle share of stage 0: {(P - 1) / (M + P - 1):.3f}")
+    print(f"ratio paraloom-blocking / torch: {statistics.median(blocking_ratios):.3f}; "
+          f"paraloom / paraloom-blocking: {statistics.median(overlap_ratios):.3f}")
     if picture:
         from paraloom.report import plots
 

@@ -88,7 +88,8 @@ def reference(m: int):
 
 
 def run_case(schedule: str, pp: int, m: int, vpp: int = 1, forward_only: bool = False,
-             variable_seq_lengths: bool = False, return_events: bool = False):
+             variable_seq_lengths: bool = False, return_events: bool = False,
+             overlap: bool | None = None):
     comm.set_timeout(30)  # a deadlock fails in 30 s instead of hanging the world
     mesh = ParallelMesh(pp=pp, dp=4 // pp, vpp=vpp if vpp > 1 else None)
     blocks = make_blocks()
@@ -102,7 +103,8 @@ def run_case(schedule: str, pp: int, m: int, vpp: int = 1, forward_only: bool = 
     with recording(ledger):
         losses = FUNCS[schedule](forward_step, iters, model, m, S, B, forward_only, mesh=mesh,
                                  hidden_size=H, stats=stats, no_sync_func=lambda: _Count(syncs),
-                                 variable_seq_lengths=variable_seq_lengths)
+                                 variable_seq_lengths=variable_seq_lengths,
+                                 overlap_p2p_comm=overlap)
     ref_losses, ref_grads = reference(m)
     if mesh.is_last_stage:
         torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), **TOL)
@@ -124,7 +126,9 @@ def run_case(schedule: str, pp: int, m: int, vpp: int = 1, forward_only: bool = 
              if e["op"] == "compute"]
     p2p_events = [{k: e[k] for k in ("op", "phase", "kind", "bytes", "microbatch", "site",
                                      "peer", "shape")} for e in events if e["kind"] == "pp"]
+    asyncs = {e["async"] for e in events if e["kind"] == "pp"}
     return dict(stage=mesh.pp.rank, dp=mesh.dp.rank, checked=checked, p2p=p2p_events,
+                asyncs=asyncs,
                 spans=spans, max_in_flight=stats.max_in_flight, syncs=len(syncs),
                 span_profile=max(in_flight_profile(spans), default=0))
 
@@ -182,6 +186,36 @@ def test_in_flight_1f1b_vs_gpipe(world4):
     first = [r for r in one if r["stage"] == 0][0]
     assert first["max_in_flight"] <= pp and first["span_profile"] <= pp
     assert all(r["max_in_flight"] == m for r in gpipe)
+
+
+@pytest.mark.parametrize("schedule,pp,m,vpp", [("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)])
+def test_blocking_plan(world4, schedule, pp, m, vpp):
+    """overlap_p2p_comm=False runs the blocking batches: same gradients, same messages."""
+    blocking = world4.run(run_case, schedule, pp, m, vpp, False, False, False, False)
+    overlapped = world4.run(run_case, schedule, pp, m, vpp)
+    key = lambda e: (e["op"], e["phase"], e["microbatch"], e["peer"])  # noqa: E731
+    for b, o in zip(blocking, overlapped, strict=True):
+        assert b["asyncs"] == {False} and o["asyncs"] == {True}
+        assert sorted(map(key, b["p2p"])) == sorted(map(key, o["p2p"]))
+
+
+def test_overlap_shows_in_ledger(world4):
+    """Each receive but a stage's very first is posted before a compute step that ends before
+    the receive is waited for (the transfer overlapped it); sends are waited for late too."""
+    for events in world4.run(run_case, "1f1b", 4, 8, 1, False, False, True):
+        spans = [e for e in events if e["op"] == "compute"]
+        stage = spans[0]["stage"]
+        pp = [e for e in events if e["kind"] == "pp"]
+        assert all(e["async"] and e["t_start"] <= e["t_wait"] <= e["t_end"] for e in pp)
+
+        def overlapped(e, spans=spans):
+            return any(e["t_start"] <= s["t_start"] and s["t_end"] <= e["t_wait"] for s in spans)
+
+        recvs = [e for e in pp if e["op"] == "recv"]
+        assert len(recvs) == (8 if stage else 0) + (8 if stage < 3 else 0)
+        assert sum(map(overlapped, recvs)) == len(recvs) - (1 if stage else 0)
+        sends = [e for e in pp if e["op"] == "send"]
+        assert sum(map(overlapped, sends)) >= len(sends) - 2
 
 
 def test_variable_seq_lengths(world4):

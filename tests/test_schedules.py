@@ -6,8 +6,10 @@ import itertools
 import json
 
 import pytest
+import torch
 
 from paraloom import cli
+from paraloom.pipeline_parallel import schedules
 from paraloom.pipeline_parallel import stage as st
 from paraloom.pipeline_parallel import timetable as tt
 from paraloom.report import plots
@@ -70,8 +72,58 @@ def test_p2p_plans_match_and_never_deadlock(schedule, vs):
     for (p, m), v in itertools.product(CONFIGS, vs):
         if schedule == "interleaved" and m % p:
             continue
-        for forward_only in (False, True):
-            tt.check_plans([tt.p2p_plan(schedule, p, m, r, v, forward_only) for r in range(p)])
+        for forward_only, overlap in itertools.product((False, True), (False, True)):
+            tt.check_plans([tt.p2p_plan(schedule, p, m, r, v, forward_only, overlap)
+                            for r in range(p)])
+
+
+def test_overlapped_plan_posts_ahead_and_waits_late():
+    """Megatron's overlap_p2p_comm: a receive is posted before the compute step preceding the
+    step that needs it, each send right after its producer, and its wait after the next step."""
+    plan = tt.p2p_plan("1f1b", 2, 4, 0, overlap=True)
+    at = {step: i for i, step in enumerate(plan) if step[0] in "FB"}
+    for mb in range(4):
+        recv = ("recv", "next", ("grad", mb, 1))
+        posted = next(i for i, s in enumerate(plan) if s[0] == "post" and recv in s[1])
+        waited = next(i for i, s in enumerate(plan) if s[0] == "wait" and recv in s[1])
+        # at least one compute step runs while the gradient travels, and B waits just before
+        assert any(s[0] in "FB" for s in plan[posted:waited]) and waited == at[("B", mb, 0)] - 1
+        send = ("send", "next", ("act", mb, 0))
+        assert plan[at[("F", mb, 0)] + 1] == ("post", [send])
+        sent = next(i for i, s in enumerate(plan) if s[0] == "wait" and send in s[1])
+        assert any(s[0] in "FB" for s in plan[at[("F", mb, 0)] + 1:sent]) or mb == 3
+    assert not any(s[0] == "comm" for s in plan)
+    # the same messages in the same per-peer order as the blocking plan
+    for r in range(2):
+        flat = [[op for s in tt.p2p_plan("1f1b", 2, 4, r, overlap=ov) if s[0] in ("comm", "post")
+                 for op in s[1] if op[0] == what] for ov in (False, True) for what in ("send",
+                                                                                      "recv")]
+        assert flat[0] == flat[2] and flat[1] == flat[3]
+
+
+def test_check_plans_catches_unwaited_and_unposted():
+    send = ("send", "next", ("act", 0, 0))
+    recv = ("recv", "prev", ("act", 0, 0))
+    with pytest.raises(RuntimeError, match="never waits"):
+        tt.check_plans([[("post", [send])], [("comm", [recv])]])
+    with pytest.raises(RuntimeError, match="not posted"):
+        tt.check_plans([[("wait", [send])], [("comm", [recv])]])
+    with pytest.raises(RuntimeError, match="deadlock"):
+        tt.check_plans([[], [("post", [recv]), ("wait", [recv])]])
+    # async posts on both sides meet even when each waits before the other posts its receive
+    tt.check_plans([[("post", [send]), ("wait", [send]), ("comm", [("recv", "next", ("g", 0))])],
+                    [("post", [("send", "prev", ("g", 0))]), ("comm", [recv]),
+                     ("wait", [("send", "prev", ("g", 0))])]])
+
+
+def test_overlap_switch():
+    cpu = torch.device("cpu")
+    assert schedules._overlap(None, cpu, False) and not schedules._overlap(None, cpu, True)
+    assert not schedules._overlap(False, cpu, False)
+    with pytest.raises(ValueError, match="variable_seq_lengths=False"):
+        schedules._overlap(True, cpu, True)
+    with pytest.raises(ValueError, match="for gloo"):
+        schedules._overlap(True, torch.device("cuda"), False)
 
 
 def test_check_plans_catches_deadlock_and_swaps():

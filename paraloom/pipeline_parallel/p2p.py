@@ -8,6 +8,10 @@ previous stage in backward (phase ``backward``); every transfer is a ``P2POp`` p
 ``mesh.prev_rank`` wrap around the ring, which interleaved schedules use to go from the last
 stage's chunk ``c`` to the first stage's chunk ``c + 1``.
 
+The schedules post through :func:`post` instead when they overlap communication with
+compute (Megatron's ``overlap_p2p_comm``, gloo only): every op starts asynchronously and is
+waited for only when its tensor is needed (a receive) or before its buffer is let go (a send).
+
 Why the combined functions: a stage that first waited for its send to finish and only then
 posted its receive would deadlock against a neighbour doing the same in the other direction
 (1F1B's steady state: stage ``r`` sends an activation forward while stage ``r + 1`` sends a
@@ -31,7 +35,7 @@ from .. import comm
 from ..launch import get_device
 from ..mesh import ParallelMesh
 
-__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "encode_shape", "decode_shape",
+__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape",
            "recv_forward", "send_forward", "recv_backward", "send_backward",
            "send_forward_recv_backward", "send_backward_recv_forward", "send_forward_recv_forward",
            "send_backward_recv_backward", "send_forward_backward_recv_forward_backward"]
@@ -125,6 +129,30 @@ def communicate(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
         if what == "recv":
             out.append(tensor.requires_grad_() if phase == "forward" else tensor)
     return out
+
+
+def post(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
+         device: torch.device | None = None) -> list:
+    """Start ``ops`` (as in :func:`communicate`) without waiting: one handle per op.
+
+    Each op is its own ``batch_p2p`` call (so each can be waited for on its own) recorded as
+    ``async``: ``t_start`` when posted, ``t_wait`` / ``t_end`` around its ``wait()``, which
+    returns ``[tensor]`` (the filled receive buffer, or the tensor sent). A sent tensor must not
+    be modified until its wait returned (gloo reads it meanwhile); the handle keeps it alive.
+    Received activations need ``requires_grad_()`` after the wait (the caller's job).
+    """
+    peer_of = {"next": mesh.next_rank, "prev": mesh.prev_rank}
+    handles = []
+    for what, side, tensor, phase, mb in ops:
+        if what == "send":
+            tensor = tensor.detach().contiguous()
+        else:
+            tensor = torch.empty(tensor_shape, dtype=dtype, device=device or get_device())
+        fields = {"phase": phase} if mb is None else {"phase": phase, "microbatch": mb}
+        handles.append(comm.batch_p2p([(what, tensor, peer_of[side], fields)], mesh.pp,
+                                      phase=phase, kind="pp", site=f"p2p.{what}_{phase}",
+                                      async_op=True))
+    return handles
 
 
 def _first(mesh, chunk):

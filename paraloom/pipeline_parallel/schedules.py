@@ -17,9 +17,13 @@ Megatron's signature and contract::
 
 Every runtime executes the plan built by :func:`.timetable.p2p_plan` — the same pure timetable
 the tests and the schedule picture read — so the order of compute and communication here is
-exactly the one shown there. Each forward / backward step is a ledger compute span (site
-``pipeline.forward`` / ``pipeline.backward``, with ``stage`` and ``chunk``) attributed to its
-microbatch, and :class:`PipelineStats` counts the microbatches whose activations a stage holds.
+exactly the one shown there. On gloo the plan overlaps communication with compute (Megatron's
+``overlap_p2p_comm``; ``overlap_p2p_comm=False`` for the blocking batches): a step's receive is
+posted one step ahead, outputs are sent asynchronously as soon as computed, and the ledger's
+``t_start`` / ``t_wait`` / ``t_end`` of each p2p event show the overlap. Each forward /
+backward step is a ledger compute span (site ``pipeline.forward`` / ``pipeline.backward``, with
+``stage`` and ``chunk``) attributed to its microbatch, and :class:`PipelineStats` counts the
+microbatches whose activations a stage holds.
 
 Launch: build a :class:`~paraloom.mesh.ParallelMesh` with ``pp > 1`` on every rank (``torchrun
 --nproc-per-node 4 ...`` or :func:`paraloom.launch.spawn`), build the stage's chunks
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ledger as _ledger
+from ..launch import get_device
 from ..mesh import ParallelMesh
 from . import p2p
 from .timetable import bubble_fraction, p2p_plan, stage_order, timetable, validate  # noqa: F401
@@ -83,11 +88,29 @@ def _loss_of(result):
     return result, result.detach()
 
 
+def _overlap(requested, device, variable_seq_lengths) -> bool:
+    """Whether to run the overlapped plan: by default on gloo (CPU) without shape exchange."""
+    gloo = (device or get_device()).type == "cpu"
+    if requested is None:
+        return gloo and not variable_seq_lengths
+    if requested and not gloo:  # NCCL runs a peer pair's p2p in posting order: a receive
+        # posted ahead of a send would wait for a peer waiting on that send
+        raise ValueError(f"overlap_p2p_comm=True is for gloo (CPU); got a {device} model")
+    if requested and variable_seq_lengths:
+        raise ValueError("overlap_p2p_comm=True needs fixed shapes (variable_seq_lengths=False): "
+                         "a receive is posted before the shape it would need is known")
+    return bool(requested)
+
+
 def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatches, seq_length,
              micro_batch_size, forward_only, *, mesh, hidden_size, dtype=torch.float32,
              sequence_parallel=False, variable_seq_lengths=False, stats=None, no_sync_func=None,
-             finalize_model_grads_func=None):
-    """Run ``p2p_plan(schedule, ...)`` for this stage; the one engine behind every schedule."""
+             finalize_model_grads_func=None, overlap_p2p_comm=None):
+    """Run ``p2p_plan(schedule, ...)`` for this stage; the one engine behind every schedule.
+
+    ``overlap_p2p_comm`` (default: on for gloo without ``variable_seq_lengths``) runs the
+    overlapped plan, whose receives are posted one step ahead and whose sends are waited for
+    late, so transfers run during compute; ``False`` runs the blocking batches."""
     p, rank, v, m = mesh.pp.size, mesh.pp.rank, len(chunks), num_microbatches
     validate(schedule, p, m, v)
     if schedule == "interleaved" and v != mesh.vpp:
@@ -98,14 +121,28 @@ def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatch
                             f"the schedule passes each received activation through it")
     shape = tensor_shape_of(seq_length, micro_batch_size, hidden_size, mesh, sequence_parallel)
     stats = stats if stats is not None else PipelineStats()
-    plan = p2p_plan(schedule, p, m, rank, v, forward_only)
     device = next((q.device for chunk in chunks for q in chunk.parameters()), None)
+    overlap = _overlap(overlap_p2p_comm, device, variable_seq_lengths)
+    plan = p2p_plan(schedule, p, m, rank, v, forward_only, overlap)
     # gradient sync (e.g. a data-parallel all-reduce) only in each chunk's last backward
     last_b = {step[2]: i for i, step in enumerate(plan) if step[0] == "B"}
     no_sync = no_sync_func if isinstance(no_sync_func, (list, tuple)) else [no_sync_func] * v
     last_vs = p * v - 1
-    received, outbox, saved, losses = {}, {}, {}, []
+    received, outbox, saved, losses, handles = {}, {}, {}, [], {}
     for i, step in enumerate(plan):
+        if step[0] == "post":  # start without waiting; keep one handle per op
+            ops = [(what, side, outbox.pop(msg) if what == "send" else None,
+                    "forward" if msg[0] == "act" else "backward", msg[1])
+                   for what, side, msg in step[1]]
+            handles.update(zip(step[1], p2p.post(ops, mesh=mesh, tensor_shape=shape, dtype=dtype,
+                                                 device=device), strict=True))
+            continue
+        if step[0] == "wait":
+            for op in step[1]:
+                got = handles.pop(op).wait()[0]
+                if op[0] == "recv":  # received activations: the stage differentiates w.r.t. them
+                    received[op[2]] = got.requires_grad_() if op[2][0] == "act" else got
+            continue
         if step[0] == "comm":
             ops = [(what, side, outbox.pop(msg) if what == "send" else None,
                     "forward" if msg[0] == "act" else "backward", msg[1])
@@ -143,9 +180,10 @@ def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatch
                 if vs > 0:
                     outbox[("grad", mb, vs)] = inp.grad  # [s, b, h]
             stats._change(-1)
-    if received or outbox or saved:  # a plan bug, never a user error: say so loudly
+    if received or outbox or saved or handles:  # a plan bug, never a user error: say so loudly
         raise RuntimeError(f"pipeline plan left messages behind: received={list(received)}, "
-                           f"unsent={list(outbox)}, held={list(saved)}")
+                           f"unsent={list(outbox)}, held={list(saved)}, "
+                           f"in flight={list(handles)}")
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)
     return losses

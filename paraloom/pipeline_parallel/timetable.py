@@ -17,6 +17,8 @@ plans built here, and the tests and the schedule picture read the same timetable
 
 from __future__ import annotations
 
+from .plan_check import check_plans
+
 __all__ = ["SCHEDULES", "validate", "warmup_count", "stage_order", "timetable", "bubble_fraction",
            "in_flight_profile", "max_in_flight", "p2p_plan", "check_plans"]
 
@@ -173,16 +175,29 @@ def _groups(schedule, p, m, rank, v, forward_only):
             + [[op] for op in order[steady_end:]])
 
 
-def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
-             forward_only: bool = False) -> list[tuple]:
-    """What stage ``rank`` does, in order: ``("comm", ops)`` batches and ``(kind, mb, chunk)``.
+def _recv(msg):
+    return ("recv", "prev" if msg[0] == "act" else "next", msg)
 
-    Megatron's rule, generalised: before each compute step (each steady-state F+B pair when
-    interleaved) one batch posts the *sends* of the previous step's outputs together with the
-    *receives* the step needs (send_forward_recv_backward in 1F1B's steady state, and so on), so
+
+def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
+             forward_only: bool = False, overlap: bool = False) -> list[tuple]:
+    """What stage ``rank`` does, in order: communication entries and ``(kind, mb, chunk)``.
+
+    Ops are ``("send" | "recv", side, (kind, mb, source virtual stage))`` with side ``"next"``
+    or ``"prev"``. Blocking (``overlap=False``), Megatron's rule generalised: before each
+    compute step (each steady-state F+B pair when interleaved) one ``("comm", ops)`` batch posts
+    the *sends* of the previous step's outputs together with the *receives* the step needs
+    (send_forward_recv_backward in 1F1B's steady state, and so on) and waits for all of them, so
     neighbours meet in the same batch instead of each waiting on a send the other has not yet
-    received. ``ops`` are ``("send" | "recv", side, (kind, mb, source virtual stage))`` with side
-    ``"next"`` or ``"prev"``.
+    received.
+
+    Overlapped (``overlap=True``, Megatron's ``overlap_p2p_comm``): ``("post", ops)`` starts
+    ops without waiting, ``("wait", ops)`` blocks until posted ops finished. The receives a step
+    needs are posted before the step *before* it computes, so the transfer overlaps that compute;
+    each step waits only for its own receive, right before it runs; each output is sent as soon
+    as it is computed, and a send is waited for only after the next step computed (its tensor is
+    left untouched meanwhile) or at the end. Every op is posted in the same per-peer order as in
+    the blocking plan, and never later, so the matching is the same.
 
     Matching is first-in-first-out per pair of ranks, so every receiver must take a peer's
     messages in the order the peer sends them; with ``pp = 2`` and interleaving, activations and
@@ -190,13 +205,32 @@ def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
     tensors. :func:`check_plans` verifies exactly that (and deadlock freedom); the tests run it
     over many ``(schedule, p, m, v)``.
     """
+    groups = _groups(schedule, p, m, rank, v, forward_only)
+    needs = [[_recv(msg) for msg in (_needed(op, rank, p, v) for op in group) if msg]
+             for group in groups]
     plan, pending = [], []
-    for group in _groups(schedule, p, m, rank, v, forward_only):
-        ops = [("send", _side(msg), msg) for msg in pending]
-        for op in group:
-            need = _needed(op, rank, p, v)
-            if need is not None:
-                ops.append(("recv", "prev" if need[0] == "act" else "next", need))
+    if overlap:
+        if needs and needs[0]:
+            plan.append(("post", needs[0]))
+        for k, group in enumerate(groups):
+            if k + 1 < len(groups) and needs[k + 1]:
+                plan.append(("post", needs[k + 1]))
+            sends = []
+            for op in group:
+                need = _needed(op, rank, p, v)
+                if need is not None:
+                    plan.append(("wait", [_recv(need)]))
+                plan.append(op)
+                out = _produced(op, rank, p, v)
+                if out is not None:
+                    sends.append(("send", _side(out), out))
+                    plan.append(("post", [sends[-1]]))
+            if pending:
+                plan.append(("wait", pending))
+            pending = sends
+        return plan + ([("wait", pending)] if pending else [])
+    for group, recvs in zip(groups, needs, strict=True):
+        ops = [("send", _side(msg), msg) for msg in pending] + recvs
         if ops:
             plan.append(("comm", ops))
         plan += group
@@ -204,47 +238,3 @@ def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
     if pending:
         plan.append(("comm", [("send", _side(msg), msg) for msg in pending]))
     return plan
-
-
-def check_plans(plans: list[list[tuple]]) -> None:
-    """Simulate blocking batches with rendezvous sends; raise if a message mismatches or hangs.
-
-    A send completes once its receiver has posted the matching receive (the strictest model:
-    no buffering), a receive once its sender has posted the send; matching is first-in-first-out
-    per (sender, receiver) pair, as in gloo and NCCL.
-    """
-    p = len(plans)
-    dest = {"next": 1, "prev": -1}
-    posted: dict[tuple[str, int, int], list] = {}  # (send|recv, src, dst) -> messages posted
-    pos, active = [0] * p, [None] * p
-    while True:
-        progress = False
-        for r in range(p):
-            while pos[r] < len(plans[r]) and plans[r][pos[r]][0] != "comm":
-                pos[r] += 1  # compute steps take no time here
-            if pos[r] == len(plans[r]) or active[r] is not None:
-                continue
-            mine = []
-            for what, side, msg in plans[r][pos[r]][1]:
-                peer = (r + dest[side]) % p
-                key = (what, r, peer) if what == "send" else (what, peer, r)
-                posted.setdefault(key, []).append(msg)
-                mine.append((what, key, len(posted[key]) - 1, msg))
-            active[r], progress = mine, True
-        for r in range(p):
-            if active[r] is None:
-                continue
-            for what, key, idx, msg in active[r]:
-                other = posted.get(("recv" if what == "send" else "send", *key[1:]), [])
-                if idx < len(other) and other[idx] != msg:
-                    raise RuntimeError(f"rank {r}: {what} #{idx} {key[1]}->{key[2]} carries "
-                                       f"{other[idx] if what == 'recv' else msg}, expected "
-                                       f"{msg if what == 'recv' else other[idx]}")
-            if all(idx < len(posted.get(("recv" if w == "send" else "send", *k[1:]), []))
-                   for w, k, idx, _ in active[r]):
-                active[r], pos[r], progress = None, pos[r] + 1, True
-        if all(pos[r] == len(plans[r]) for r in range(p)):
-            return
-        if not progress:
-            stuck = {r: plans[r][pos[r]] for r in range(p) if pos[r] < len(plans[r])}
-            raise RuntimeError(f"deadlock: ranks wait in {stuck}")
