@@ -111,6 +111,15 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
 
 
+def test_resume_from_a_different_model_is_refused_before_ranks_start(tmp_path, capsys):
+    cfg = _config(tmp_path, "small", steps=1, save_every=1)
+    _spawn(cfg)
+    assert main(["train", "--resume", cfg.out, "--hidden", "64", "--layers", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size = 32 in the checkpoint, 64 here" in err and "seq_length = 16" in err
+    assert _no_rank_left()
+
+
 def test_same_command_twice_gives_identical_losses(tmp_path):
     runs = []
     for name in ("a", "b"):

@@ -113,8 +113,19 @@ def _check_inputs(cfg) -> None:
         if ckpt is None:
             raise ValueError(f"--resume {cfg.resume!r}: no complete paraloom checkpoint there "
                              f"(expected checkpoints/step_N/ with .metadata and meta.json)")
-        if read_meta(ckpt).get("format") != "paraloom-checkpoint-1":
+        meta = read_meta(ckpt)
+        if meta.get("format") != "paraloom-checkpoint-1":
             raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
+        import dataclasses
+        saved, now = meta["config"]["model"], dataclasses.asdict(cfg.model)
+        diff = {k: (saved.get(k), v) for k, v in now.items()
+                if k != "dropout" and saved.get(k) != v}
+        if diff:
+            raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
+                f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        print("paraloom train: note: --sequence-parallel has no effect with tp = 1 (nothing is "
+              "split); running without it", file=sys.stderr)
     if cfg.dtype == "bf16":
         import torch
         if not torch.ones(1, dtype=torch.bfloat16).matmul(torch.ones(1, 1, dtype=torch.bfloat16)
