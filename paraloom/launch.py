@@ -131,11 +131,12 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
           grace_s: float = 3.0) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks and wait for all.
 
-    Ranks are forked from this process (which has already imported torch, so starting costs
-    ~0.1 s instead of ~2.5 s a rank). A forked rank runs with ``threads`` intra-op threads
-    (default 1): OpenMP's thread pool does not survive ``fork`` once the parent has used it, so
-    more than one is safe only when this process has not run a parallel torch op yet (the CLI
-    forks before computing anything). The rendezvous is a file, and gloo binds to loopback.
+    With ``threads == 1`` (the default) ranks are forked from this process, which has already
+    imported torch, so starting costs ~0.1 s instead of ~2.5 s a rank. More intra-op threads per
+    rank need fresh interpreters (``spawn``): OpenMP's thread pool does not survive ``fork`` once
+    the parent has used it, and a forked rank would hang in its first parallel op. ``fn`` and
+    ``args`` must then be picklable (module-level functions). The rendezvous is a file, and gloo
+    binds to loopback.
 
     If any rank raises or dies, the others get ``grace_s`` seconds to report (their own errors
     are usually just "peer went away"), then every survivor is killed; the ``RuntimeError`` names
@@ -143,7 +144,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    ctx = mp.get_context("fork")
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
+    ctx = mp.get_context("fork" if threads == 1 else "spawn")
     errors = ctx.SimpleQueue()
     fd, store = tempfile.mkstemp(prefix="paraloom-store-")
     os.close(fd)

@@ -76,6 +76,12 @@ def test_spawn_runs_every_rank(tmp_path):
     assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["6.0"] * 3
 
 
+def test_spawn_with_more_threads_after_this_process_used_openmp(tmp_path):
+    torch.randn(512, 512).matmul(torch.randn(512, 512))  # the parent's thread pool is now up
+    launch.spawn(_sums, 2, str(tmp_path), threads=2, timeout_s=60)  # fresh interpreters: no hang
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["3.0"] * 2
+
+
 def test_spawn_names_the_failed_rank():
     with pytest.raises(RuntimeError, match=r"rank 1 failed:(.|\n)*boom from rank 1"):
         launch.spawn(_raises_on_rank_1, 2, timeout_s=20)
