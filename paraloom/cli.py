@@ -74,10 +74,22 @@ _FORWARDED = {
     "plan": ("paraloom.analysis.plan", "plan_main"),
     "check": ("paraloom.analysis.check", "check_main"),
     "eval": ("paraloom.training.evaluate", "eval_main"),
+    "export-hf": ("paraloom.training.hf_export", "export_hf_main"),
     "explain": ("paraloom.explain", "explain_main"),
     "doctor": ("paraloom.explain", "doctor_main"),
 }
 """Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
+
+_HELP = {
+    "table": "the communication order table of a run (en/zh, md/csv/json)",
+    "trace": "(re)build a run's Perfetto trace.json from its ledger",
+    "plan": "extrapolate memory, communication, bubble and FLOPs to any model and cluster",
+    "check": "compare a run's recorded communication with the analytical model",
+    "eval": "loss of a checkpoint on held-out text, under any layout",
+    "export-hf": "write a run's checkpoint as a Hugging Face GPT-2 folder",
+    "explain": "read parallel-training source: where it splits and communicates",
+    "doctor": "diagnose the LLM provider setup used by explain --ask",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     add_train_parser(sub)
     _add_schedule(sub)
     for name in _FORWARDED:
-        sub.add_parser(name, help=f"see paraloom {name} --help", add_help=False)
+        sub.add_parser(name, help=_HELP.get(name, f"see paraloom {name} --help"), add_help=False)
     args = parser.parse_args(argv)
     if args.command == "train":
         return train_main(args)

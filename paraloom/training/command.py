@@ -18,7 +18,7 @@ import time
 
 __all__ = ["add_train_parser", "train_main", "config_from_args"]
 
-_DEFAULTS = dict(tp=2, pp=2, dp=2, layers=4, hidden=64, heads=4, seq_len=64,
+_DEFAULTS = dict(tp=2, pp=2, dp=2, layers=4, hidden=64, heads=4, seq_len=64, vocab=256,
                  global_batch_size=16, micro_batch_size=2, steps=150, lr=3e-3)
 
 
@@ -34,12 +34,16 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--sequence-parallel", action="store_true")
     a("--global-batch-size", type=int, default=_DEFAULTS["global_batch_size"])
     a("--micro-batch-size", type=int, default=_DEFAULTS["micro_batch_size"])
-    a("--seq-len", "--seq-length", dest="seq_len", type=int, default=_DEFAULTS["seq_len"])
-    a("--layers", "--num-layers", dest="layers", type=int, default=_DEFAULTS["layers"])
-    a("--hidden", "--hidden-size", dest="hidden", type=int, default=_DEFAULTS["hidden"])
-    a("--heads", "--num-attention-heads", dest="heads", type=int, default=_DEFAULTS["heads"])
+    a("--seq-len", "--seq-length", dest="seq_len", type=int, default=None)
+    a("--layers", "--num-layers", dest="layers", type=int, default=None)
+    a("--hidden", "--hidden-size", dest="hidden", type=int, default=None)
+    a("--heads", "--num-attention-heads", dest="heads", type=int, default=None)
     a("--ffn", "--ffn-hidden-size", dest="ffn", type=int, default=None)
-    a("--vocab", "--vocab-size", dest="vocab", type=int, default=256)
+    a("--vocab", "--vocab-size", dest="vocab", type=int, default=None)
+    a("--init-from-hf", metavar="DIR", default=None,
+      help="start from a local Hugging Face GPT-2 checkpoint folder (config.json + "
+           "model.safetensors or pytorch_model.bin); the model shape comes from its config, "
+           "--seq-len may shorten it")
     a("--steps", "--train-iters", dest="steps", type=int, default=_DEFAULTS["steps"])
     a("--lr", type=float, default=_DEFAULTS["lr"])
     a("--min-lr", type=float, default=3e-4)
@@ -85,12 +89,14 @@ def config_from_args(args):
                               sequence_parallel=args.sequence_parallel,
                               async_grad_allreduce=args.async_grad_allreduce,
                               gradient_accumulation_fusion=args.grad_accum_fusion)
-    model = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
-                        num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-                        seq_length=args.seq_len, dropout=args.dropout)
-    if args.vocab < 256:
-        raise ValueError(f"--vocab {args.vocab}: byte-level data needs a vocabulary of at least "
-                         f"256")
+    given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+    model = _model_config(args) if args.init_from_hf else ModelConfig(
+        vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
+        num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
+        seq_length=given("seq_len"), dropout=args.dropout)
+    if model.vocab_size < 256:
+        raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
+                         f"least 256")
     return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
                        micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr,
                        min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup_steps,
@@ -102,6 +108,34 @@ def config_from_args(args):
                        save_every=args.save_every, resume=args.resume,
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
                        max_bad_steps=args.max_bad_steps)
+
+
+def _model_config(args):
+    """The shape of ``--init-from-hf DIR``; an explicit shape flag must agree with it."""
+    from ..models.hf import model_config_from_hf, read_hf_config
+    if args.resume is not None:
+        raise ValueError("--init-from-hf starts a new run from Hugging Face weights and --resume "
+                         "continues a paraloom checkpoint: give one of them")
+    try:
+        model = model_config_from_hf(read_hf_config(args.init_from_hf), seq_length=args.seq_len,
+                                     dropout=args.dropout)
+    except ValueError as err:
+        raise ValueError(f"--init-from-hf: {err}") from None
+    flags = (("--vocab", args.vocab, model.vocab_size), ("--hidden", args.hidden,
+             model.hidden_size), ("--layers", args.layers, model.num_layers),
+             ("--heads", args.heads, model.num_attention_heads), ("--ffn", args.ffn, model.ffn))
+    clash = [f"{flag} {mine} (the checkpoint has {theirs})" for flag, mine, theirs in flags
+             if mine is not None and mine != theirs]
+    if clash:
+        raise ValueError(f"--init-from-hf {args.init_from_hf!r} fixes the model shape; drop or "
+                         f"correct: " + ", ".join(clash))
+    try:
+        from ..models.hf import check_hf_checkpoint
+        check_hf_checkpoint(args.init_from_hf, model)
+    except ImportError as err:
+        raise ValueError(f"--init-from-hf needs safetensors ({err}): pip install "
+                         f"'paraloom[hf]'") from None
+    return model
 
 
 def _check_inputs(cfg) -> None:
@@ -133,9 +167,9 @@ def _check_inputs(cfg) -> None:
             raise ValueError("--dtype bf16 is not supported by this PyTorch build")
 
 
-def _rank(rank: int, world: int, cfg, t0: float) -> None:
+def _rank(rank: int, world: int, cfg, t0: float, init_from_hf: str | None = None) -> None:
     from .loop import run_rank
-    summary = run_rank(cfg, t0)
+    summary = run_rank(cfg, t0, init_from_hf)
     if summary is not None:
         _report(cfg, summary)
 
@@ -176,13 +210,14 @@ def train_main(args) -> int:
     if launch.under_torchrun():
         launch.init_distributed(timeout_s=cfg.timeout_s)
         try:
-            _rank(int(os.environ["RANK"]), world, cfg, _shared_t0())
+            _rank(int(os.environ["RANK"]), world, cfg, _shared_t0(), args.init_from_hf)
         finally:
             launch.shutdown()
         return 0
     threads = max(1, (os.cpu_count() or 1) // world)
     try:
-        launch.spawn(_rank, world, cfg, time.time(), timeout_s=cfg.timeout_s, threads=threads)
+        launch.spawn(_rank, world, cfg, time.time(), args.init_from_hf, timeout_s=cfg.timeout_s,
+                     threads=threads)
     except RuntimeError as err:
         print(f"paraloom train: {err}", file=sys.stderr)
         return 1

@@ -1,9 +1,11 @@
-"""``paraloom eval``: the loss of a checkpoint on held-out text, under any layout.
+"""``paraloom eval``: the loss of a checkpoint (paraloom or Hugging Face GPT-2) on held-out text,
+under any layout.
 
 The model's shape comes from the checkpoint; the layout (``--tp --pp --dp ...``) is free, since
 checkpoints are stored under global names. Prints one JSON line on rank 0::
 
     paraloom eval --resume runs/latest --tp 2          # {"loss": 2.71, "tokens": 16384, ...}
+    paraloom eval --hf gpt2-folder --tp 2 --pp 2       # a Hugging Face GPT-2 checkpoint ("step": 0)
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ __all__ = ["eval_main"]
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paraloom eval", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--resume", "--load", dest="resume", required=True,
-                   help="run folder or checkpoint folder")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--resume", "--load", dest="resume", help="run folder or checkpoint folder")
+    which.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 checkpoint folder")
+    p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None,
+                   help="with --hf: tokens per sample (default: its n_positions)")
     p.add_argument("--data", "--data-path", dest="data", default=None,
                    help="text file (default: the bundled corpus)")
     p.add_argument("--split", choices=["heldout", "all"], default="heldout",
@@ -39,28 +44,42 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
-    from ..config import ModelConfig, ParallelConfig, TrainConfig
+    from ..config import ModelConfig
     from .checkpoint import latest_checkpoint, read_meta
+    if args.batches < 1:
+        raise ValueError(f"--batches must be a positive integer, got {args.batches}")
+    if args.hf is not None:
+        from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_config
+        model = model_config_from_hf(read_hf_config(args.hf), seq_length=args.seq_len)
+        if model.vocab_size < 256:
+            raise ValueError(f"--hf {args.hf!r}: vocab_size = {model.vocab_size}, but the data "
+                             f"are bytes (a vocabulary of at least 256 is needed)")
+        check_hf_checkpoint(args.hf, model)
+        return _train_config(args, model, None), None
+    if args.seq_len is not None:
+        raise ValueError("--seq-len is only for --hf (a checkpoint has its own)")
     ckpt = latest_checkpoint(args.resume)
     if ckpt is None:
         raise ValueError(f"--resume {args.resume!r}: no complete paraloom checkpoint there")
     meta = read_meta(ckpt)
     if meta.get("format") != "paraloom-checkpoint-1":
         raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
-    if args.batches < 1:
-        raise ValueError(f"--batches must be a positive integer, got {args.batches}")
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
+    return _train_config(args, model, ckpt), ckpt
+
+
+def _train_config(args, model, ckpt):
+    from ..config import ParallelConfig, TrainConfig
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
                               sequence_parallel=args.sequence_parallel)
     schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"
-    cfg = TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
-                      micro_batch_size=args.micro_batch_size, schedule=schedule,
-                      data=args.data, resume=str(ckpt), timeout_s=args.timeout_s)
-    return cfg, ckpt
+    return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
+                       micro_batch_size=args.micro_batch_size, schedule=schedule, data=args.data,
+                       resume=None if ckpt is None else str(ckpt), timeout_s=args.timeout_s)
 
 
-def _rank(rank, world, cfg, ckpt, split, batches) -> None:
+def _rank(rank, world, cfg, ckpt, split, batches, hf=None) -> None:
     import torch.distributed as dist
 
     from ..mesh import ParallelMesh
@@ -70,15 +89,17 @@ def _rank(rank, world, cfg, ckpt, split, batches) -> None:
     from .train import build, evaluate
     mesh = ParallelMesh(cfg.parallel)
     corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
-    run = build(cfg, mesh, corpus)
-    entries = {k: e for k, e in state_entries(run, for_save=False)[0].items()
-               if k.startswith("model.")}  # parameters only: no optimizer state needed
-    meta = load_checkpoint(ckpt, entries, mesh)
+    run = build(cfg, mesh, corpus, init_from_hf=hf)
+    meta = {"step": 0}
+    if hf is None:
+        entries = {k: e for k, e in state_entries(run, for_save=False)[0].items()
+                   if k.startswith("model.")}  # parameters only: no optimizer state needed
+        meta = load_checkpoint(ckpt, entries, mesh)
     start = 0 if split == "all" else None
     loss = evaluate(run, eval_batches(corpus, cfg.global_batch_size, batches, start=start))
     if dist.get_rank() == 0:
         tokens = batches * cfg.global_batch_size * cfg.model.seq_length
-        print(json.dumps({"loss": loss, "tokens": tokens, "checkpoint": str(ckpt),
+        print(json.dumps({"loss": loss, "tokens": tokens, "checkpoint": str(ckpt or hf),
                           "step": meta["step"], "split": split}), flush=True)
 
 
@@ -89,6 +110,10 @@ def eval_main(argv) -> int:
         cfg, ckpt = _config(args)
         from .data import load_corpus
         load_corpus(cfg.data)
+    except ImportError as err:
+        print(f"paraloom eval: error: --hf needs safetensors ({err}): pip install "
+              f"'paraloom[hf]'", file=sys.stderr)
+        return 2
     except (ValueError, TypeError) as err:
         print(f"paraloom eval: error: {err}", file=sys.stderr)
         return 2
@@ -96,7 +121,7 @@ def eval_main(argv) -> int:
     threads = max(1, (os.cpu_count() or 1) // world)
     try:
         launch.spawn(_rank, world, replace(cfg, steps=1), ckpt, args.split, args.batches,
-                     timeout_s=cfg.timeout_s, threads=threads)
+                     args.hf, timeout_s=cfg.timeout_s, threads=threads)
     except RuntimeError as err:
         print(f"paraloom eval: {err}", file=sys.stderr)
         return 1

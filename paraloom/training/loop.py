@@ -66,13 +66,14 @@ def _save(run, out: Path, step: int) -> None:
     save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh)
 
 
-def run_rank(cfg, t0: float) -> dict | None:
-    """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary."""
+def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
+    """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary.
+    ``init_from_hf``: start from a Hugging Face GPT-2 checkpoint folder's weights."""
     out = Path(cfg.out)
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
     corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
-    run = build(cfg, mesh, corpus)
+    run = build(cfg, mesh, corpus, init_from_hf=init_from_hf)
     start = _resume(run, cfg.resume) if cfg.resume else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

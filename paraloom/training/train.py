@@ -66,8 +66,12 @@ class Run:
         return torch.bfloat16 if self.cfg.dtype == "bf16" else torch.float32
 
 
-def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus) -> Run:
-    """Compose the run on this rank (same call, same order, on every rank)."""
+def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
+          init_from_hf: str | None = None) -> Run:
+    """Compose the run on this rank (same call, same order, on every rank).
+
+    ``init_from_hf``: a Hugging Face GPT-2 folder whose weights replace the initial ones; each
+    rank reads its own shards, before the data-parallel wrapper and the optimizer see them."""
     device = get_device()
     model_parallel_seed(cfg.seed, mesh.tp.rank, device)
     p = cfg.parallel
@@ -82,6 +86,9 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus) -> Run:
         role = stage_role(L, p.pp, mesh.pp.rank, vpp, c)
         chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
                                post_process=role.is_last, options=options).to(device))
+    if init_from_hf is not None:
+        from ..models.hf import load_hf_weights
+        load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero = cfg.distributed_optimizer
     ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero)

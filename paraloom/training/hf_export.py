@@ -1,0 +1,88 @@
+"""``paraloom export-hf RUN_DIR OUT_DIR``: a run's latest checkpoint as a Hugging Face GPT-2.
+
+Reads the checkpoint in this one process (no ranks: DCP assembles every tensor from its tp
+shards, whatever layout wrote it), maps it with :func:`paraloom.models.hf.to_hf_state_dict` and
+writes ``OUT_DIR/model.safetensors`` + ``OUT_DIR/config.json``, which
+``transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)`` loads::
+
+    paraloom export-hf runs/latest gpt2-out
+    python -c "import transformers as t; t.GPT2LMHeadModel.from_pretrained('gpt2-out')"
+
+bf16 runs export their fp32 master weights (``optim.<name>.master``) when the checkpoint has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["load_full_params", "export_hf", "export_hf_main"]
+
+
+def load_full_params(checkpoint: str | Path):
+    """``(ModelConfig, {global name: full tensor})`` of a run or checkpoint folder, read in this
+    process without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    from ..config import ModelConfig
+    from .checkpoint import SafeFileSystemReader, latest_checkpoint, read_meta
+    ckpt = latest_checkpoint(checkpoint)
+    if ckpt is None:
+        raise ValueError(f"{str(checkpoint)!r}: no complete paraloom checkpoint there "
+                         f"(expected checkpoints/step_N/ with .metadata and meta.json)")
+    meta = read_meta(ckpt)
+    if meta.get("format") != "paraloom-checkpoint-1":
+        raise ValueError(f"{str(ckpt)!r} is not a paraloom checkpoint")
+    cfg = ModelConfig(**meta["config"]["model"])
+    metadata = SafeFileSystemReader(str(ckpt)).read_metadata()
+    state = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") or (key.startswith("optim.") and key.endswith(".master")):
+            state[key] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)), no_dist=True)
+    params = {}
+    for key, tensor in state.items():
+        if key.startswith("model."):
+            name = key.removeprefix("model.")
+            params[name] = state.get(f"optim.{name}.master", tensor)
+    return cfg, params, ckpt
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write ``model.safetensors`` and ``config.json`` for ``run_dir``'s latest checkpoint."""
+    from safetensors.torch import save_file
+
+    from ..models.hf import hf_config_from_model, to_hf_state_dict
+    cfg, params, ckpt = load_full_params(run_dir)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(to_hf_state_dict(params, cfg), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=1))
+    return ckpt
+
+
+def export_hf_main(argv) -> int:
+    p = argparse.ArgumentParser(prog="paraloom export-hf", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", help="run folder or checkpoint folder (its latest checkpoint)")
+    p.add_argument("out_dir", help="folder to write model.safetensors and config.json into")
+    args = p.parse_args(argv)
+    try:
+        ckpt = export_hf(args.run_dir, args.out_dir)
+    except ImportError as err:
+        print(f"paraloom export-hf: error: {err}; install the extra: pip install "
+              f"'paraloom[hf]'", file=sys.stderr)
+        return 2
+    except ValueError as err:
+        print(f"paraloom export-hf: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {Path(args.out_dir) / 'model.safetensors'} and config.json from {ckpt}")
+    return 0
