@@ -187,6 +187,9 @@ class TrainConfig:
     """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
     max_bad_steps: int = 3
     """Stop after this many consecutive steps with a NaN/Inf loss or gradient (each skipped)."""
+    init_from_hf: str | None = None
+    """A Hugging Face GPT-2 folder whose weights replace the initial ones (recorded here so the
+    run folder's config.json says where the model came from)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):

@@ -107,7 +107,8 @@ def config_from_args(args):
                        bucket_size=args.bucket_size, data=args.data, out=args.out,
                        save_every=args.save_every, resume=args.resume,
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
-                       max_bad_steps=args.max_bad_steps)
+                       max_bad_steps=args.max_bad_steps,
+                       init_from_hf=args.init_from_hf)
 
 
 def _model_config(args):

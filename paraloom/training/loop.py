@@ -73,7 +73,7 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
     corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
-    run = build(cfg, mesh, corpus, init_from_hf=init_from_hf)
+    run = build(cfg, mesh, corpus, init_from_hf=init_from_hf or cfg.init_from_hf)
     start = _resume(run, cfg.resume) if cfg.resume else 0
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
