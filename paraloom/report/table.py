@@ -93,6 +93,17 @@ def _select(events: list[dict], rank: int, step: int | None) -> list[dict]:
     return sorted((e for e in mine if e["step"] == step), key=lambda e: (e["t_start"], e["seq"]))
 
 
+def _summary(names: list[str], spans: list[dict]) -> str:
+    """The overlapped spans by name, or, past three, counted by kind (``ColumnParallelLinear
+    wgrad x4``) so a row stays readable; the ``overlaps`` field keeps the full list."""
+    if len(names) <= 3:
+        return "; ".join(names)
+    counts: dict[str, int] = {}
+    for span in spans:
+        counts[_site(span["site"])] = counts.get(_site(span["site"]), 0) + 1
+    return "; ".join(f"{site} x{n}" if n > 1 else site for site, n in counts.items())
+
+
 def table_rows(events: list[dict], *, rank: int = 0, step: int | None = None,
                lang: str = "en") -> list[dict]:
     """One dict per communication of ``rank`` in ``step`` (default: its first step), in order
@@ -109,7 +120,7 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | None = None,
                  for s in over]
         asynchronous = yes if e["async"] else no
         if e["async"] and names:
-            asynchronous += f", {overlaps}: " + "; ".join(names)
+            asynchronous += f", {overlaps}: " + _summary(names, over)
         location = " · ".join(x for x in (_phase(e), _site(e["site"]), e.get("module")) if x)
         rows.append({"index": len(rows) + 1, "parallel_type": e["kind"],
                      "split_object": _split(e, lang), "primitive": e["op"],
