@@ -7,32 +7,10 @@ import io
 import json
 
 import pytest
+from _gpt_ledger import L, record_gpt
 
 from paraloom.report.table import render_table, table_main, table_rows
 from paraloom.report.trace import build_trace, trace_main, write_trace
-
-S, B, H, A, L, V = 16, 2, 32, 4, 2, 64
-
-
-def record_gpt(tp: int, sp: bool, recompute: str, async_ar: bool) -> list[dict]:
-    """One forward + backward of a 2-layer GPT on this rank under a ledger (tp=t, dp=4/t)."""
-    import torch
-
-    from paraloom.config import ModelConfig
-    from paraloom.ledger import Ledger, recording
-    from paraloom.mesh import ParallelMesh
-    from paraloom.models.gpt import GPTModel, ParallelOptions
-
-    cfg = ModelConfig(vocab_size=V, hidden_size=H, num_layers=L, num_attention_heads=A,
-                      seq_length=S)
-    mesh = ParallelMesh(tp=tp, dp=4 // tp)
-    opt = ParallelOptions(sequence_parallel=sp, recompute=recompute, async_grad_allreduce=async_ar)
-    model = GPTModel(cfg, mesh, options=opt)
-    tokens = torch.randint(0, V, (B, S + 1), generator=torch.Generator().manual_seed(0))
-    ledger = Ledger(mesh.rank)
-    with recording(ledger):
-        model(tokens[:, :-1], tokens[:, 1:]).mean().backward()
-    return ledger.events
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 __all__ = ["Entry", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_meta",
-           "SafeFileSystemReader"]
+           "find_checkpoint", "FORMAT", "SafeFileSystemReader"]
+
+FORMAT = "paraloom-checkpoint-1"
+"""``meta.json``'s ``format``: what marks a folder as a paraloom checkpoint."""
 
 
 @dataclass
@@ -153,6 +156,19 @@ def load_checkpoint(directory: str | Path, entries: dict[str, Entry], mesh) -> d
         if local.data_ptr() != e.tensor.data_ptr():
             e.tensor.copy_(local)
     return meta
+
+
+def find_checkpoint(path: str | Path, flag: str = "--resume") -> tuple[Path, dict]:
+    """The newest complete paraloom checkpoint under ``path`` and its metadata, or a
+    ``ValueError`` that names ``flag`` and ``path`` (none there, or not paraloom's)."""
+    ckpt = latest_checkpoint(path)
+    if ckpt is None:
+        raise ValueError(f"{flag} {str(path)!r}: no complete paraloom checkpoint there "
+                         f"(expected checkpoints/step_N/ with .metadata and meta.json)")
+    meta = read_meta(ckpt)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{flag} {str(ckpt)!r} is not a paraloom checkpoint")
+    return ckpt, meta
 
 
 def latest_checkpoint(path: str | Path) -> Path | None:

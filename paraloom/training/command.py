@@ -140,17 +140,11 @@ def _model_config(args):
 
 
 def _check_inputs(cfg) -> None:
-    from .checkpoint import latest_checkpoint, read_meta
+    from .checkpoint import find_checkpoint
     from .data import load_corpus
     load_corpus(cfg.data)  # missing / empty --data: a clear error now, not in 8 ranks
     if cfg.resume is not None:
-        ckpt = latest_checkpoint(cfg.resume)
-        if ckpt is None:
-            raise ValueError(f"--resume {cfg.resume!r}: no complete paraloom checkpoint there "
-                             f"(expected checkpoints/step_N/ with .metadata and meta.json)")
-        meta = read_meta(ckpt)
-        if meta.get("format") != "paraloom-checkpoint-1":
-            raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
+        ckpt, meta = find_checkpoint(cfg.resume)
         import dataclasses
         saved, now = meta["config"]["model"], dataclasses.asdict(cfg.model)
         diff = {k: (saved.get(k), v) for k, v in now.items()

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(args):
     from ..config import ModelConfig
-    from .checkpoint import latest_checkpoint, read_meta
+    from .checkpoint import find_checkpoint
     if args.batches < 1:
         raise ValueError(f"--batches must be a positive integer, got {args.batches}")
     if args.hf is not None:
@@ -58,12 +58,7 @@ def _config(args):
         return _train_config(args, model, None), None
     if args.seq_len is not None:
         raise ValueError("--seq-len is only for --hf (a checkpoint has its own)")
-    ckpt = latest_checkpoint(args.resume)
-    if ckpt is None:
-        raise ValueError(f"--resume {args.resume!r}: no complete paraloom checkpoint there")
-    meta = read_meta(ckpt)
-    if meta.get("format") != "paraloom-checkpoint-1":
-        raise ValueError(f"--resume {str(ckpt)!r} is not a paraloom checkpoint")
+    ckpt, meta = find_checkpoint(args.resume)
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
     return _train_config(args, model, ckpt), ckpt
 

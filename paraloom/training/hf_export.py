@@ -30,14 +30,8 @@ def load_full_params(checkpoint: str | Path):
     import torch.distributed.checkpoint as dcp
 
     from ..config import ModelConfig
-    from .checkpoint import SafeFileSystemReader, latest_checkpoint, read_meta
-    ckpt = latest_checkpoint(checkpoint)
-    if ckpt is None:
-        raise ValueError(f"{str(checkpoint)!r}: no complete paraloom checkpoint there "
-                         f"(expected checkpoints/step_N/ with .metadata and meta.json)")
-    meta = read_meta(ckpt)
-    if meta.get("format") != "paraloom-checkpoint-1":
-        raise ValueError(f"{str(ckpt)!r} is not a paraloom checkpoint")
+    from .checkpoint import SafeFileSystemReader, find_checkpoint
+    ckpt, meta = find_checkpoint(checkpoint, "RUN_DIR")
     cfg = ModelConfig(**meta["config"]["model"])
     metadata = SafeFileSystemReader(str(ckpt)).read_metadata()
     state = {}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .. import comm
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
-from .checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint
+from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
 from .data import Corpus, eval_batches, load_corpus
 from .state import state_entries
 from .train import build, evaluate, train_step
@@ -47,11 +47,7 @@ def _progress(step: int, total: int, metrics: dict, tok_s: float) -> None:
 
 
 def _resume(run, path: str) -> int:
-    ckpt = latest_checkpoint(path)
-    if ckpt is None:
-        raise ValueError(f"--resume {path!r}: no complete checkpoint (checkpoints/step_N with "
-                         f".metadata and meta.json) found there")
-    meta = read_meta(ckpt)  # the model shape was compared before the ranks started
+    ckpt, meta = find_checkpoint(path)  # the model shape was compared before ranks started
     entries, finish = state_entries(run, for_save=False)
     load_checkpoint(ckpt, entries, run.mesh)
     finish(meta)
@@ -62,7 +58,7 @@ def _resume(run, path: str) -> int:
 def _save(run, out: Path, step: int) -> None:
     entries, _ = state_entries(run, for_save=True)
     meta = {"step": step, "tokens": run.tokens, "optimizer_steps": run.optimizers[0].step_count,
-            "config": config_dict(run.cfg), "format": "paraloom-checkpoint-1"}
+            "config": config_dict(run.cfg), "format": FORMAT}
     save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh)
 
 
