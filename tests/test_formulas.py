@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from _gpt_ledger import A, B, H, L, S, V, record_gpt
@@ -207,3 +208,22 @@ def test_plan_gpt3_on_1024_gpus(capsys):
     assert plan_main(argv[:-4] + ["--json"]) == 0
     assert plan_main(argv[:2] + ["--hidden", "100", "--heads", "3"] + argv[6:]) == 2
     assert "hidden" in capsys.readouterr().err
+
+
+def test_plan_vocab_defaults_to_gpt2_and_pads_like_megatron(capsys):
+    from paraloom.analysis.plan import GPT2_VOCAB, padded_vocab
+
+    assert GPT2_VOCAB == 50257
+    assert padded_vocab(50257, 128, 1) == 50304 and padded_vocab(50257, 128, 8) == 51200
+    assert padded_vocab(51200, 128, 8) == 51200  # already a multiple: unchanged
+    argv = ["--layers", "4", "--hidden", "256", "--heads", "8", "--seq-len", "128",
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--tp", "8"]
+    assert plan_main(argv) == 0  # no --vocab: 50257 is not divisible by tp 8, and need not be
+    out = capsys.readouterr().out
+    assert "vocabulary 50257 (default, GPT-2 BPE), padded to 51200 rows" in out
+    assert plan_main(argv + ["--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    expected = param_count(4, 256, 51200, 128, None)
+    assert p["parameters"]["total"] == expected
+    assert plan_main(argv + ["--vocab", "51200"]) == 0
+    assert "vocabulary 51200 (given)" in capsys.readouterr().out

@@ -32,7 +32,10 @@ from .formulas import (
     stage_layers,
 )
 
-__all__ = ["plan", "plan_main", "render_plan", "human_bytes"]
+__all__ = ["plan", "plan_main", "render_plan", "human_bytes", "padded_vocab", "GPT2_VOCAB"]
+
+GPT2_VOCAB = 50257
+"""``--vocab`` when not given: the GPT-2 BPE vocabulary of Megatron-LM's GPT examples."""
 
 
 def human_bytes(n: float) -> str:
@@ -103,10 +106,16 @@ def render_plan(c: CommConfig, p: dict) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="paraloom plan", description=__doc__.splitlines()[0])
-    for name in ("layers", "hidden", "heads", "seq-len", "vocab", "global-batch-size",
+    for name in ("layers", "hidden", "heads", "seq-len", "global-batch-size",
                  "micro-batch-size", "tp", "pp", "dp"):
         ap.add_argument(f"--{name}", type=int, required=name not in ("tp", "pp", "dp"),
                         default=1)
+    ap.add_argument("--vocab", type=int, default=GPT2_VOCAB,
+                    help=f"vocabulary size (default {GPT2_VOCAB}, the GPT-2 BPE vocabulary that "
+                         "Megatron-LM's GPT examples use); padded like Megatron, see below")
+    ap.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                    help="the embedding rows are the vocabulary rounded up to a multiple of this "
+                         "times --tp (Megatron-LM's rule; default 128)")
     ap.add_argument("--ffn", type=int, default=None, help="MLP width (default 4 * hidden)")
     ap.add_argument("--vpp", type=int, default=None)
     ap.add_argument("--sequence-parallel", action="store_true")
@@ -117,18 +126,25 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's embedding rows: ``vocab`` rounded up to a multiple of ``divisible_by * tp``
+    (50257 -> 50304 for tp = 1, 50688 for tp = 8), so the vocabulary split divides by tp."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
 def _config(a: argparse.Namespace) -> CommConfig:
     """Validate the arguments (every number named) and build the formulas' config."""
     problems = []
     for name in ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch_size",
-                 "micro_batch_size", "tp", "pp", "dp"):
+                 "micro_batch_size", "tp", "pp", "dp", "make_vocab_size_divisible_by"):
         if getattr(a, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if problems:
         raise ValueError("; ".join(problems))
     if a.hidden % a.heads:
         problems.append(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
-    for name, value in (("hidden", a.hidden), ("heads", a.heads), ("vocab", a.vocab)):
+    for name, value in (("hidden", a.hidden), ("heads", a.heads)):
         if value % a.tp:
             problems.append(f"--{name} {value} is not divisible by --tp {a.tp}")
     if a.layers % (a.pp * (a.vpp or 1)):
@@ -142,7 +158,8 @@ def _config(a: argparse.Namespace) -> CommConfig:
     if problems:
         raise ValueError("; ".join(problems))
     return CommConfig(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq_len,
-                      vocab=a.vocab, ffn=a.ffn, micro_batch=a.micro_batch_size,
+                      vocab=padded_vocab(a.vocab, a.make_vocab_size_divisible_by, a.tp),
+                      ffn=a.ffn, micro_batch=a.micro_batch_size,
                       num_microbatches=a.global_batch_size // (a.micro_batch_size * a.dp),
                       tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp,
                       sequence_parallel=a.sequence_parallel, recompute=a.recompute,
@@ -159,5 +176,13 @@ def plan_main(argv: list[str] | None = None) -> int:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
     result = plan(config)
-    print(json.dumps(result, indent=2) if args.json else render_plan(config, result))
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    typed = sys.argv[1:] if argv is None else argv
+    given = "given" if any(a.startswith("--vocab") for a in typed) else "default, GPT-2 BPE"
+    note = (f"vocabulary {args.vocab} ({given})"
+            + (f", padded to {config.vocab} rows (multiple of {args.make_vocab_size_divisible_by}"
+               f" x tp {args.tp})" if config.vocab != args.vocab else ""))
+    print(render_plan(config, result) + "\n" + note)
     return 0

@@ -11,7 +11,7 @@ Configuration is read from a Codex ``config.toml`` (default ``~/.codex/config.to
     wire_api = "chat"                         # or "responses"
 
 The key never leaves the process except in the ``Authorization`` header: it is not written to
-disk, logged, or put in any message. Standard library only (urllib, tomllib).
+disk, logged, or put in any message. Standard library only (urllib, tomllib; tomli on Python 3.10).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -54,10 +55,10 @@ class Provider:
 
 
 def _toml(path: Path) -> dict:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        raise ProviderError("reading config.toml needs Python >= 3.11 (tomllib)") from None
+    else:  # Python 3.10: the same parser from PyPI (a dependency there, see pyproject.toml)
+        import tomli as tomllib
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as err:

@@ -23,6 +23,7 @@ from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
 from .data import Corpus, eval_batches, load_corpus
+from .progress import show_progress
 from .state import state_entries
 from .train import build, evaluate, train_step
 
@@ -34,16 +35,6 @@ EVAL_BATCHES = 2
 
 def config_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def _progress(step: int, total: int, metrics: dict, tok_s: float) -> None:
-    width = 24
-    done = int(width * (step + 1) / total)
-    line = (f"[{'#' * done}{'.' * (width - done)}] step {step + 1}/{total}  "
-            f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
-            f"lr {metrics['lr']:.2e}  {tok_s:,.0f} tok/s")
-    end = "\r" if sys.stdout.isatty() and step + 1 < total else "\n"
-    print(line, end=end, flush=True)
 
 
 def _resume(run, path: str) -> int:
@@ -99,7 +90,7 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             tokens = cfg.global_batch_size * cfg.model.seq_length
-            _progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+            show_progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
             if metrics.get("skipped"):
                 print(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
                       f"({metrics['grad_norm']}): update skipped", file=sys.stderr, flush=True)

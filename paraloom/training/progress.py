@@ -1,0 +1,36 @@
+"""The training progress line, aware of where it is printed.
+
+On a terminal the bar is redrawn in place (``\\r``) every step. Anywhere else (a log file, a pipe,
+a CI job, a cluster's job output) a redrawn line would become one line per step, so the bar is
+printed as a plain line ten times per run (every ``total // 10`` steps, plus the first and the
+last step): a 100,000-step run logs eleven lines, not 100,000.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["progress_line", "show_progress"]
+
+WIDTH = 24
+
+
+def progress_line(step: int, total: int, metrics: dict, tok_s: float) -> str:
+    """``[#####.....] step 3/10  loss ...`` for 0-based ``step`` of ``total``."""
+    done = int(WIDTH * (step + 1) / total)
+    return (f"[{'#' * done}{'.' * (WIDTH - done)}] step {step + 1}/{total}  "
+            f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"lr {metrics['lr']:.2e}  {tok_s:,.0f} tok/s")
+
+
+def show_progress(step: int, total: int, metrics: dict, tok_s: float, *, stream=None) -> None:
+    """Print the progress of 0-based ``step``: in place on a terminal, else every tenth."""
+    stream = sys.stdout if stream is None else stream
+    last = step + 1 >= total
+    if stream.isatty():
+        stream.write(progress_line(step, total, metrics, tok_s) + ("\n" if last else "\r"))
+    elif step == 0 or last or (step + 1) % max(1, total // 10) == 0:
+        stream.write(progress_line(step, total, metrics, tok_s) + "\n")
+    else:
+        return
+    stream.flush()
