@@ -61,9 +61,13 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--distributed-optimizer", "--use-distributed-optimizer", dest="distributed_optimizer",
       action="store_true")
     a("--async-grad-allreduce", "--async-tensor-model-parallel-allreduce",
-      dest="async_grad_allreduce", action="store_true")
+      dest="async_grad_allreduce", action=argparse.BooleanOptionalAction, default=None,
+      help="overlap the column layers' input-gradient all-reduce with their weight-gradient "
+           "GEMM (default: on when tp > 1 without --sequence-parallel, as Megatron-Core)")
     a("--grad-accum-fusion", "--gradient-accumulation-fusion", dest="grad_accum_fusion",
-      action="store_true")
+      action=argparse.BooleanOptionalAction, default=False,
+      help="accumulate weight grads straight into fp32 main_grad (default: off, as "
+           "Megatron-Core's config; see README, Defaults)")
     a("--bucket-size", type=int, default=None, help="gradient bucket size in elements")
     a("--data", "--data-path", dest="data", default=None, help="text file (default: bundled)")
     a("--out", "--save", dest="out", default="runs/latest", help="run folder")

@@ -76,7 +76,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     model_parallel_seed(cfg.seed, mesh.tp.rank, device)
     p = cfg.parallel
     options = ParallelOptions(sequence_parallel=p.sequence_parallel,
-                              async_grad_allreduce=p.async_grad_allreduce,
+                              async_grad_allreduce=p.uses_async_grad_allreduce,
                               gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                               recompute=cfg.recompute, seed=cfg.seed,
                               params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
