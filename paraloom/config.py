@@ -185,7 +185,12 @@ class TrainConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp) or ``none`` (no pipelining)."""
     overlap_grad_reduce: bool = True
-    """Launch each gradient bucket's reduction as soon as it is complete in backward."""
+    """Launch each gradient bucket's reduction as soon as it is complete in backward (Megatron's
+    default is off; see README, "Defaults")."""
+    overlap_p2p_comm: bool | None = None
+    """Pipeline p2p posted ahead and waited late so transfers overlap compute (Megatron's
+    ``overlap_p2p_comm``); ``None``: on for gloo (CPU), off on CUDA; ``False``: Megatron-Core's
+    blocking batches. The messages are the same either way."""
     distributed_optimizer: bool = False
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
     bucket_size: int | None = None

@@ -4,7 +4,8 @@ Six tiny runs (one recorded step each) are trained once for the module through t
 line (``paraloom.cli.main(["train", ...])`` forks the local ranks) and shared by every test: tp
 with dp (synchronous column all-reduce, overlap off, several small buckets), sp with full
 recomputation and dp, pp 1F1B with tp (the default switches: async column all-reduce),
-interleaved pp, pp with the distributed optimizer, and everything at once in bf16.
+interleaved pp, pp with the distributed optimizer (and Megatron-Core's blocking p2p batches),
+and everything at once in bf16.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ LAYOUTS = {  # name: (flags, kinds the ledger must hold)
               {"sp", "tp", "dp", "loss"}),
     "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "loss"}),
     "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "loss"}),
-    "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer", {"pp", "dp", "emb", "loss"}),
+    "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer --no-overlap-p2p-communication",
+             {"pp", "dp", "emb", "loss"}),
     "3d-bf16": ("--tp 2 --pp 2 --dp 2 --sequence-parallel --distributed-optimizer "
                 "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "loss"}),
 }
@@ -111,6 +113,15 @@ def test_default_column_backward_all_reduce_is_async(runs):
     parallel = [json.loads((runs[n] / "config.json").read_text())["parallel"]
                 for n in ("1f1b", "tp-dp")]
     assert [p["async_grad_allreduce"] for p in parallel] == [None, False]
+
+
+def test_no_overlap_p2p_communication_runs_blocking_batches(runs):
+    """The default (gloo) posts pipeline p2p ahead (async); --no-overlap-p2p-communication runs
+    Megatron-Core's blocking batches; the check above agrees exactly for both."""
+    def pp_async(name):
+        return {e["async"] for e in load(runs[name] / "ledger.jsonl") if e["kind"] == "pp"}
+    assert pp_async("1f1b") == {True} and pp_async("zero") == {False}
+    assert json.loads((runs["zero"] / "config.json").read_text())["overlap_p2p_comm"] is False
 
 
 def test_check_names_a_removed_event(runs, tmp_path, capsys):

@@ -86,9 +86,11 @@ def test_explicit_async_on_is_unchanged_and_does_nothing_at_tp1():
     (("--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"), "fusion", False),
     (("--no-grad-accum-fusion",), "fusion", False),
     (("--no-overlap-grad-reduce",), "overlap", False),
+    ((), "p2p", None),
+    (("--no-overlap-p2p-communication",), "p2p", False),
 ])
 def test_switches_of_the_other_defaults(flags, field, want):
     cfg = config(*flags)
-    got = (cfg.parallel.gradient_accumulation_fusion if field == "fusion"
-           else cfg.overlap_grad_reduce)
+    got = {"fusion": cfg.parallel.gradient_accumulation_fusion,
+           "overlap": cfg.overlap_grad_reduce, "p2p": cfg.overlap_p2p_comm}[field]
     assert got is want
