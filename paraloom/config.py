@@ -35,12 +35,17 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Split LayerNorm/dropout activations along the sequence over the tp group; tp all-reduces
     become all-gather + reduce-scatter pairs (Korthikanti et al. 2022)."""
-    async_grad_allreduce: bool = False
-    """Overlap the column layer's input-gradient all-reduce with its weight-gradient GEMM. Not with
-    ``sequence_parallel``, which has no such all-reduce (its reduce-scatter always overlaps)."""
+    async_grad_allreduce: bool | None = None
+    """Overlap the column layer's input-gradient all-reduce with its weight-gradient GEMM.
+    ``None`` (default) follows Megatron-Core, which always does it when ``tp > 1`` and sequence
+    parallelism is off (``allreduce_dgrad`` in its ``ColumnParallelLinear``); ``False`` turns it
+    off; ``True`` asks for it explicitly. Not with ``sequence_parallel``, which has no such
+    all-reduce (its reduce-scatter always overlaps): the default then simply does not use it,
+    an explicit ``True`` is an error. :attr:`uses_async_grad_allreduce` is the effective value."""
     gradient_accumulation_fusion: bool = False
     """Accumulate weight gradients straight into fp32 ``param.main_grad``; ``param.grad`` stays
-    None."""
+    None. Off by default, as in Megatron-Core's ``ModelParallelConfig`` (Megatron-LM's training
+    script turns it on, but there it needs a fused CUDA kernel; see README, "Defaults")."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -50,11 +55,23 @@ class ParallelConfig:
             if self.vpp > 1 and self.pp == 1:
                 raise ValueError(
                     f"vpp = {self.vpp} needs pipeline parallelism (pp > 1), got pp = 1")
+        if not (self.async_grad_allreduce is None or isinstance(self.async_grad_allreduce, bool)):
+            raise ValueError(f"async_grad_allreduce must be None (Megatron-Core's rule), True or "
+                             f"False, got {self.async_grad_allreduce!r}")
         if self.sequence_parallel and self.async_grad_allreduce:
             raise ValueError(
                 "sequence_parallel=True cannot be combined with async_grad_allreduce=True: with "
                 "sequence parallelism there is no input-gradient all-reduce to overlap (it is a "
-                "reduce-scatter, which already overlaps the weight-gradient GEMM); turn one off")
+                "reduce-scatter, which already overlaps the weight-gradient GEMM); leave "
+                "async_grad_allreduce at its default (None: not used with sequence_parallel)")
+
+    @property
+    def uses_async_grad_allreduce(self) -> bool:
+        """Whether the column layers overlap their input-gradient all-reduce: the explicit
+        setting, or Megatron-Core's rule ``tp > 1 and not sequence_parallel``."""
+        if self.async_grad_allreduce is None:
+            return self.tp > 1 and not self.sequence_parallel
+        return self.async_grad_allreduce and self.tp > 1
 
     @property
     def world_size(self) -> int:
@@ -168,7 +185,12 @@ class TrainConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp) or ``none`` (no pipelining)."""
     overlap_grad_reduce: bool = True
-    """Launch each gradient bucket's reduction as soon as it is complete in backward."""
+    """Launch each gradient bucket's reduction as soon as it is complete in backward (Megatron's
+    default is off; see README, "Defaults")."""
+    overlap_p2p_comm: bool | None = None
+    """Pipeline p2p posted ahead and waited late so transfers overlap compute (Megatron's
+    ``overlap_p2p_comm``); ``None``: on for gloo (CPU), off on CUDA; ``False``: Megatron-Core's
+    blocking batches. The messages are the same either way."""
     distributed_optimizer: bool = False
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
     bucket_size: int | None = None

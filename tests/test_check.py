@@ -2,8 +2,10 @@
 
 Six tiny runs (one recorded step each) are trained once for the module through the real command
 line (``paraloom.cli.main(["train", ...])`` forks the local ranks) and shared by every test: tp
-with dp (overlap off, several small buckets), sp with full recomputation and dp, pp 1F1B with tp,
-interleaved pp, pp with the distributed optimizer, and everything at once in bf16.
+with dp (synchronous column all-reduce, overlap off, several small buckets), sp with full
+recomputation and dp, pp 1F1B with tp (the default switches: async column all-reduce),
+interleaved pp, pp with the distributed optimizer (and Megatron-Core's blocking p2p batches),
+and everything at once in bf16.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1",
         "--ledger-steps", "1", "--save-every", "0", "--timeout", "60"]
 LAYOUTS = {  # name: (flags, kinds the ledger must hold)
-    "tp-dp": ("--tp 2 --pp 1 --dp 2 --async-grad-allreduce --bucket-size 3000 "
-              "--no-overlap-grad-reduce", {"tp", "dp", "loss"}),
+    "tp-dp": ("--tp 2 --pp 1 --dp 2 --no-async-tensor-model-parallel-allreduce "
+              "--bucket-size 3000 --no-overlap-grad-reduce", {"tp", "dp", "loss"}),
     "sp-dp": ("--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full",
               {"sp", "tp", "dp", "loss"}),
     "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "loss"}),
     "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "loss"}),
-    "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer", {"pp", "dp", "emb", "loss"}),
+    "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer --no-overlap-p2p-communication",
+             {"pp", "dp", "emb", "loss"}),
     "3d-bf16": ("--tp 2 --pp 2 --dp 2 --sequence-parallel --distributed-optimizer "
                 "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "loss"}),
 }
@@ -79,6 +82,46 @@ def test_check_through_cli_and_bucket_layout(runs, capsys):
             if e["rank"] == 0 and e["kind"] == "dp"]
     assert zero == [("reduce_scatter", "backward"), ("all_reduce", "backward"),
                     ("all_gather", "optimizer"), ("all_gather", "optimizer")]
+
+
+def _input_grad_all_reduces(run) -> list[dict]:
+    return [e for e in load(run / "ledger.jsonl") if e["kind"] == "tp"
+            and e["op"] == "all_reduce" and e["phase"] == "backward"]
+
+
+def test_default_column_backward_all_reduce_is_async(runs):
+    """Megatron-Core's default (tp > 1, no sp): every column layer's input-gradient all-reduce
+    (QKV, fc1 and the output layer) is launched before the weight-gradient GEMM and waited after
+    it; the --no- switch restores the synchronous all-reduce, same count and bytes."""
+    default = _input_grad_all_reduces(runs["1f1b"])
+    # per rank: 8 microbatches x (2 layers x (qkv, fc1) + the output layer on the last stage)
+    assert [sum(e["rank"] == r for e in default) for r in range(4)] == [32, 32, 40, 40]
+    assert all(e["async"] for e in default)
+    wgrad = [e for e in load(runs["1f1b"] / "ledger.jsonl")
+             if e["op"] == "compute" and e["site"].endswith("backward:wgrad")]
+    for a in default:  # each overlaps its own layer's weight-gradient GEMM
+        assert any(w["rank"] == a["rank"] and w["module"] == a["module"]
+                   and a["t_start"] <= w["t_start"] <= w["t_end"] <= a["t_wait"]
+                   for w in wgrad), a
+    rows = [r for r in table_rows(load(runs["1f1b"] / "ledger.jsonl"), rank=2)
+            if r["parallel_type"] == "tp" and r["phase"] == "backward"]
+    assert len(rows) == 40 and all(r["async"].startswith("yes, overlaps") for r in rows)
+    sync = _input_grad_all_reduces(runs["tp-dp"])
+    # per rank: 4 microbatches x (4 layers x (qkv, fc1) + the output layer)
+    assert [sum(e["rank"] == r for e in sync) for r in range(4)] == [36] * 4
+    assert not any(e["async"] for e in sync)
+    parallel = [json.loads((runs[n] / "config.json").read_text())["parallel"]
+                for n in ("1f1b", "tp-dp")]
+    assert [p["async_grad_allreduce"] for p in parallel] == [None, False]
+
+
+def test_no_overlap_p2p_communication_runs_blocking_batches(runs):
+    """The default (gloo) posts pipeline p2p ahead (async); --no-overlap-p2p-communication runs
+    Megatron-Core's blocking batches; the check above agrees exactly for both."""
+    def pp_async(name):
+        return {e["async"] for e in load(runs[name] / "ledger.jsonl") if e["kind"] == "pp"}
+    assert pp_async("1f1b") == {True} and pp_async("zero") == {False}
+    assert json.loads((runs["zero"] / "config.json").read_text())["overlap_p2p_comm"] is False
 
 
 def test_check_names_a_removed_event(runs, tmp_path, capsys):

@@ -147,7 +147,7 @@ def test_trace_is_valid_chrome_json(runs, tmp_path):
                if e["name"] == "thread_name"}
     assert threads[0, "compute"] == 0 and threads[0, "tp"] == 1
     asyncs = [e for e in events if e["ph"] == "b" and e["pid"] == 0]
-    assert len(asyncs) == 2 * L  # the column layers' input-grad all-reduces
+    assert len(asyncs) == 2 * L + 1  # input-grad all-reduces: column layers and output layer
     waits = [e for e in events if e["ph"] == "i" and e["pid"] == 0]
     assert len(waits) == len(asyncs)
     ends = {e["id"]: e["ts"] for e in events if e["ph"] == "e"}
@@ -155,9 +155,9 @@ def test_trace_is_valid_chrome_json(runs, tmp_path):
         assert b["ts"] <= w["ts"] <= ends[b["id"]]
     wgrad = [e for e in events if e["ph"] == "X" and e["tid"] == 0 and e["pid"] == 0
              and e["name"].endswith("wgrad")]
-    assert len(wgrad) == 4 * L
+    assert len(wgrad) == 4 * L + 1  # column and row layers, and the output layer
     sync = [e for e in events if e["ph"] == "X" and e["tid"] == 1 and e["pid"] == 0]
-    assert len(sync) == 2 * L + 4 and all(e["args"]["op"] == "all_reduce" for e in sync)
+    assert len(sync) == 2 * L + 3 and all(e["args"]["op"] == "all_reduce" for e in sync)
     # trace_main rebuilds RUN_DIR/trace.json; sp kinds get their own thread
     run = tmp_path / "run"
     run.mkdir()

@@ -9,7 +9,9 @@ final LayerNorm, output layer and loss if ``post_process``.
 
 Where it communicates (all through the layers, see ``tensor_parallel/``): the embedding's
 all-reduce (sp: reduce-scatter); per layer two column/row pairs (QKV/proj, fc1/fc2); the output
-layer's input copy (sp: all-gather) and the vocab-parallel cross-entropy's two all-reduces.
+layer's input copy (its backward all-reduce async with ``async_grad_allreduce``, as Megatron-Core's
+ColumnParallelLinear output layer; sp: all-gather) and the vocab-parallel cross-entropy's two
+all-reduces.
 
     mesh = ParallelMesh(tp=2); model = GPTModel(ModelConfig(), mesh)
     loss = model(tokens, labels)          # tokens, labels: [b, s] -> per-token loss [b, s]
@@ -34,7 +36,9 @@ from ..tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from ..tensor_parallel.init import CounterInit
+from ..tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
 from ..tensor_parallel.mappings import (
+    Where,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
@@ -250,6 +254,12 @@ class GPTModel(nn.Module):
         if self.sp:
             x = gather_from_sequence_parallel_region(x, axis, True, site="GPTModel.output",
                                                      module="output", split="vocabulary")
+        elif axis.size > 1 and self.opt.async_grad_allreduce:
+            # Megatron-Core's output layer is a ColumnParallelLinear: the same async all-reduce
+            # of the input gradient, overlapping the (tied) weight-gradient GEMM
+            where = Where(axis, "GPTModel.output", module="output", split="vocabulary")
+            return linear_with_grad_accumulation_and_async_allreduce(
+                x, self.embedding.word_embeddings.weight, None, where, False, True, False)
         elif axis.size > 1:
             x = copy_to_tensor_model_parallel_region(x, axis, site="GPTModel.output",
                                                      module="output", split="vocabulary")

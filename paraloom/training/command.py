@@ -57,13 +57,22 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
       choices=["none", "selective", "full"], default="none")
     a("--schedule", choices=["1f1b", "interleaved", "none"], default=None,
       help="default: none with pp 1, interleaved with vpp > 1, else 1f1b")
-    a("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True)
+    a("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
+      help="reduce each gradient bucket as soon as it is complete in backward (default: on)")
+    a("--overlap-p2p-communication", dest="overlap_p2p_comm",
+      action=argparse.BooleanOptionalAction, default=None,
+      help="post pipeline sends/receives ahead so they overlap compute (default: on for gloo; "
+           "--no-overlap-p2p-communication runs Megatron-Core's blocking batches)")
     a("--distributed-optimizer", "--use-distributed-optimizer", dest="distributed_optimizer",
       action="store_true")
     a("--async-grad-allreduce", "--async-tensor-model-parallel-allreduce",
-      dest="async_grad_allreduce", action="store_true")
+      dest="async_grad_allreduce", action=argparse.BooleanOptionalAction, default=None,
+      help="overlap the column layers' input-gradient all-reduce with their weight-gradient "
+           "GEMM (default: on when tp > 1 without --sequence-parallel, as Megatron-Core)")
     a("--grad-accum-fusion", "--gradient-accumulation-fusion", dest="grad_accum_fusion",
-      action="store_true")
+      action=argparse.BooleanOptionalAction, default=False,
+      help="accumulate weight grads straight into fp32 main_grad (default: off, as "
+           "Megatron-Core's config; see README, Defaults)")
     a("--bucket-size", type=int, default=None, help="gradient bucket size in elements")
     a("--data", "--data-path", dest="data", default=None, help="text file (default: bundled)")
     a("--out", "--save", dest="out", default="runs/latest", help="run folder")
@@ -103,6 +112,7 @@ def config_from_args(args):
                        weight_decay=args.weight_decay, clip_grad=args.clip_grad, seed=args.seed,
                        dtype=args.dtype, recompute=args.recompute, schedule=schedule,
                        overlap_grad_reduce=args.overlap_grad_reduce,
+                       overlap_p2p_comm=args.overlap_p2p_comm,
                        distributed_optimizer=args.distributed_optimizer,
                        bucket_size=args.bucket_size, data=args.data, out=args.out,
                        save_every=args.save_every, resume=args.resume,

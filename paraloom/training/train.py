@@ -76,7 +76,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     model_parallel_seed(cfg.seed, mesh.tp.rank, device)
     p = cfg.parallel
     options = ParallelOptions(sequence_parallel=p.sequence_parallel,
-                              async_grad_allreduce=p.async_grad_allreduce,
+                              async_grad_allreduce=p.uses_async_grad_allreduce,
                               gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                               recompute=cfg.recompute, seed=cfg.seed,
                               params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
@@ -119,7 +119,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     schedule = _SCHEDULES[cfg.schedule]
     interleaved = cfg.schedule == "interleaved"
     kw = dict(mesh=mesh, hidden_size=cfg.model.hidden_size, dtype=run.dtype,
-              sequence_parallel=cfg.parallel.sequence_parallel and mesh.tp.size > 1)
+              sequence_parallel=cfg.parallel.sequence_parallel and mesh.tp.size > 1,
+              overlap_p2p_comm=cfg.overlap_p2p_comm)
     if not forward_only:
         kw.update(no_sync_func=[d.no_sync for d in run.ddps],
                   finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))

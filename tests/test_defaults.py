@@ -1,0 +1,96 @@
+"""Megatron-Core's defaults: what ``paraloom train`` turns on, the ``--no-...`` switch of each, and
+the rule read from Megatron-Core's own source (the recorded ledger is asserted in test_check.py,
+whose shared runs include a default one and a ``--no-async-...`` one)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+from _megatron_source import megatron_file
+
+from paraloom.config import ParallelConfig, TrainConfig
+from paraloom.training.command import add_train_parser, config_from_args, train_main
+
+
+def parse(*flags: str):
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["train", *flags])
+
+
+def config(*flags: str) -> TrainConfig:
+    return config_from_args(parse(*flags))
+
+
+def test_megatron_core_rule_read_from_its_source():
+    """Megatron-Core 0.19.2's ColumnParallelLinear has no switch: it all-reduces the input
+    gradient asynchronously whenever tp > 1 and sequence parallelism is off."""
+    text = megatron_file("tensor_parallel/layers.py").read_text()
+    rule = re.search(r"self\.allreduce_dgrad = \(\s*(.*?)\s*\)", text, re.S)
+    assert rule is not None
+    assert rule.group(1).split() == ["world_size", ">", "1", "and", "not",
+                                     "self.sequence_parallel", "and", "not",
+                                     "self.disable_grad_reduce"]
+
+
+@pytest.mark.parametrize(("tp", "sp", "want"), [(1, False, False), (2, False, True),
+                                                (4, False, True), (2, True, False)])
+def test_async_default_follows_megatron_core(tp, sp, want):
+    parallel = ParallelConfig(tp=tp, sequence_parallel=sp)
+    assert parallel.async_grad_allreduce is None  # "Megatron-Core's rule", kept as given
+    assert parallel.uses_async_grad_allreduce is want
+
+
+def test_default_train_command_runs_async_for_tp_without_sp():
+    cfg = config()
+    assert (cfg.parallel.tp, cfg.parallel.sequence_parallel) == (2, False)
+    assert cfg.parallel.uses_async_grad_allreduce is True
+    # the other defaults checked against Megatron (README, "Defaults")
+    assert cfg.parallel.gradient_accumulation_fusion is False
+    assert cfg.overlap_grad_reduce is True and cfg.bucket_size is None
+    assert cfg.distributed_optimizer is False
+
+
+@pytest.mark.parametrize("flag", ["--no-async-tensor-model-parallel-allreduce",
+                                  "--no-async-grad-allreduce"])
+def test_each_no_async_switch_turns_it_off(flag):
+    cfg = config(flag)
+    assert cfg.parallel.async_grad_allreduce is False
+    assert cfg.parallel.uses_async_grad_allreduce is False
+
+
+def test_sequence_parallel_with_the_default_does_not_fail():
+    cfg = config("--sequence-parallel")
+    assert cfg.parallel.sequence_parallel and not cfg.parallel.uses_async_grad_allreduce
+
+
+def test_asking_for_both_async_and_sp_is_still_an_error(capsys):
+    with pytest.raises(ValueError, match="sequence_parallel=True cannot be combined"):
+        ParallelConfig(tp=2, sequence_parallel=True, async_grad_allreduce=True)
+    assert train_main(parse("--async-grad-allreduce", "--sequence-parallel")) == 2
+    err = capsys.readouterr().err
+    assert "async_grad_allreduce" in err and "sequence_parallel" in err
+    with pytest.raises(ValueError, match="got 'yes'"):
+        ParallelConfig(tp=2, async_grad_allreduce="yes")
+
+
+def test_explicit_async_on_is_unchanged_and_does_nothing_at_tp1():
+    assert config("--async-tensor-model-parallel-allreduce").parallel.uses_async_grad_allreduce
+    assert not config("--tp", "1", "--async-grad-allreduce").parallel.uses_async_grad_allreduce
+
+
+@pytest.mark.parametrize(("flags", "field", "want"), [
+    (("--gradient-accumulation-fusion",), "fusion", True),
+    (("--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"), "fusion", False),
+    (("--no-grad-accum-fusion",), "fusion", False),
+    (("--no-overlap-grad-reduce",), "overlap", False),
+    ((), "p2p", None),
+    (("--no-overlap-p2p-communication",), "p2p", False),
+])
+def test_switches_of_the_other_defaults(flags, field, want):
+    cfg = config(*flags)
+    got = {"fusion": cfg.parallel.gradient_accumulation_fusion,
+           "overlap": cfg.overlap_grad_reduce, "p2p": cfg.overlap_p2p_comm}[field]
+    assert got is want
