@@ -184,10 +184,17 @@ def _report(cfg, summary: dict) -> None:
           f"comm_table.md, loss.png, config.json, checkpoints/)")
 
 
-def train_main(args) -> int:
-    """Validate, then train on local ranks or in the torchrun world; returns the exit code."""
+def train_main(args, argv: list[str] | None = None) -> int:
+    """Validate, then train on local ranks or in the torchrun world; returns the exit code.
+    ``argv``: the ``train`` arguments as typed, which tell an explicit flag from a default
+    (``--resume RUN`` takes every other setting from the run's checkpoint)."""
     from .. import launch
     try:
+        if args.resume is not None and args.init_from_hf is None:
+            from .resume import explicit_dests, resume_args
+            for note in resume_args(args, explicit_dests(argv, args)):
+                if os.environ.get("RANK", "0") == "0":  # once under torchrun
+                    print(f"paraloom train: note: {note}", file=sys.stderr)
         cfg = config_from_args(args)
         _check_inputs(cfg)
         world = cfg.parallel.world_size
