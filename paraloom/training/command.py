@@ -152,6 +152,10 @@ def _check_inputs(cfg) -> None:
         if diff:
             raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
                 f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+        if int(meta["step"]) >= cfg.steps:
+            raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
+                             f"--steps {cfg.steps}: nothing left to train; give --steps larger "
+                             f"than {meta['step']} to extend it")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         print("paraloom train: note: --sequence-parallel has no effect with tp = 1 (nothing is "
               "split); running without it", file=sys.stderr)

@@ -73,7 +73,7 @@ def _get(config: dict, path: str):
 
 def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     """Fill ``args`` from the checkpoint ``args.resume`` points at, keeping explicit flags;
-    returns the notes to print. ``ValueError`` (naming the values) when nothing is left to do."""
+    returns the notes to print."""
     from .checkpoint import find_checkpoint, run_folder
     ckpt, meta = find_checkpoint(args.resume)
     saved, step = meta["config"], int(meta["step"])
@@ -87,10 +87,6 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     home = run_folder(ckpt)
     if "out" not in explicit and home is not None:
         args.out = str(home)
-    if args.steps <= step:
-        raise ValueError(f"--resume {str(ckpt)!r} is at step {step} and the run has --steps "
-                         f"{args.steps}: nothing left to train; give --steps larger than {step} "
-                         f"to extend it")
     return _notes(args, saved, ckpt, step, home)
 
 
