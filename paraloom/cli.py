@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=_HELP.get(name, f"see paraloom {name} --help"), add_help=False)
     args = parser.parse_args(argv)
     if args.command == "train":
-        return train_main(args)
+        return train_main(args, argv[1:])
     if args.command == "schedule":
         try:
             return _schedule(args)

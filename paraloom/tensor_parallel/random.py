@@ -17,7 +17,7 @@ import torch
 from ..launch import get_rng_state, set_rng_state
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "checkpoint",
-           "MODEL_PARALLEL_RNG"]
+           "MODEL_PARALLEL_RNG", "rng_state_dict", "load_rng_state_dict"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -72,6 +72,35 @@ def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str = "c
     torch.manual_seed(seed)
     _TRACKER = RNGStatesTracker(device)
     _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+
+
+def rng_state_dict(device: torch.device | str = "cpu") -> dict:
+    """Every generator this rank's dropout draws from, as plain tensors (for a checkpoint).
+
+    ``cpu``: torch's default CPU generator; ``device``: the default generator of a CUDA device
+    (absent on CPU, where it is the same as ``cpu``); ``tracker``: the tracker's named streams.
+    The states are per rank: rank r's streams are only meaningful for rank r of the same layout.
+    """
+    device = torch.device(device)
+    state = {"device_type": device.type, "cpu": torch.get_rng_state(),
+             "tracker": {name: s.clone() for name, s in get_rng_tracker().states.items()}}
+    if device.type != "cpu":
+        state["device"] = get_rng_state(device)
+    return state
+
+
+def load_rng_state_dict(state: dict, device: torch.device | str = "cpu") -> None:
+    """Restore what :func:`rng_state_dict` captured (on a device of the same type)."""
+    device = torch.device(device)
+    if state.get("device_type") != device.type:
+        raise ValueError(f"RNG state was captured on {state.get('device_type')!r}, this rank "
+                         f"runs on {device.type!r}: generator states do not carry over")
+    torch.set_rng_state(state["cpu"])
+    if device.type != "cpu":
+        set_rng_state(state["device"], device)
+    tracker = get_rng_tracker()
+    for name, s in state["tracker"].items():
+        tracker.states[name] = s.clone()
 
 
 def checkpoint(function, *args):

@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 __all__ = ["Entry", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "read_meta",
-           "find_checkpoint", "FORMAT", "SafeFileSystemReader"]
+           "find_checkpoint", "FORMAT", "SafeFileSystemReader", "read_rank_state", "run_folder"]
 
 FORMAT = "paraloom-checkpoint-1"
 """``meta.json``'s ``format``: what marks a folder as a paraloom checkpoint."""
@@ -112,14 +112,23 @@ def _dtensors(entries: dict[str, Entry], mesh) -> dict:
     return out
 
 
-def save_checkpoint(directory: str | Path, entries: dict[str, Entry], meta: dict, mesh) -> Path:
-    """Write ``entries`` (and JSON ``meta``) to ``directory`` atomically; returns the directory."""
+def save_checkpoint(directory: str | Path, entries: dict[str, Entry], meta: dict, mesh,
+                    rank_state: dict | None = None) -> Path:
+    """Write ``entries`` (and JSON ``meta``) to ``directory`` atomically; returns the directory.
+
+    ``rank_state``: this rank's own state that no other rank has (its RNG streams), written to
+    ``rank/rank_N.pt`` (tensors and plain values only, read back with ``weights_only=True``).
+    It is written before DCP's save, whose final gather to rank 0 then orders it before the
+    rename."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
+    if rank_state is not None:
+        (tmp / "rank").mkdir(exist_ok=True)
+        torch.save(rank_state, tmp / "rank" / f"rank_{dist.get_rank()}.pt")
     dcp.save(_dtensors(entries, mesh), checkpoint_id=str(tmp))
     if dist.get_rank() == 0:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
@@ -156,6 +165,20 @@ def load_checkpoint(directory: str | Path, entries: dict[str, Entry], mesh) -> d
         if local.data_ptr() != e.tensor.data_ptr():
             e.tensor.copy_(local)
     return meta
+
+
+def read_rank_state(directory: str | Path, rank: int) -> dict | None:
+    """What :func:`save_checkpoint` stored for ``rank`` (``None`` if nothing: an older checkpoint,
+    or a rank the writing layout did not have). Plain data only: ``weights_only=True``."""
+    path = Path(directory) / "rank" / f"rank_{rank}.pt"
+    return torch.load(path, weights_only=True) if path.is_file() else None
+
+
+def run_folder(ckpt: str | Path) -> Path | None:
+    """The run folder a ``.../checkpoints/step_N`` folder belongs to (``None`` for a checkpoint
+    folder that is not in a run's ``checkpoints/``)."""
+    ckpt = Path(ckpt)
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 
 def find_checkpoint(path: str | Path, flag: str = "--resume") -> tuple[Path, dict]:

@@ -162,6 +162,10 @@ def _check_inputs(cfg) -> None:
         if diff:
             raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
                 f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+        if int(meta["step"]) >= cfg.steps:
+            raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
+                             f"--steps {cfg.steps}: nothing left to train; give --steps larger "
+                             f"than {meta['step']} to extend it")
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         print("paraloom train: note: --sequence-parallel has no effect with tp = 1 (nothing is "
               "split); running without it", file=sys.stderr)
@@ -194,10 +198,17 @@ def _report(cfg, summary: dict) -> None:
           f"comm_table.md, loss.png, config.json, checkpoints/)")
 
 
-def train_main(args) -> int:
-    """Validate, then train on local ranks or in the torchrun world; returns the exit code."""
+def train_main(args, argv: list[str] | None = None) -> int:
+    """Validate, then train on local ranks or in the torchrun world; returns the exit code.
+    ``argv``: the ``train`` arguments as typed, which tell an explicit flag from a default
+    (``--resume RUN`` takes every other setting from the run's checkpoint)."""
     from .. import launch
     try:
+        if args.resume is not None and args.init_from_hf is None:
+            from .resume import explicit_dests, resume_args
+            for note in resume_args(args, explicit_dests(argv, args)):
+                if os.environ.get("RANK", "0") == "0":  # once under torchrun
+                    print(f"paraloom train: note: {note}", file=sys.stderr)
         cfg = config_from_args(args)
         _check_inputs(cfg)
         world = cfg.parallel.world_size

@@ -21,9 +21,11 @@ import torch.distributed as dist
 from .. import comm
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
+from ..tensor_parallel.random import rng_state_dict
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
 from .data import Corpus, eval_batches, load_corpus
 from .progress import show_progress
+from .resume import continue_folder, continue_ledger, restore_rng, same_layout, same_run
 from .state import state_entries
 from .train import build, evaluate, train_step
 
@@ -37,20 +39,27 @@ def config_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def _resume(run, path: str) -> int:
+def _resume(run, path: str) -> tuple[int, Path, dict]:
     ckpt, meta = find_checkpoint(path)  # the model shape was compared before ranks started
     entries, finish = state_entries(run, for_save=False)
     load_checkpoint(ckpt, entries, run.mesh)
     finish(meta)
     run.tokens = int(meta["tokens"])
-    return int(meta["step"])
+    start = int(meta["step"])
+    if not restore_rng(ckpt, meta, run, dist.get_rank(), start) and run.cfg.model.dropout > 0 \
+            and dist.get_rank() == 0:
+        print(f"note: dropout RNG streams re-seeded from (seed, step {start}): "
+              + ("the layout differs from the checkpoint's" if not same_layout(meta, run.cfg)
+                 else "the checkpoint has none for this rank"), file=sys.stderr, flush=True)
+    return start, ckpt, meta
 
 
 def _save(run, out: Path, step: int) -> None:
     entries, _ = state_entries(run, for_save=True)
     meta = {"step": step, "tokens": run.tokens, "optimizer_steps": run.optimizers[0].step_count,
             "config": config_dict(run.cfg), "format": FORMAT}
-    save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh)
+    save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh,
+                    rank_state=rng_state_dict(run.device))
 
 
 def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
@@ -61,23 +70,26 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     mesh = ParallelMesh(cfg.parallel)
     corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
     run = build(cfg, mesh, corpus, init_from_hf=init_from_hf or cfg.init_from_hf)
-    start = _resume(run, cfg.resume) if cfg.resume else 0
+    start, ckpt, meta = _resume(run, cfg.resume) if cfg.resume else (0, None, None)
+    # continuing in the run's own folder with the same layout keeps its ledger of earlier steps
+    # and records the steps an uninterrupted run records; otherwise the ledger starts again
+    same = ckpt is not None and same_run(out, ckpt)
+    keep_ledger = same and same_layout(meta, cfg)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1))
-        if start == 0:
-            (out / "metrics.jsonl").write_text("")
+        continue_folder(out, start, same, keep_ledger, mesh.world.size)
     comm.barrier(mesh.world, site="run_rank:setup")
     (out / "ledger").mkdir(exist_ok=True)
     held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
     val_before = evaluate(run, held_out)
     ledger = Ledger(rank=rank, t0=t0)
     ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
-    if start == 0:
-        ledger_file.write_text("")
+    continue_ledger(ledger_file, start, keep_ledger)
+    first_recorded = 0 if keep_ledger else start
     bad = 0
     for step in range(start, cfg.steps):
-        record = cfg.ledger_steps < 0 or step - start < cfg.ledger_steps
+        record = cfg.ledger_steps < 0 or step - first_recorded < cfg.ledger_steps
         ledger.events.clear()
         tic = time.time()
         with recording(ledger) if record else nullcontext(), ledger.at(step=step):

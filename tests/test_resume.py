@@ -1,0 +1,154 @@
+"""``paraloom train --resume RUN`` continues that run: a rank killed with SIGKILL mid-run, then
+``--resume RUN`` with no other flag, gives the uninterrupted run's metrics step for step (dropout
+on, so the RNG streams in the checkpoint matter too); flags typed with ``--resume`` override and
+are named; ``--out`` elsewhere branches.
+
+The killed run is a real ``python -m paraloom train`` subprocess; the other runs fork their ranks
+from this process through the same CLI entry point (``paraloom.cli.main``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from paraloom import launch
+from paraloom.cli import main
+from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+from paraloom.training.resume import explicit_dests
+
+STEPS, EVERY, KILL_AFTER = 30, 5, 12
+FLAGS = ["--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2", "--hidden", "32", "--heads", "4",
+         "--seq-len", "16", "--global-batch-size", "4", "--micro-batch-size", "1",
+         "--steps", str(STEPS), "--save-every", str(EVERY), "--dropout", "0.1", "--lr", "3e-3",
+         "--warmup-steps", "3", "--timeout", "20", "--ledger-steps", "1"]
+
+
+def _metrics(run) -> list[dict]:
+    path = Path(run) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _ranks_of(pid: int) -> list[int]:
+    """The rank processes of a ``paraloom train`` process: its children, in start order (a
+    ``spawn`` start also has multiprocessing's resource tracker, which is not a rank)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    ranks = [c for c in children
+             if b"resource_tracker" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return sorted(ranks)
+
+
+def _kill_one_rank_mid_run(out: Path) -> tuple[int, str]:
+    """Start ``paraloom train``, SIGKILL its last rank once KILL_AFTER steps are in the
+    metrics; returns the train command's exit code and stderr."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "paraloom", "train", *FLAGS, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= KILL_AFTER:
+                os.kill(_ranks_of(proc.pid)[-1], signal.SIGKILL)
+                break
+            time.sleep(0.01)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted run and a run whose rank 1 was killed, then resumed by RUN alone."""
+    root = tmp_path_factory.mktemp("resume")
+    assert main(["train", *FLAGS, "--out", str(root / "straight")]) == 0
+    code, err = _kill_one_rank_mid_run(root / "crashed")
+    return root, code, err
+
+
+def test_killed_run_resumed_with_no_other_flag_equals_the_uninterrupted_run(runs, capsys):
+    root, code, err = runs
+    crashed = root / "crashed"
+    assert code == 1 and "rank 1 died" in err and "SIGKILL" in err, err
+    done = _metrics(crashed)
+    assert KILL_AFTER <= len(done) < STEPS  # killed mid-run, after a checkpoint
+    ckpts = sorted(int(p.name[5:]) for p in (crashed / "checkpoints").glob("step_*")
+                   if not p.name.endswith(".tmp"))
+    assert ckpts and ckpts[-1] < STEPS
+    assert main(["train", "--resume", str(crashed)]) == 0
+    notes = capsys.readouterr().err
+    assert f"resuming {str(crashed)!r} at step {ckpts[-1]} of {STEPS}" in notes, notes
+    assert "no setting changed from the checkpoint" in notes
+    got, want = _metrics(crashed), _metrics(root / "straight")
+    assert [m["step"] for m in got] == list(range(STEPS))  # replaced, not duplicated
+    for a, b in zip(got, want, strict=True):
+        assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a
+    # the ledger kept the step the uninterrupted run recorded, and only that
+    ledger = [json.loads(x) for x in (crashed / "ledger.jsonl").read_text().splitlines()]
+    assert {e["step"] for e in ledger} == {0} and {e["rank"] for e in ledger} == {0, 1}
+    config = json.loads((crashed / "config.json").read_text())
+    assert config["steps"] == STEPS and config["model"]["num_layers"] == 2
+
+
+def test_flags_with_resume_override_and_are_named(runs, capsys):
+    root, _, _ = runs
+    straight = root / "straight"
+    branch = root / "branch"
+    argv = ["--resume", str(straight / "checkpoints" / "step_10"), "--steps", str(STEPS + 2),
+            "--dp", "1", "--out", str(branch)]
+    assert main(["train", *argv]) == 0
+    notes = capsys.readouterr().err
+    assert f"branching: {str(branch)!r} starts from" in notes and "at step 10" in notes, notes
+    assert f"steps {STEPS} -> {STEPS + 2}" in notes and "parallel.dp 2 -> 1" in notes
+    assert "re-seeded from (seed, step)" in notes  # dropout streams cannot change layout
+    assert [m["step"] for m in _metrics(branch)] == list(range(10, STEPS + 2))
+    assert len(_metrics(straight)) == STEPS  # the branch copied and changed nothing there
+    # a model flag contradicting the checkpoint is still refused before ranks start
+    assert main(["train", "--resume", str(straight / "checkpoints" / "step_10"), "--hidden",
+                 "64"]) == 2
+    assert "hidden_size = 32 in the checkpoint, 64 here" in capsys.readouterr().err
+    assert main(["train", "--resume", str(straight)]) == 2  # its last checkpoint is its end
+    assert f"is at step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
+
+
+def test_explicit_flags_are_told_from_defaults():
+    import argparse
+    args = argparse.Namespace()
+    assert explicit_dests(["--resume", "r", "--steps", "150", "--tp=2"], args) == {
+        "resume", "steps", "tp"}  # 150 and 2 are the defaults, but they were typed
+
+
+MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,
+                    seq_length=16, dropout=0.1)
+BASE = TrainConfig(model=MODEL, parallel=ParallelConfig(tp=2, dp=2), global_batch_size=8,
+                   micro_batch_size=1, steps=6, warmup_steps=1, save_every=3, ledger_steps=1,
+                   timeout_s=30, schedule="none")
+
+
+def _rank(rank, world, cfg, t0):
+    from paraloom.training.loop import run_rank
+    run_rank(cfg, t0)
+
+
+def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
+    straight = replace(BASE, out=str(tmp_path / "straight"))
+    launch.spawn(_rank, 4, straight, time.time(), timeout_s=30)
+    step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
+    resumed = replace(BASE, out=str(tmp_path / "resumed"), resume=step3)
+    launch.spawn(_rank, 4, resumed, time.time(), timeout_s=30)
+    want, got = _metrics(straight.out)[3:], _metrics(resumed.out)
+    assert [m["step"] for m in got] == [3, 4, 5]
+    for a, b in zip(got, want, strict=True):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
