@@ -111,7 +111,8 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
     assert main(["train", *argv]) == 0
     notes = capsys.readouterr().err
     assert f"branching: {str(branch)!r} starts from" in notes and "at step 12" in notes, notes
-    assert f"steps {STEPS} -> {STEPS + 2}" in notes and "parallel.tp 1 -> 2, parallel.dp 2 -> 1" in notes
+    assert f"steps {STEPS} -> {STEPS + 2}" in notes
+    assert "parallel.tp 1 -> 2, parallel.dp 2 -> 1" in notes
     assert "re-seeded from (seed, step)" in notes  # dropout streams cannot change layout
     assert [m["step"] for m in _metrics(branch)] == list(range(12, STEPS + 2))
     assert len(_metrics(straight)) == STEPS  # the branch copied and changed nothing there
@@ -121,6 +122,23 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
     assert "hidden_size = 32 in the checkpoint, 64 here" in capsys.readouterr().err
     assert main(["train", "--resume", str(straight)]) == 2  # its last checkpoint is its end
     assert f"is at step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
+    # in place from an earlier checkpoint, recording every step: the later checkpoint is moved
+    # aside, the metrics are the same, the ledger continues in order and in time
+    before = _metrics(straight)
+    assert main(["train", "--resume", str(straight / "checkpoints" / "step_12"),
+                 "--ledger-steps", "-1"]) == 0
+    assert "ledger_steps 1 -> -1" in capsys.readouterr().err
+    assert [(m["loss"], m["grad_norm"]) for m in _metrics(straight)] == [
+        (m["loss"], m["grad_norm"]) for m in before]
+    assert (straight / "checkpoints" / "superseded_step_16").is_dir()
+    ledger = [json.loads(x) for x in (straight / "ledger.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        mine = [e for e in ledger if e["rank"] == rank]
+        assert sorted({e["step"] for e in mine}) == [0, 12, 13, 14, 15]
+        assert [e["seq"] for e in mine] == list(range(len(mine)))
+        assert [e["step"] for e in mine] == sorted(e["step"] for e in mine)
+        first_run = max(e["t_end"] for e in mine if e["step"] == 0)
+        assert min(e["t_start"] for e in mine if e["step"] > 0) >= first_run
 
 
 def test_explicit_flags_are_told_from_defaults():
