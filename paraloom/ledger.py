@@ -51,6 +51,9 @@ class Ledger:
         self.rank = rank
         self.t0 = time.time() if t0 is None else t0
         self.events: list[dict] = []
+        self.next_seq = 0
+        """``seq`` of the next event: it keeps counting when ``events`` is cleared after a flush
+        (the training loop writes a step at a time), so ``(rank, seq)`` stays unique."""
         self.step = 0
         self.microbatch = 0
         self.recompute = False
@@ -82,7 +85,7 @@ class Ledger:
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
             nbytes = nbytes or tensor.numel() * tensor.element_size()
         t = self.now()
-        event = {"rank": self.rank, "seq": len(self.events), "step": self.step,
+        event = {"rank": self.rank, "seq": self.next_seq, "step": self.step,
                  "microbatch": self.microbatch, "phase": phase, "kind": kind, "op": op,
                  "site": site, "module": module, "split": split, "async": async_op,
                  "bytes": nbytes, "shape": shape, "dtype": dtype, "group": list(group),
@@ -90,6 +93,7 @@ class Ledger:
         if self.recompute:
             event["recompute"] = True
         self.events.append(event)
+        self.next_seq += 1
         return event
 
     def span(self, site: str, *, phase: str, module: str | None = None, kind: str = "compute",

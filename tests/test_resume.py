@@ -25,7 +25,7 @@ from paraloom.cli import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.training.resume import explicit_dests
 
-STEPS, EVERY, KILL_AFTER = 30, 5, 12
+STEPS, EVERY, KILL_AFTER = 16, 4, 6
 FLAGS = ["--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2", "--hidden", "32", "--heads", "4",
          "--seq-len", "16", "--global-batch-size", "4", "--micro-batch-size", "1",
          "--steps", str(STEPS), "--save-every", str(EVERY), "--dropout", "0.1", "--lr", "3e-3",
@@ -106,21 +106,39 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
     root, _, _ = runs
     straight = root / "straight"
     branch = root / "branch"
-    argv = ["--resume", str(straight / "checkpoints" / "step_10"), "--steps", str(STEPS + 2),
-            "--dp", "1", "--out", str(branch)]
+    argv = ["--resume", str(straight / "checkpoints" / "step_12"), "--steps", str(STEPS + 2),
+            "--tp", "2", "--dp", "1", "--out", str(branch)]
     assert main(["train", *argv]) == 0
     notes = capsys.readouterr().err
-    assert f"branching: {str(branch)!r} starts from" in notes and "at step 10" in notes, notes
-    assert f"steps {STEPS} -> {STEPS + 2}" in notes and "parallel.dp 2 -> 1" in notes
+    assert f"branching: {str(branch)!r} starts from" in notes and "at step 12" in notes, notes
+    assert f"steps {STEPS} -> {STEPS + 2}" in notes
+    assert "parallel.tp 1 -> 2, parallel.dp 2 -> 1" in notes
     assert "re-seeded from (seed, step)" in notes  # dropout streams cannot change layout
-    assert [m["step"] for m in _metrics(branch)] == list(range(10, STEPS + 2))
+    assert [m["step"] for m in _metrics(branch)] == list(range(12, STEPS + 2))
     assert len(_metrics(straight)) == STEPS  # the branch copied and changed nothing there
     # a model flag contradicting the checkpoint is still refused before ranks start
-    assert main(["train", "--resume", str(straight / "checkpoints" / "step_10"), "--hidden",
+    assert main(["train", "--resume", str(straight / "checkpoints" / "step_12"), "--hidden",
                  "64"]) == 2
     assert "hidden_size = 32 in the checkpoint, 64 here" in capsys.readouterr().err
     assert main(["train", "--resume", str(straight)]) == 2  # its last checkpoint is its end
     assert f"is at step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
+    # in place from an earlier checkpoint, recording every step: the later checkpoint is moved
+    # aside, the metrics are the same, the ledger continues in order and in time
+    before = _metrics(straight)
+    assert main(["train", "--resume", str(straight / "checkpoints" / "step_12"),
+                 "--ledger-steps", "-1"]) == 0
+    assert "ledger_steps 1 -> -1" in capsys.readouterr().err
+    assert [(m["loss"], m["grad_norm"]) for m in _metrics(straight)] == [
+        (m["loss"], m["grad_norm"]) for m in before]
+    assert (straight / "checkpoints" / "superseded_step_16").is_dir()
+    ledger = [json.loads(x) for x in (straight / "ledger.jsonl").read_text().splitlines()]
+    for rank in (0, 1):
+        mine = [e for e in ledger if e["rank"] == rank]
+        assert sorted({e["step"] for e in mine}) == [0, 12, 13, 14, 15]
+        assert [e["seq"] for e in mine] == list(range(len(mine)))
+        assert [e["step"] for e in mine] == sorted(e["step"] for e in mine)
+        first_run = max(e["t_end"] for e in mine if e["step"] == 0)
+        assert min(e["t_start"] for e in mine if e["step"] > 0) >= first_run
 
 
 def test_explicit_flags_are_told_from_defaults():
@@ -132,7 +150,7 @@ def test_explicit_flags_are_told_from_defaults():
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,
                     seq_length=16, dropout=0.1)
-BASE = TrainConfig(model=MODEL, parallel=ParallelConfig(tp=2, dp=2), global_batch_size=8,
+BASE = TrainConfig(model=MODEL, parallel=ParallelConfig(tp=2), global_batch_size=8,
                    micro_batch_size=1, steps=6, warmup_steps=1, save_every=3, ledger_steps=1,
                    timeout_s=30, schedule="none")
 
@@ -144,10 +162,10 @@ def _rank(rank, world, cfg, t0):
 
 def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
     straight = replace(BASE, out=str(tmp_path / "straight"))
-    launch.spawn(_rank, 4, straight, time.time(), timeout_s=30)
+    launch.spawn(_rank, 2, straight, time.time(), timeout_s=30)
     step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
     resumed = replace(BASE, out=str(tmp_path / "resumed"), resume=step3)
-    launch.spawn(_rank, 4, resumed, time.time(), timeout_s=30)
+    launch.spawn(_rank, 2, resumed, time.time(), timeout_s=30)
     want, got = _metrics(straight.out)[3:], _metrics(resumed.out)
     assert [m["step"] for m in got] == [3, 4, 5]
     for a, b in zip(got, want, strict=True):

@@ -15,6 +15,10 @@ Safety and atomicity:
   and DCP's pickled ``.metadata`` is read by a restricted unpickler that admits only DCP's own
   metadata classes and plain values. Non-tensor state (step, config) lives in ``meta.json``.
 
+What belongs to one rank only (its dropout RNG streams) is not a global tensor: each rank writes
+it to ``rank/rank_N.pt`` in the same folder (plain tensors, loaded with ``weights_only=True``); it
+is restored only under the same (tp, pp, dp) layout.
+
 DCP and the device mesh coordinate through ``torch.distributed`` themselves; that is the one
 communication outside ``comm.py`` (checkpoint I/O, not training), and it is not in the ledger.
 """

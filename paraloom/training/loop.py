@@ -16,6 +16,7 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .. import comm
@@ -83,9 +84,15 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     (out / "ledger").mkdir(exist_ok=True)
     held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
     val_before = evaluate(run, held_out)
-    ledger = Ledger(rank=rank, t0=t0)
     ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
-    continue_ledger(ledger_file, start, keep_ledger)
+    next_seq, kept_until = continue_ledger(ledger_file, start, keep_ledger)
+    if keep_ledger:  # the continuation's times follow the kept events' on the trace
+        last = torch.tensor([kept_until], dtype=torch.float64, device=run.device)
+        comm.all_reduce(last, mesh.world, phase="setup", kind="world", op="max",
+                        site="run_rank:resumed_ledger_time")
+        t0 -= float(last.item())
+    ledger = Ledger(rank=rank, t0=t0)
+    ledger.next_seq = next_seq
     first_recorded = 0 if keep_ledger else start
     bad = 0
     for step in range(start, cfg.steps):

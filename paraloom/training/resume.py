@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
+import sys
 from pathlib import Path
 
 __all__ = ["explicit_dests", "resume_args", "continue_folder", "continue_ledger", "restore_rng",
@@ -93,8 +95,9 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
 def _notes(args, saved: dict, ckpt: Path, step: int, home: Path | None) -> list[str]:
     from .command import config_from_args
     now = dataclasses.asdict(config_from_args(args))
-    changed = [f"{path} {_get(saved, path)} -> {_get(now, path)}" for path in _FIELDS.values()
-               if _get(saved, path) != _get(now, path)]
+    before, after = _flat(saved), _flat(now)
+    changed = [f"{key} {before.get(key)} -> {value}" for key, value in after.items()
+               if key not in ("out", "resume", "init_from_hf") and before.get(key) != value]
     where = Path(args.out)
     if home is not None and where.resolve() == home.resolve():
         notes = [f"resuming {str(home)!r} at step {step} of {args.steps}, in the same folder "
@@ -110,6 +113,17 @@ def _notes(args, saved: dict, ckpt: Path, step: int, home: Path | None) -> list[
                      "layout: they are re-seeded from (seed, step), so the continuation is not "
                      "bitwise the run's own (resume under the same layout for that)")
     return notes
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """``{"parallel.tp": 2, ...}``: every setting, also ones this module has no flag for."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def same_layout(meta: dict, cfg) -> bool:
@@ -142,7 +156,8 @@ def same_run(out: Path, ckpt: Path) -> bool:
 
 def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world: int) -> None:
     """Rank 0, before the ranks write: keep the metrics of steps before ``start`` (none in a
-    branch), and remove the ledger files that the continuation does not extend."""
+    branch), remove the ledger files that the continuation does not extend, and move aside the
+    run's checkpoints after ``start`` (when resuming from an earlier one than its newest)."""
     metrics = out / "metrics.jsonl"
     kept = [line for line in _lines(metrics) if same and line.get("step", start) < start]
     metrics.write_text("".join(json.dumps(line) + "\n" for line in kept))
@@ -150,13 +165,24 @@ def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world:
     for stale in folder.glob("rank_*.jsonl") if folder.is_dir() else ():
         if not keep_ledger or int(stale.stem[5:]) >= world:
             stale.unlink()
+    if same:  # checkpoints of the replaced steps: kept aside, never picked by --resume RUN again
+        for ckpt in (out / "checkpoints").glob("step_*"):
+            if ckpt.name[5:].isdigit() and int(ckpt.name[5:]) > start:
+                aside = ckpt.with_name("superseded_" + ckpt.name)
+                shutil.rmtree(aside, ignore_errors=True)
+                ckpt.rename(aside)
+                print(f"note: {str(ckpt)!r} was written by the steps now replaced: moved to "
+                      f"{aside.name!r}", file=sys.stderr, flush=True)
 
 
-def continue_ledger(ledger_file: Path, start: int, keep_ledger: bool) -> None:
+def continue_ledger(ledger_file: Path, start: int, keep_ledger: bool) -> tuple[int, float]:
     """Every rank, its own ledger file: the events of steps before ``start`` when the ledger is
-    kept, else nothing."""
+    kept, else nothing. Returns the next ``seq`` and the last ``t_end`` of the kept events, so
+    the continuation's events follow them in order and in time."""
     events = [e for e in _lines(ledger_file) if e.get("step", 0) < start] if keep_ledger else []
     ledger_file.write_text("".join(json.dumps(e) + "\n" for e in events))
+    return (max((e["seq"] for e in events), default=-1) + 1,
+            max((e["t_end"] for e in events), default=0.0))
 
 
 def _lines(path: Path) -> list[dict]:
