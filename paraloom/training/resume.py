@@ -42,7 +42,8 @@ _FIELDS = {
     **{name: name for name in (
         "global_batch_size", "micro_batch_size", "steps", "lr", "min_lr", "warmup_steps",
         "weight_decay", "clip_grad", "seed", "dtype", "recompute", "schedule",
-        "overlap_grad_reduce", "distributed_optimizer", "bucket_size", "data", "save_every",
+        "overlap_grad_reduce", "overlap_p2p_comm", "distributed_optimizer", "bucket_size", "data",
+        "save_every",
         "ledger_steps", "timeout_s", "max_bad_steps")},
 }
 """argparse destination -> TrainConfig field (dotted into the nested configs)."""
