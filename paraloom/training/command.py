@@ -94,6 +94,8 @@ def config_from_args(args):
         vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
         seq_length=given("seq_len"), dropout=args.dropout)
+    from .flags import check_layout_flags
+    check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
     if model.vocab_size < 256:
         raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
                          f"least 256")
@@ -141,8 +143,9 @@ def _model_config(args):
 
 def _check_inputs(cfg) -> None:
     from .checkpoint import find_checkpoint
-    from .data import load_corpus
-    load_corpus(cfg.data)  # missing / empty --data: a clear error now, not in 8 ranks
+    from .data import check_data
+    for note in check_data(cfg.data, cfg.model.seq_length, "train"):  # not in 8 ranks later
+        print(f"paraloom train: note: {note}", file=sys.stderr)
     if cfg.resume is not None:
         ckpt, meta = find_checkpoint(cfg.resume)
         import dataclasses
