@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from . import comm
 
 __all__ = ["init_distributed", "spawn", "under_torchrun", "get_device", "print0", "shutdown",
-           "get_rng_state", "set_rng_state"]
+           "exit_process", "get_rng_state", "set_rng_state"]
 
 
 def under_torchrun() -> bool:
@@ -73,10 +73,46 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     return rank, world_size
 
 
-def shutdown() -> None:
-    """Tear down the default process group if one exists."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(*, barrier: bool = False) -> None:
+    """Tear down the default process group (and every group made from it) if one exists.
+
+    ``barrier=True`` (after a good run) first waits, with the usual timeout, until every rank
+    has arrived, so no rank destroys its groups while a peer may still be using them (rank 0
+    writing the reports, say). After an error there is no barrier: the peers may be gone.
+    """
+    global _WORLD_ENDED
+    if not dist.is_initialized():
+        return
+    if barrier and dist.get_world_size() > 1:
+        from .mesh import Axis
+        world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(),
+                     dist.group.WORLD)
+        try:
+            comm.barrier(world, site="shutdown")
+        except comm.CommTimeout:
+            barrier = False  # a peer is gone: still destroy ours, and say the end was not clean
+    dist.destroy_process_group()
+    _WORLD_ENDED = _WORLD_ENDED or barrier
+
+
+_WORLD_ENDED = False
+
+
+def exit_process(code: int) -> None:
+    """End a ``torchrun`` worker once its world was shut down cleanly: flush, then ``os._exit``.
+
+    The process groups outlive ``destroy_process_group()`` (the model's gradient hooks keep the
+    mesh and its groups referenced from C++, out of reach of the garbage collector), so without
+    this their gloo threads and work objects are torn down during interpreter finalization, in
+    no fixed order, which can abort a finished rank. Forked local ranks (:func:`spawn`) have
+    always ended with ``os._exit`` (multiprocessing does so) and never showed it. Outside a
+    cleanly ended world this is a plain ``sys.exit``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _WORLD_ENDED and under_torchrun():
+        os._exit(code)
+    sys.exit(code)
 
 
 def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads: int, fn, args,

@@ -192,7 +192,8 @@ def train_main(args) -> int:
     from .. import launch
     try:
         cfg = config_from_args(args)
-        _check_inputs(cfg)
+        if not launch.under_torchrun():  # under torchrun every rank checks what it can read
+            _check_inputs(cfg)
         world = cfg.parallel.world_size
         if launch.under_torchrun():
             if int(os.environ["WORLD_SIZE"]) != world:
@@ -206,12 +207,11 @@ def train_main(args) -> int:
         print(f"paraloom train: error: {err}", file=sys.stderr)
         return 2
     if launch.under_torchrun():
-        launch.init_distributed(timeout_s=cfg.timeout_s)
-        try:
-            _rank(int(os.environ["RANK"]), world, cfg, _shared_t0(), args.init_from_hf)
-        finally:
-            launch.shutdown()
-        return 0
+        from .nodes import run_under_torchrun
+        return run_under_torchrun(
+            "paraloom train", cfg.timeout_s, lambda: _check_inputs(cfg),
+            lambda: _rank(int(os.environ["RANK"]), world, cfg, _shared_t0(), args.init_from_hf),
+            resume=cfg.resume)
     threads = max(1, (os.cpu_count() or 1) // world)
     try:
         launch.spawn(_rank, world, cfg, time.time(), args.init_from_hf, timeout_s=cfg.timeout_s,
