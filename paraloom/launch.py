@@ -6,6 +6,8 @@
 * :func:`init_distributed` initialises ``torch.distributed`` from explicit arguments or, under
   ``torchrun``, from its environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``).
 * :func:`get_device` is the one place that decides CPU vs CUDA (``cuda:LOCAL_RANK`` with NCCL).
+* :func:`shutdown` ends a world (a barrier first after a good run); :func:`exit_process` then
+  ends a torchrun worker without interpreter finalization.
 """
 
 from __future__ import annotations
@@ -101,12 +103,14 @@ _WORLD_ENDED = False
 def exit_process(code: int) -> None:
     """End a ``torchrun`` worker once its world was shut down cleanly: flush, then ``os._exit``.
 
-    The process groups outlive ``destroy_process_group()`` (the model's gradient hooks keep the
-    mesh and its groups referenced from C++, out of reach of the garbage collector), so without
-    this their gloo threads and work objects are torn down during interpreter finalization, in
-    no fixed order, which can abort a finished rank. Forked local ranks (:func:`spawn`) have
-    always ended with ``os._exit`` (multiprocessing does so) and never showed it. Outside a
-    cleanly ended world this is a plain ``sys.exit``.
+    The process groups outlive ``destroy_process_group()``: after it and a ``gc.collect()`` the
+    mesh's groups are still alive, held by references no Python module or frame reaches (the
+    model's autograd hooks keep the model and its mesh). What is left of them, gloo's threads
+    and work objects included, would be torn down during interpreter finalization and exit, in
+    no fixed order; a finished rank aborting there ("terminate called without an active
+    exception") is the failure reported for two-node runs. Nothing remains to be done after a
+    clean shutdown, so the process ends without finalization, as forked local ranks (:func:`spawn`,
+    multiprocessing ends them with ``os._exit``) always have. Otherwise this is ``sys.exit``.
     """
     sys.stdout.flush()
     sys.stderr.flush()
