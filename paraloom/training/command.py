@@ -230,6 +230,7 @@ def _shared_t0() -> float:
     from .. import comm
     from ..mesh import Axis
     world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
-    t = torch.tensor([time.time()], dtype=torch.float64)
+    from ..launch import get_device
+    t = torch.tensor([time.time()], dtype=torch.float64, device=get_device())  # NCCL: on GPU
     comm.broadcast(t, world, src=0, phase="setup", kind="world", site="train:clock")
     return float(t.item())

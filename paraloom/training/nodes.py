@@ -45,6 +45,12 @@ class SetupError(ValueError):
     """A problem every rank knows about (so every rank stops alike, with exit code 2)."""
 
 
+def _device() -> torch.device:
+    """Where this rank's small setup tensors live (CUDA with NCCL, which has no CPU tensors)."""
+    from ..launch import get_device
+    return get_device()
+
+
 def local_rank() -> int:
     """This rank's index on its node (torchrun's ``LOCAL_RANK``; 0 outside a launcher)."""
     return int(os.environ.get("LOCAL_RANK", 0))
@@ -63,7 +69,7 @@ def agree(error: str | None, world, *, what: str) -> None:
     """Every rank passes its own problem (or ``None``); if any rank has one, every rank raises
     :class:`SetupError`, and rank 0's message lists each rank's problem. One all-reduce, and a
     gather only when something failed."""
-    failed = torch.zeros(world.size, dtype=torch.float64)
+    failed = torch.zeros(world.size, dtype=torch.float64, device=_device())
     failed[world.rank] = error is not None
     comm.all_reduce(failed, world, phase="setup", kind="world", site=f"agree:{what}")
     if not failed.any():
@@ -122,7 +128,8 @@ def prepare_run_folder(out: Path, world) -> RunFolder:
         (out / "ledger").mkdir(parents=True, exist_ok=True)
     comm.barrier(world, site="run_folder:created")
     (out / "ledger").mkdir(parents=True, exist_ok=True)  # LOCAL_RANK not set as torchrun does
-    token = torch.tensor([random.SystemRandom().getrandbits(62)], dtype=torch.int64)
+    token = torch.tensor([random.SystemRandom().getrandbits(62)], dtype=torch.int64,
+                         device=_device())
     comm.broadcast(token, world, src=0, phase="setup", kind="world", site="run_folder:token")
     if world.rank == 0:
         tmp = out / (TOKEN_FILE + ".tmp")
@@ -133,7 +140,7 @@ def prepare_run_folder(out: Path, world) -> RunFolder:
         mine = (out / TOKEN_FILE).read_text() == str(int(token.item()))
     except OSError:
         mine = False
-    sees = torch.zeros(world.size, dtype=torch.float64)
+    sees = torch.zeros(world.size, dtype=torch.float64, device=_device())
     sees[world.rank] = mine
     comm.all_reduce(sees, world, phase="setup", kind="world", site="run_folder:who_sees")
     folder = RunFolder(out, [bool(s) for s in sees.tolist()])
@@ -180,7 +187,7 @@ def same_everywhere(value: str, world, *, what: str) -> None:
     """:class:`SetupError` on every rank unless every rank passes the same ``value`` (e.g. the
     checkpoint it found); rank 0's message says which ranks saw what."""
     digest = int.from_bytes(hashlib.sha256(value.encode()).digest()[:6], "big")  # exact in fp64
-    seen = torch.zeros(world.size, dtype=torch.float64)
+    seen = torch.zeros(world.size, dtype=torch.float64, device=_device())
     seen[world.rank] = digest
     comm.all_reduce(seen, world, phase="setup", kind="world", site=f"agree:{what}")
     if (seen == seen[0]).all():
