@@ -1,7 +1,6 @@
 """``python -m paraloom ...`` (what ``torchrun -m paraloom train ...`` runs)."""
 
-import sys
-
 from .cli import main
+from .launch import exit_process
 
-sys.exit(main())
+exit_process(main())

@@ -6,6 +6,8 @@
 * :func:`init_distributed` initialises ``torch.distributed`` from explicit arguments or, under
   ``torchrun``, from its environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``).
 * :func:`get_device` is the one place that decides CPU vs CUDA (``cuda:LOCAL_RANK`` with NCCL).
+* :func:`shutdown` ends a world (a barrier first after a good run); :func:`exit_process` then
+  ends a torchrun worker without interpreter finalization.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.multiprocessing as mp
 from . import comm
 
 __all__ = ["init_distributed", "spawn", "under_torchrun", "get_device", "print0", "shutdown",
-           "get_rng_state", "set_rng_state"]
+           "exit_process", "get_rng_state", "set_rng_state"]
 
 
 def under_torchrun() -> bool:
@@ -73,10 +75,48 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     return rank, world_size
 
 
-def shutdown() -> None:
-    """Tear down the default process group if one exists."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(*, barrier: bool = False) -> None:
+    """Tear down the default process group (and every group made from it) if one exists.
+
+    ``barrier=True`` (after a good run) first waits, with the usual timeout, until every rank
+    has arrived, so no rank destroys its groups while a peer may still be using them (rank 0
+    writing the reports, say). After an error there is no barrier: the peers may be gone.
+    """
+    global _WORLD_ENDED
+    if not dist.is_initialized():
+        return
+    if barrier and dist.get_world_size() > 1:
+        from .mesh import Axis
+        world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(),
+                     dist.group.WORLD)
+        try:
+            comm.barrier(world, site="shutdown")
+        except comm.CommTimeout:
+            barrier = False  # a peer is gone: still destroy ours, and say the end was not clean
+    dist.destroy_process_group()
+    _WORLD_ENDED = _WORLD_ENDED or barrier
+
+
+_WORLD_ENDED = False
+
+
+def exit_process(code: int) -> None:
+    """End a ``torchrun`` worker once its world was shut down cleanly: flush, then ``os._exit``.
+
+    The process groups outlive ``destroy_process_group()``: after it and a ``gc.collect()`` the
+    mesh's groups are still alive, held by references no Python module or frame reaches (the
+    model's autograd hooks keep the model and its mesh). What is left of them, gloo's threads
+    and work objects included, would be torn down during interpreter finalization and exit, in
+    no fixed order; a finished rank aborting there ("terminate called without an active
+    exception") is the failure reported for two-node runs. Nothing remains to be done after a
+    clean shutdown, so the process ends without finalization, as forked local ranks (:func:`spawn`,
+    multiprocessing ends them with ``os._exit``) always have. Otherwise this is ``sys.exit``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if _WORLD_ENDED and under_torchrun():
+        os._exit(code)
+    sys.exit(code)
 
 
 def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads: int, fn, args,

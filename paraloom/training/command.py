@@ -103,6 +103,8 @@ def config_from_args(args):
         vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
         seq_length=given("seq_len"), dropout=args.dropout)
+    from .flags import check_layout_flags
+    check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
     if model.vocab_size < 256:
         raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
                          f"least 256")
@@ -151,8 +153,9 @@ def _model_config(args):
 
 def _check_inputs(cfg) -> None:
     from .checkpoint import find_checkpoint
-    from .data import load_corpus
-    load_corpus(cfg.data)  # missing / empty --data: a clear error now, not in 8 ranks
+    from .data import check_data
+    for note in check_data(cfg.data, cfg.model.seq_length, "train"):  # not in 8 ranks later
+        print(f"paraloom train: note: {note}", file=sys.stderr)
     if cfg.resume is not None:
         ckpt, meta = find_checkpoint(cfg.resume)
         import dataclasses
@@ -210,7 +213,8 @@ def train_main(args, argv: list[str] | None = None) -> int:
                 if os.environ.get("RANK", "0") == "0":  # once under torchrun
                     print(f"paraloom train: note: {note}", file=sys.stderr)
         cfg = config_from_args(args)
-        _check_inputs(cfg)
+        if not launch.under_torchrun():  # under torchrun every rank checks what it can read
+            _check_inputs(cfg)
         world = cfg.parallel.world_size
         if launch.under_torchrun():
             if int(os.environ["WORLD_SIZE"]) != world:
@@ -224,12 +228,11 @@ def train_main(args, argv: list[str] | None = None) -> int:
         print(f"paraloom train: error: {err}", file=sys.stderr)
         return 2
     if launch.under_torchrun():
-        launch.init_distributed(timeout_s=cfg.timeout_s)
-        try:
-            _rank(int(os.environ["RANK"]), world, cfg, _shared_t0(), args.init_from_hf)
-        finally:
-            launch.shutdown()
-        return 0
+        from .nodes import run_under_torchrun
+        return run_under_torchrun(
+            "paraloom train", cfg.timeout_s, lambda: _check_inputs(cfg),
+            lambda: _rank(int(os.environ["RANK"]), world, cfg, _shared_t0(), args.init_from_hf),
+            resume=cfg.resume)
     threads = max(1, (os.cpu_count() or 1) // world)
     try:
         launch.spawn(_rank, world, cfg, time.time(), args.init_from_hf, timeout_s=cfg.timeout_s,
@@ -248,6 +251,7 @@ def _shared_t0() -> float:
     from .. import comm
     from ..mesh import Axis
     world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
-    t = torch.tensor([time.time()], dtype=torch.float64)
+    from ..launch import get_device
+    t = torch.tensor([time.time()], dtype=torch.float64, device=get_device())  # NCCL: on GPU
     comm.broadcast(t, world, src=0, phase="setup", kind="world", site="train:clock")
     return float(t.item())

@@ -65,9 +65,12 @@ def _config(args):
 
 def _train_config(args, model, ckpt):
     from ..config import ParallelConfig, TrainConfig
+    from .flags import check_layout_flags
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
                               sequence_parallel=args.sequence_parallel)
+    check_layout_flags(model, parallel, shape_from=f"--hf {args.hf!r}" if args.hf else
+                       "the checkpoint")
     schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"
     return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
                        micro_batch_size=args.micro_batch_size, schedule=schedule, data=args.data,
@@ -103,8 +106,9 @@ def eval_main(argv) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg, ckpt = _config(args)
-        from .data import load_corpus
-        load_corpus(cfg.data)
+        from .data import check_data
+        for note in check_data(cfg.data, cfg.model.seq_length, args.split):
+            print(f"paraloom eval: note: {note}", file=sys.stderr)
     except ImportError as err:
         print(f"paraloom eval: error: --hf needs safetensors ({err}): pip install "
               f"'paraloom[hf]'", file=sys.stderr)

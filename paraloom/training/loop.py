@@ -2,9 +2,10 @@
 
 Rank 0 writes ``config.json`` and ``metrics.jsonl`` (one flushed line per step); every rank
 appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step, so a
-crash keeps what was done. At the end rank 0 merges them into ``ledger.jsonl`` and writes
-``trace.json``, ``comm_table.md``, ``loss.png`` and ``summary.json`` (held-out loss before and
-after). Checkpoints go to ``checkpoints/step_N/`` (atomically, see ``checkpoint.py``).
+crash keeps what was done (on each node, local rank 0 creates the folder: ``nodes.py``). At the
+end rank 0 merges them into ``ledger.jsonl`` and writes ``trace.json``, ``comm_table.md``,
+``loss.png`` and ``summary.json`` (held-out loss before and after). Checkpoints go to
+``checkpoints/step_N/`` (atomically, see ``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..mesh import ParallelMesh
 from ..tensor_parallel.random import rng_state_dict
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
 from .data import Corpus, eval_batches, load_corpus
+from .nodes import needs_shared_folder, prepare_run_folder
 from .progress import show_progress
 from .resume import continue_folder, continue_ledger, restore_rng, same_layout, same_run
 from .state import state_entries
@@ -69,6 +71,8 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     out = Path(cfg.out)
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
+    folder = prepare_run_folder(out, mesh.world)  # on every node; who sees rank 0's folder
+    needs_shared_folder(folder, cfg.save_every)
     corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
     run = build(cfg, mesh, corpus, init_from_hf=init_from_hf or cfg.init_from_hf)
     start, ckpt, meta = _resume(run, cfg.resume) if cfg.resume else (0, None, None)
@@ -77,11 +81,9 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     same = ckpt is not None and same_run(out, ckpt)
     keep_ledger = same and same_layout(meta, cfg)
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1))
         continue_folder(out, start, same, keep_ledger, mesh.world.size)
     comm.barrier(mesh.world, site="run_rank:setup")
-    (out / "ledger").mkdir(exist_ok=True)
     held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
     val_before = evaluate(run, held_out)
     ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
@@ -127,6 +129,9 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     from ..ledger import load
     events = comm.gather_objects(load(ledger_file), mesh.world)
     if rank == 0:
+        if not folder.shared:
+            summary["ranks_elsewhere"] = folder.elsewhere()
+            print(f"note: {folder.describe()}", file=sys.stderr, flush=True)
         _write_reports(out, merge(events), summary)
         return summary
     return None

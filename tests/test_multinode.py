@@ -1,0 +1,122 @@
+"""Two ``torchrun`` agents on loopback, as two nodes of 2 ranks each (tp 2, dp 2).
+
+* One run folder path seen by both nodes (a shared filesystem): both agents exit 0, the folder
+  is complete (reports, every rank's ledger, whole checkpoints), and resuming its mid-run
+  checkpoint on one node gives the uninterrupted run's losses.
+* A different folder per node (no shared filesystem, the usual case): both agents exit 0, node 0
+  has the reports with every rank's events, node 1 its ranks' raw ledgers and a note; asking
+  for checkpoints there is refused with a message that says why (checked without agents).
+
+Each agent is a real ``python -m torch.distributed.run`` process with a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import paraloom
+from paraloom.cli import main
+
+ROOT = Path(paraloom.__file__).resolve().parent.parent
+MODEL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--vocab", "256"]
+FLAGS = ["--tp", "2", "--dp", "2", "--pp", "1", *MODEL, "--global-batch-size", "4",
+         "--micro-batch-size", "1", "--ledger-steps", "1", "--timeout", "60"]
+TIMEOUT_S = 150
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(out0: Path, out1: Path, *flags: str) -> list[tuple[int, str]]:
+    """Start node 0 and node 1 (2 ranks each); ``[(exit code, output)]`` per node."""
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
+           "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo"}
+    procs = []
+    for node, out in enumerate((out0, out1)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+               str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(port), "-m", "paraloom", "train", *FLAGS, "--out", str(out),
+               *flags]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    results = []
+    try:
+        for proc in procs:
+            text, _ = proc.communicate(timeout=TIMEOUT_S)
+            results.append((proc.returncode, text))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return results
+
+
+def _metrics(folder: Path) -> dict[int, dict]:
+    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    return {m["step"]: m for m in map(json.loads, lines)}
+
+
+def test_shared_folder_complete_then_resumed_on_one_node(tmp_path):
+    run = tmp_path / "run"
+    (rc0, log0), (rc1, log1) = _two_nodes(run, run, "--steps", "4", "--save-every", "2")
+    assert (rc0, rc1) == (0, 0), log0[-3000:] + log1[-3000:]
+    for name in ("config.json", "metrics.jsonl", "ledger.jsonl", "trace.json", "comm_table.md",
+                 "summary.json", "loss.png"):
+        assert (run / name).is_file(), name
+    assert sorted(p.name for p in (run / "ledger").iterdir()) == [
+        f"rank_{r}.jsonl" for r in range(4)]
+    events = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events} == {0, 1, 2, 3}
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
+    assert not list(run.glob(".paraloom-folder-token*"))
+    two_nodes = _metrics(run)
+    assert sorted(two_nodes) == list(range(4))
+
+    resumed = tmp_path / "resumed"  # one node (4 local ranks) from the step-2 checkpoint
+    assert main(["train", *FLAGS, "--steps", "4", "--save-every", "0",
+                 "--resume", str(run / "checkpoints" / "step_2"), "--out", str(resumed)]) == 0
+    again = _metrics(resumed)
+    for step in (2, 3):
+        assert again[step]["loss"] == pytest.approx(two_nodes[step]["loss"], rel=1e-6, abs=0)
+        assert again[step]["grad_norm"] == pytest.approx(two_nodes[step]["grad_norm"], rel=1e-6)
+
+
+def test_node_local_folders(tmp_path):
+    out0, out1 = tmp_path / "node0", tmp_path / "node1"
+    (rc0, log0), (rc1, log1) = _two_nodes(out0, out1, "--steps", "2", "--save-every", "0")
+    assert (rc0, rc1) == (0, 0), log0[-3000:] + log1[-3000:]
+    assert sorted(_metrics(out0)) == [0, 1]
+    events = [json.loads(x) for x in (out0 / "ledger.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events} == {0, 1, 2, 3}  # gathered over the network
+    assert "ranks 2, 3 on" in log0 and "do not see this run folder" in log0
+    assert sorted(p.name for p in (out1 / "ledger").iterdir()) == ["rank_2.jsonl", "rank_3.jsonl"]
+    assert json.loads((out1 / "node.json").read_text())["folder"] == str(out1.resolve())
+    assert json.loads((out0 / "summary.json").read_text())["ranks_elsewhere"] == [2, 3]
+
+
+def test_checkpoints_refuse_a_folder_not_every_rank_sees(tmp_path):
+    """What ranks 2, 3 on node 1 would hit above with ``--save-every 1`` (the same function,
+    without paying for two more agents): a SetupError naming the flag, the folder, the ranks
+    and both ways out; nothing when every rank shares the folder or nothing is saved."""
+    from paraloom.training.nodes import RunFolder, SetupError, needs_shared_folder
+    split = RunFolder(tmp_path, [True, True, False, False], hosts=["a", "a", "b", "b"])
+    with pytest.raises(SetupError) as err:
+        needs_shared_folder(split, 1)
+    text = str(err.value)
+    assert "--save-every 1" in text and str(tmp_path) in text and "ranks 2, 3 on b" in text
+    assert "shared filesystem" in text and "--save-every 0" in text
+    needs_shared_folder(split, 0)
+    needs_shared_folder(RunFolder(tmp_path, [True] * 4), 1)
