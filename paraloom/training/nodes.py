@@ -28,6 +28,7 @@ import os
 import random
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,8 @@ __all__ = ["SetupError", "RunFolder", "prepare_run_folder", "needs_shared_folder
            "same_everywhere", "local_rank", "run_under_torchrun"]
 
 TOKEN_FILE = ".paraloom-folder-token"
+SEE_PATIENCE_S = 3.0
+"""How long a rank looks for rank 0's token before it counts as not sharing the folder."""
 
 
 class SetupError(ValueError):
@@ -136,10 +139,7 @@ def prepare_run_folder(out: Path, world) -> RunFolder:
         tmp.write_text(str(int(token.item())))
         os.replace(tmp, out / TOKEN_FILE)
     comm.barrier(world, site="run_folder:token_written")
-    try:
-        mine = (out / TOKEN_FILE).read_text() == str(int(token.item()))
-    except OSError:
-        mine = False
+    mine = _sees_token(out / TOKEN_FILE, str(int(token.item())))
     sees = torch.zeros(world.size, dtype=torch.float64, device=_device())
     sees[world.rank] = mine
     comm.all_reduce(sees, world, phase="setup", kind="world", site="run_folder:who_sees")
@@ -161,6 +161,21 @@ def prepare_run_folder(out: Path, world) -> RunFolder:
     return folder
 
 
+def _sees_token(path: Path, token: str, patience_s: float = SEE_PATIENCE_S) -> bool:
+    """Whether ``path`` holds ``token``, looking again for ``patience_s``: a network filesystem
+    may show a file another node just wrote only after its attribute cache expires."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            if path.read_text() == token:
+                return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 def needs_shared_folder(folder: RunFolder, save_every: int) -> None:
     """:class:`SetupError` on every rank when checkpoints would be saved into a folder that not
     every rank shares (they would be incomplete on every node)."""
@@ -170,7 +185,8 @@ def needs_shared_folder(folder: RunFolder, save_every: int) -> None:
     raise SetupError(
         f"--save-every {save_every}: checkpoints need the run folder (--out {str(folder.path)!r}) "
         f"on a filesystem every node shares, and ranks {who} do not see rank 0's copy of it "
-        f"(each rank writes its own shards; only a shared folder holds a whole checkpoint). "
+        f"(a file rank 0 wrote there did not appear on their side within {SEE_PATIENCE_S:g} s; "
+        f"each rank writes its own shards, so only a shared folder holds a whole checkpoint). "
         f"Give --out a path on a shared filesystem (the same path on every node), or "
         f"--save-every 0 to train without checkpoints")
 
