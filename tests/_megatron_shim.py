@@ -1,0 +1,100 @@
+"""Run megatron-core 0.19.2's tensor-parallel layers on CPU/gloo: a test-side shim, never shipped.
+
+megatron-core targets CUDA. What it takes to run its ``ColumnParallelLinear -> GeLU ->
+RowParallelLinear`` block on gloo ranks (facts found by doing it, issue 12):
+
+* ``import megatron.core`` imports ``megatron.core.transformer.moe.ops.paged_stash``, which
+  imports triton: a stand-in module with the names the importer takes is registered first;
+* the layers allocate with ``device=torch.cuda.current_device()`` (e.g. the sequence-parallel
+  reduce-scatter output in the backward): ``torch.cuda.current_device`` returns the CPU device;
+* ``torch.cuda.synchronize`` and ``torch.cuda.current_stream`` get no-op stand-ins;
+* ``parallel_state.initialize_model_parallel`` works on an already initialised gloo world;
+* the weights are created with ``use_cpu_initialization=True`` and
+  ``gradient_accumulation_fusion=False`` (no apex / CUDA extension).
+
+:func:`install` patches the current process only: call it inside a rank (a forked test world
+or a ``paraloom record`` script), never in the pytest parent, so no other test sees the patch.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+class _NoStream:
+    """``torch.cuda.current_stream()`` on CPU: every method a no-op."""
+
+    def wait_stream(self, *_args) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, *_args):
+        return None
+
+
+def install() -> None:
+    """Make ``import megatron.core`` and its tensor-parallel layers work on this CPU process."""
+    import torch
+
+    if PAGED_STASH not in sys.modules:
+        stub = types.ModuleType(PAGED_STASH)
+        stub.__doc__ = "CPU stand-in for megatron-core's triton kernels (tests/_megatron_shim)"
+        stub.GLOBAL_BLOCK_SIZE = 1024
+        stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = None
+        sys.modules[PAGED_STASH] = stub
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *_a, **_k: None
+    torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
+    with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed", absl
+        warnings.simplefilter("ignore")
+        import megatron.core  # noqa: F401
+        import megatron.core.tensor_parallel  # noqa: F401
+
+
+def init_tp(tp: int) -> None:
+    """Megatron's parallel_state groups with tensor-parallel size ``tp`` on the gloo world
+    (idempotent, so one world can build several blocks)."""
+    install()
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    elif ps.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"megatron parallel_state already has tp="
+                         f"{ps.get_tensor_model_parallel_world_size()}, asked for {tp}")
+
+
+def mlp_block(hidden: int, *, sequence_parallel: bool, tp: int = 2):
+    """Megatron-Core's own ``ColumnParallelLinear(h -> 4h, gather_output=False)`` and
+    ``RowParallelLinear(4h -> h, input_is_parallel=True)``, both with bias."""
+    import torch
+
+    install()
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    init_tp(tp)
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel,
+                              gradient_accumulation_fusion=False, use_cpu_initialization=True)
+    init = torch.nn.init.xavier_normal_
+    fc1 = ColumnParallelLinear(hidden, 4 * hidden, config=cfg, init_method=init, bias=True,
+                               gather_output=False)
+    fc2 = RowParallelLinear(4 * hidden, hidden, config=cfg, init_method=init, bias=True,
+                            input_is_parallel=True, skip_bias_add=False)
+    return fc1, fc2
+
+
+def forward_backward(fc1, fc2, x, dy):
+    """One forward + backward of the block: ``fc2(gelu(fc1(x)))``, backward from ``dy``."""
+    import torch.nn.functional as F
+
+    h, _ = fc1(x)
+    y, _ = fc2(F.gelu(h))
+    y.backward(dy)
+    return y
