@@ -77,6 +77,7 @@ _FORWARDED = {
     "export-hf": ("paraloom.training.hf_export", "export_hf_main"),
     "explain": ("paraloom.explain", "explain_main"),
     "doctor": ("paraloom.explain", "doctor_main"),
+    "diff": ("paraloom.record.diff", "diff_main"),
 }
 """Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
 
@@ -89,6 +90,7 @@ _HELP = {
     "export-hf": "write a run's checkpoint as a Hugging Face GPT-2 folder",
     "explain": "read parallel-training source: where it splits and communicates",
     "doctor": "diagnose the LLM provider setup used by explain --ask",
+    "diff": "do two runs communicate identically? first divergence per rank",
 }
 
 
