@@ -12,8 +12,9 @@ RowParallelLinear`` block on gloo ranks (facts found by doing it, issue 12):
 * the weights are created with ``use_cpu_initialization=True`` and
   ``gradient_accumulation_fusion=False`` (no apex / CUDA extension).
 
-:func:`install` patches the current process only: call it inside a rank (a forked test world
-or a ``paraloom record`` script), never in the pytest parent, so no other test sees the patch.
+:func:`install` patches ``torch.cuda`` in the current process: call it inside a rank (a forked
+test world or a ``paraloom record`` script), never in the pytest parent, so no other test sees
+the patch. :func:`preload` only imports megatron-core (safe in the parent, before forking).
 """
 
 from __future__ import annotations
@@ -38,23 +39,31 @@ class _NoStream:
         return None
 
 
-def install() -> None:
-    """Make ``import megatron.core`` and its tensor-parallel layers work on this CPU process."""
-    import torch
+def preload() -> None:
+    """``import megatron.core`` (with the triton stand-in) without touching ``torch.cuda``.
 
+    The import costs ~9 s of CPU; a test that forks its ranks calls this in the parent first,
+    so the ranks inherit the modules instead of importing them each."""
     if PAGED_STASH not in sys.modules:
         stub = types.ModuleType(PAGED_STASH)
         stub.__doc__ = "CPU stand-in for megatron-core's triton kernels (tests/_megatron_shim)"
         stub.GLOBAL_BLOCK_SIZE = 1024
         stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = None
         sys.modules[PAGED_STASH] = stub
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    torch.cuda.synchronize = lambda *_a, **_k: None
-    torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
     with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed", absl
         warnings.simplefilter("ignore")
         import megatron.core  # noqa: F401
         import megatron.core.tensor_parallel  # noqa: F401
+
+
+def install() -> None:
+    """Make megatron-core's tensor-parallel layers work on this CPU process (a rank)."""
+    import torch
+
+    preload()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *_a, **_k: None
+    torch.cuda.current_stream = lambda *_a, **_k: _NoStream()
 
 
 def init_tp(tp: int) -> None:
