@@ -134,8 +134,8 @@ def _row(e: dict | None, fields) -> list[str]:
     return [_cell(e.get(f)) if e is not None else "" for f in fields]
 
 
-def report(a: dict, b: dict, result: dict, fields0, *, names=("A", "B"),
-           context: int = 3) -> str:
+def report(a: dict, b: dict, result: dict, fields, *, names=("A", "B"), context: int = 3,
+           kinds: str = "dimension") -> str:
     """Plain text: per rank "equal (N communications)" or the first divergence and a
     side-by-side table of the positions around it (``context`` before and after; ``!`` marks
     disagreeing positions)."""
@@ -149,18 +149,18 @@ def report(a: dict, b: dict, result: dict, fields0, *, names=("A", "B"),
         out.append(f"rank {rank}: first divergence at communication #{i}: {div['why']}")
         lo, hi = max(0, i - context), min(max(len(sa), len(sb)), i + context + 1)
         window = sa[lo:hi] + sb[lo:hi]  # columns empty on both sides (e.g. peer) are left out
-        fields = [f for f in fields0 if f in div["fields"]
-                  or any(e.get(f) is not None for e in window)]
-        head = ["#", *(f"{names[0]} {f}" for f in fields), *(f"{names[1]} {f}" for f in fields)]
+        shown = [f for f in fields if f in div["fields"]
+                 or any(e.get(f) is not None for e in window)]
+        head = ["#", *(f"{names[0]} {f}" for f in shown), *(f"{names[1]} {f}" for f in shown)]
         rows = [head]
         for k in range(lo, hi):
             ea = sa[k] if k < len(sa) else None
             eb = sb[k] if k < len(sb) else None
-            mark = "!" if k >= i and (ea is None or eb is None or _row(ea, fields)
-                                      != _row(eb, fields)) else " "
-            rows.append([f"{mark}{k}", *_row(ea, fields), *_row(eb, fields)])
+            mark = "!" if k >= i and (ea is None or eb is None or any(
+                not _same(f, ea.get(f), eb.get(f), kinds) for f in shown)) else " "
+            rows.append([f"{mark}{k}", *_row(ea, shown), *_row(eb, shown)])
         widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-        split = 1 + len(fields)
+        split = 1 + len(shown)
         for r in rows:
             left = "  ".join(c.ljust(w) for c, w in zip(r[:split], widths[:split], strict=True))
             right = "  ".join(c.ljust(w) for c, w in zip(r[split:], widths[split:], strict=True))
@@ -214,7 +214,7 @@ def diff_main(argv: list[str] | None = None) -> int:
         return 2
     result = compare(a, b, fields, kinds=args.kinds)
     print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(fields)} (kinds: {args.kinds})")
-    sys.stdout.write(report(a, b, result, fields, context=max(args.context, 0)))
+    sys.stdout.write(report(a, b, result, fields, context=max(args.context, 0), kinds=args.kinds))
     equal = all(d is None for d in result.values())
     print("equal" if equal else "different")
     return 0 if equal else 1

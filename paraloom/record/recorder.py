@@ -1,0 +1,153 @@
+"""``record_comms``: the ledger of every communication of this process, for any program.
+
+    with paraloom.record.record_comms(out="rec") as rec:   # rec is a paraloom.ledger.Ledger
+        train()                                            # DDP, FSDP2, DTensor, Megatron-Core...
+    rec.events                                             # contract event dicts (DESIGN.md)
+
+It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
+mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, the
+events are appended to ``out/ledger/rank{R}.jsonl`` at every optimizer step, when ``steps`` is
+reached, at interpreter exit, on SIGTERM and when the block ends (so a program that fails keeps
+its partial ledger; a SIGKILL loses at most the events since the last step).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..ledger import Ledger
+from . import intercept
+from .kinds import KindResolver
+from .ops import nbytes
+from .tracking import Tracker, site
+
+__all__ = ["record_comms", "Recorder"]
+
+
+class Recorder:
+    """The sink of :mod:`.intercept`: one rank's :class:`Ledger` plus where to write it."""
+
+    def __init__(self, ledger: Ledger, *, steps: int | None, compute: bool,
+                 path: Path | None) -> None:
+        self.ledger = ledger
+        self.on = True
+        self.steps = steps
+        self.path = path
+        self.flushed = 0
+        self.kinds = KindResolver()
+        self.tracker = Tracker(compute=compute, on_step=self._stepped, ledger=ledger)
+        self._groups: dict[str, tuple[list[int], str]] = {}
+        self.now = ledger.now
+
+    def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool) -> dict:
+        """Record one operation launched now; returns its event (times are filled later)."""
+        name = pg.group_name
+        known = self._groups.get(name)
+        if known is None:
+            known = self._groups[name] = (dist.get_process_group_ranks(pg),
+                                          getattr(pg, "group_desc", "") or "")
+        ranks, desc = known
+        phase = self.tracker.phase()
+        extra = {}
+        if peer is not None:
+            extra["peer"] = ranks[peer] if 0 <= peer < len(ranks) else peer
+        elif op == "recv":
+            extra["peer"] = -1  # any source
+        if coalesced and len(tensors) != 1:
+            extra["tensors"] = len(tensors)
+        if tensors and tensors[0].is_cuda:
+            extra["clock"] = "host"
+        event = self.ledger.record(
+            op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
+            module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
+            group=ranks, **extra)
+        if tensors:
+            event["shape"] = list(tensors[0].shape)
+            event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
+        return event
+
+    def _stepped(self, step: int) -> None:
+        self.ledger.step = step
+        intercept.prune()
+        if self.steps is not None and step >= self.steps:
+            self.on = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Append the events not yet written to this rank's file (if there is one)."""
+        if self.path is None:
+            return
+        end = len(self.ledger.events)
+        if end == self.flushed and self.path.exists():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        part = Ledger(self.ledger.rank)
+        part.events = self.ledger.events[self.flushed:end]
+        part.dump(self.path, mode="a")
+        self.flushed = end
+
+
+_CURRENT: Recorder | None = None
+
+
+def _flush_current(*_args) -> None:
+    if _CURRENT is not None:
+        _CURRENT.flush()
+
+
+def _on_sigterm(signum, frame) -> None:
+    _flush_current()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+@contextmanager
+def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = None,
+                 compute: bool = False, rank: int | None = None, t0: float | None = None):
+    """Record every communication of this process while the block runs; yields the Ledger.
+
+    ``out``: a folder; this rank's events go to ``out/ledger/rank{R}.jsonl``. ``steps``: stop
+    recording after that many optimizer steps (the program runs on). ``compute``: also record
+    leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
+    process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).
+    """
+    global _CURRENT
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive integer (optimizer steps), got {steps!r}")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    path = None if out is None else Path(out) / "ledger" / f"rank{rank}.jsonl"
+    if path is not None and path.exists():
+        path.unlink()  # a fresh record, not appended to an older one
+    ledger = Ledger(rank, t0)
+    rec = Recorder(ledger, steps=steps, compute=compute, path=path)
+    intercept.install(rec)
+    rec.kinds.install()
+    rec.tracker.install()
+    _CURRENT = rec
+    old_term = None
+    if path is not None:
+        atexit.register(_flush_current)
+        try:
+            old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # not the main thread: no handler, the other flushes still hold
+            old_term = None
+    try:
+        yield ledger
+    finally:
+        rec.on = False
+        rec.tracker.uninstall()
+        rec.kinds.uninstall()
+        intercept.uninstall()
+        rec.flush()
+        _CURRENT = None
+        if path is not None:
+            atexit.unregister(_flush_current)
+            if old_term is not None:
+                signal.signal(signal.SIGTERM, old_term)
