@@ -85,6 +85,9 @@ def test_kinds_sp_is_tp_by_dimension_unnamed_groups_match(tmp_path, capsys):
     assert run_diff(capsys, a, b)[0] == 0
     code, out, _ = run_diff(capsys, a, b, "--kinds", "exact")
     assert code == 1 and "#0: kind: tp vs sp" in out
+    events[2]["bytes"] = 1  # a later divergence: the table does not mark row 0 (sp = tp)
+    code, out, _ = run_diff(capsys, a, write(tmp_path / "d.jsonl", events))
+    assert code == 1 and "#2: bytes: 1024 vs 1" in out and "!2" in out and "!0" not in out
     events[0]["kind"] = "dp"  # a different dimension is always a difference
     code, out, _ = run_diff(capsys, a, write(tmp_path / "c.jsonl", events))
     assert code == 1 and "#0: kind: tp vs dp" in out

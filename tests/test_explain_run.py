@@ -112,6 +112,8 @@ def test_cli_text_and_json(case, capsys):
             "recorded: rank 1: 1x all_reduce backward async 128 B at #2") in out
     assert "- line 14 Block.backward: broadcast" in out and "counted at line 19" in out
     assert "- line 21 helper: rank 1: 1x all_reduce backward sync 128 B at #4" in out
+    assert main(["explain", str(src), "--run", str(run), "--lang", "zh"]) == 0
+    assert "## 实际运行记录" in capsys.readouterr().out
     assert main(["explain", str(src), "--run", str(run), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["run"]["rank"] == 0 and doc["run"]["ranks"] == [0, 1]

@@ -129,7 +129,7 @@ def explain_main(argv: list[str] | None = None) -> int:
         sys.stdout.write(render(facts, args.lang))
         if "run" in facts:
             from .run import render_run
-            sys.stdout.write(render_run(facts, facts["run"]))
+            sys.stdout.write(render_run(facts, facts["run"], args.lang))
     return 0
 
 

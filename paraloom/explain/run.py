@@ -124,11 +124,19 @@ def _summary(events: list[dict]) -> str:
     return "; ".join(parts)
 
 
-def render_run(facts: dict, run: dict) -> str:
-    """The text section appended to ``paraloom explain``'s report."""
-    who = "every rank" if run["rank"] is None else f"rank {run['rank']}"
-    out = ["", f"## Recorded run: {run['dir']} ({who}; order #k = position in the rank's "
-               f"communication sequence)"]
+_HEAD = {
+    "en": ("Recorded run", "every rank", "order #k = position in the rank's communication "
+           "sequence", "Recorded in this file but missed by the static reading"),
+    "zh": ("实际运行记录", "所有 rank", "#k = 该 rank 通信序列中的位置",
+           "运行中在本文件记录到、但静态阅读未找到的通信"),
+}
+
+
+def render_run(facts: dict, run: dict, lang: str = "en") -> str:
+    """The text section appended to ``paraloom explain``'s report (headings en/zh)."""
+    h = _HEAD[lang]
+    who = h[1] if run["rank"] is None else f"rank {run['rank']}"
+    out = ["", f"## {h[0]}: {run['dir']} ({who}; {h[2]})"]
     by_site = {m["site"]: m for m in run["sites"]}
     for i, s in enumerate(facts["sites"]):
         where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
@@ -145,7 +153,7 @@ def render_run(facts: dict, run: dict) -> str:
                        f"helper's own file")
     if not facts["sites"]:
         out.append("- no communication site in the static reading")
-    out += ["", "## Recorded in this file but missed by the static reading"]
+    out += ["", f"## {h[3]}"]
     out += [f"- line {e['line']} {e['function'] or ''}: {_summary([e])}"
             for e in run["missed"]] or ["- none"]
     return "\n".join(out) + "\n"
