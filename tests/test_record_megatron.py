@@ -140,6 +140,12 @@ def test_megatron_block_records_like_paraloom(world2, tmp_path, capsys):
         events = marked.get(key)
         assert events and [(e["phase"], e["async"], e["bytes"], e["index"]) for e in events] \
             == [(phase, asy, nbytes, index)], (key, events, [e["site"] for e in megatron[0]])
+    assert run["missed"] == []  # the static reading found every call recorded in layers.py
+    tp_run = annotate(facts, runs[False][0], rank=0)  # sp off: fc1's async input-grad all-reduce
+    got = [(sites[m["site"]]["class"], sites[m["site"]]["function"], e["op"], e["async"],
+            e["index"]) for m in tp_run["sites"] for e in m["events"]]
+    assert got == [("LinearWithGradAccumulationAndAsyncCommunication", "backward", "all_reduce",
+                    True, 1)], got
     text = render_run(facts, run)
     assert ": reduce_scatter (static: backward, async True) -> recorded: rank 0: 1x " \
            "reduce_scatter backward async 1024 B at #4" in text, text
