@@ -64,6 +64,7 @@ def case(tmp_path):
                 ("all_reduce", "backward", "RowParallelLinear.forward:output", False)]
         events += [ev(r, i, op, ph, site, 64 * (r + 1), a) for i, (op, ph, site, a)
                    in enumerate(rows)]
+        events[-4]["module"] = "blocks.0"  # the all_reduce of lines 11-12
     run = tmp_path / "run"
     run.mkdir()
     (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
@@ -91,6 +92,8 @@ def test_sites_marked_with_their_events(case, monkeypatch):
                    11: [("all_reduce", "backward", True, 64, 2)],
                    19: [("broadcast", "backward", False, 64, 3)]}
     assert [(e["line"], e["op"], e["index"]) for e in marked["missed"]] == [(21, "all_reduce", 4)]
+    assert [(v["line"], v["to"] is not None and facts["sites"][v["to"]]["line"], v["elsewhere"])
+            for v in marked["via"]] == [(14, 19, None)]
     every = annotate(facts, str(run), rank=None)
     assert sorted(e["rank"] for m in every["sites"] for e in m["events"]) == [0, 0, 0, 1, 1, 1]
 
@@ -109,8 +112,10 @@ def test_cli_text_and_json(case, capsys):
     out = capsys.readouterr().out
     assert "## Recorded run:" in out
     assert ("- line 11 Block.backward: all_reduce (static: needs more context, async True) -> "
-            "recorded: rank 1: 1x all_reduce backward async 128 B at #2") in out
-    assert "- line 14 Block.backward: broadcast" in out and "counted at line 19" in out
+            "recorded: rank 1: 1x all_reduce backward async 128 B at #2 in blocks.0") in out
+    assert ("- line 14 Block.backward: broadcast (static: needs more context, async False) -> "
+            "via helper: at line 19 (all its callers): rank 1: 1x broadcast backward sync 128 B "
+            "at #3") in out
     assert "- line 21 helper: rank 1: 1x all_reduce backward sync 128 B at #4" in out
     assert main(["explain", str(src), "--run", str(run), "--lang", "zh"]) == 0
     assert "## 实际运行记录" in capsys.readouterr().out

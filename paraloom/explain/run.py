@@ -6,8 +6,9 @@ a static site of FILE when its path is FILE and its line lies in the site's stat
 spread over several lines is one statement); sites at the same statement are told apart by op.
 
 Only *direct* sites (a ``torch.distributed`` call written in FILE) can receive events: a site
-reached through a helper of FILE (``via``) points at the helper's own line, where its events
-are counted, and a region helper defined elsewhere (Megatron's ``*_region``) communicates in its
+reached through helpers of FILE (``via``) points at the direct site its chain ends in, where its
+events are counted (when the static reading merged several paths into one site, no single line
+is named), and a region helper defined elsewhere (Megatron's ``*_region``) communicates in its
 own file, so its events carry that file's site. Recorded events in FILE (and in the snippet's
 line range) that no direct site covers are listed as *missed by the static reading*.
 
@@ -55,6 +56,18 @@ def _statements(tree: ast.Module) -> list[tuple[int, int]]:
     return out
 
 
+def _functions(tree: ast.Module) -> dict[str, tuple[int, int]]:
+    """``"f"`` / ``"Class.f"`` -> line range of each function (the names ``via`` uses)."""
+    out = {}
+    for node in tree.body:
+        inner = node.body if isinstance(node, ast.ClassDef) else [node]
+        for fn in inner:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{node.name}.{fn.name}" if node is not fn else fn.name
+                out[name] = (fn.lineno, fn.end_lineno or fn.lineno)
+    return out
+
+
 def _range_of(line: int, stmts: list[tuple[int, int]]) -> tuple[int, int]:
     """The smallest statement range holding ``line``."""
     inside = [r for r in stmts if r[0] <= line <= r[1]]
@@ -84,7 +97,8 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
         raise SourceError(f"--rank {rank}: the run in {run_dir!r} has ranks {ranks}")
     from .source import load_snippet, parse_snippet
 
-    stmts = _statements(parse_snippet(load_snippet(str(file))))
+    tree = parse_snippet(load_snippet(str(file)))
+    stmts, funcs = _statements(tree), _functions(tree)
     first, last = facts["lines"]
     order: dict[int, int] = {}
     here = []  # (event, line) of events recorded in FILE
@@ -107,20 +121,32 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
             marks[(same_op or [at[0][0]])[0]]["events"].append(e)
         else:
             missed.append(e)
+    via = []
+    for i, s in enumerate(facts["sites"]):
+        if not s["via"]:
+            continue
+        span, inner = funcs.get(s["via"][-1]), s.get("inner_line")
+        to = None  # the direct site the helper chain ends in, when it is one path in FILE
+        if span and inner and span[0] <= inner <= span[1]:
+            to = next((j for j, d, r in direct if r[0] <= inner <= r[1] and d["op"] == s["op"]),
+                      None)
+        via.append({"site": i, "line": s["line"], "to": to,
+                    "elsewhere": None if span else s["via"][-1]})
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
-            "missed": missed}
+            "via": via, "missed": missed}
 
 
 def _summary(events: list[dict]) -> str:
+    """``rank 0: 2x all_gather backward async 512 B at #3, #8 in layers.0.mlp.fc1``."""
     groups: dict[tuple, list[dict]] = {}
     for e in events:
-        key = (e["rank"], e["phase"], e["op"], e["async"], e["bytes"])
+        key = (e["rank"], e["phase"], e["op"], e["async"], e["bytes"], e.get("module"))
         groups.setdefault(key, []).append(e)
     parts = []
-    for (rank, phase, op, asy, nbytes), evs in groups.items():
+    for (rank, phase, op, asy, nbytes, module), evs in groups.items():
         idx = ", ".join(f"#{e['index']}" for e in evs)
         parts.append(f"rank {rank}: {len(evs)}x {op} {phase} {'async' if asy else 'sync'} "
-                     f"{nbytes} B at {idx}")
+                     f"{nbytes} B at {idx}" + (f" in {module}" if module else ""))
     return "; ".join(parts)
 
 
@@ -138,6 +164,7 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
     who = h[1] if run["rank"] is None else f"rank {run['rank']}"
     out = ["", f"## {h[0]}: {run['dir']} ({who}; {h[2]})"]
     by_site = {m["site"]: m for m in run["sites"]}
+    via = {v["site"]: v for v in run.get("via", [])}
     for i, s in enumerate(facts["sites"]):
         where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
         head = f"- line {s['line']} {where}: {s['op']} (static: {s['phase']}, async {s['async']})"
@@ -145,12 +172,19 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
             evs = by_site[i]["events"]
             out.append(f"{head} -> recorded: {_summary(evs)}" if evs
                        else f"{head} -> not run in the recorded run")
-        elif s.get("inner_line"):
-            out.append(f"{head} -> via {' -> '.join(s['via'])}: counted at line "
-                       f"{s['inner_line']}")
+            continue
+        chain, v = " -> ".join(s["via"]), via.get(i, {})
+        if v.get("to") is not None:
+            evs = by_site[v["to"]]["events"]
+            out.append(f"{head} -> via {chain}: at line {by_site[v['to']]['line']} (all its "
+                       f"callers): "
+                       + (_summary(evs) if evs else "not run in the recorded run"))
+        elif v.get("elsewhere"):
+            out.append(f"{head} -> via {chain}: {v['elsewhere']} is not defined in this file; "
+                       f"its calls carry its own file's site")
         else:
-            out.append(f"{head} -> via {' -> '.join(s['via'])}: communicates in that "
-                       f"helper's own file")
+            out.append(f"{head} -> via {chain}: several paths through helpers; see their "
+                       f"direct sites above and below")
     if not facts["sites"]:
         out.append("- no communication site in the static reading")
     out += ["", f"## {h[3]}"]
