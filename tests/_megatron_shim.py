@@ -107,3 +107,64 @@ def forward_backward(fc1, fc2, x, dy):
     y, _ = fc2(F.gelu(h))
     y.backward(dy)
     return y
+
+
+def block_inputs(seq: int, batch: int, hidden: int, *, sequence_parallel: bool, rank: int,
+                 tp: int = 2):
+    """This rank's input ``x`` (requires grad) and output grad ``dy``: the same seeded full
+    tensors on every rank, sharded along the sequence (dim 0) with sequence parallelism."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(seq, batch, hidden, generator=g), torch.randn(seq, batch, hidden,
+                                                                       generator=g)
+    if sequence_parallel:
+        x, dy = x.chunk(tp, 0)[rank], dy.chunk(tp, 0)[rank]
+    return x.clone().requires_grad_(), dy
+
+
+def checked_step(seq: int, batch: int, hidden: int, *, sequence_parallel: bool, rank: int,
+                 tp: int = 2):
+    """Megatron's block with seeded full weights (this rank's shards copied in), one forward +
+    backward; its output must equal plain PyTorch with the full weights, computed locally (no
+    communication, so a recorder sees only the block's)."""
+    import torch
+    import torch.nn.functional as F
+
+    fc1, fc2 = mlp_block(hidden, sequence_parallel=sequence_parallel, tp=tp)
+    g = torch.Generator().manual_seed(0)
+    w1, b1 = torch.randn(4 * hidden, hidden, generator=g), torch.randn(4 * hidden, generator=g)
+    w2, b2 = torch.randn(hidden, 4 * hidden, generator=g), torch.randn(hidden, generator=g)
+    with torch.no_grad():
+        fc1.weight.copy_(w1.chunk(tp, 0)[rank])
+        fc1.bias.copy_(b1.chunk(tp, 0)[rank])
+        fc2.weight.copy_(w2.chunk(tp, 1)[rank])
+        fc2.bias.copy_(b2)
+    x, dy = block_inputs(seq, batch, hidden, sequence_parallel=sequence_parallel, rank=rank,
+                         tp=tp)
+    y = forward_backward(fc1, fc2, x, dy)
+    x_full, _ = block_inputs(seq, batch, hidden, sequence_parallel=False, rank=rank, tp=tp)
+    want = F.linear(F.gelu(F.linear(x_full, w1, b1)), w2, b2).detach()
+    torch.testing.assert_close(y, want.chunk(tp, 0)[rank] if sequence_parallel else want,
+                               rtol=1e-4, atol=1e-4)
+    return y
+
+
+def main(argv: list[str]) -> None:
+    """``paraloom record --nproc 2 --out DIR -- tests/_megatron_shim.py [SEQ BATCH HIDDEN]``:
+    an ordinary torchrun-style program (it initialises its own process group) that runs the
+    block with sequence parallelism off, then on."""
+    import torch.distributed as dist
+
+    seq, batch, hidden = (int(a) for a in (argv or ["8", "2", "16"]))
+    dist.init_process_group("gloo")
+    install()
+    for sp in (False, True):
+        checked_step(seq, batch, hidden, sequence_parallel=sp, rank=dist.get_rank(),
+                     tp=dist.get_world_size())
+    print(f"rank {dist.get_rank()}: megatron-core block ok (sp off, on)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

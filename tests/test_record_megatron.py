@@ -1,77 +1,49 @@
-"""Megatron-Core's own tensor-parallel MLP under the recorder equals paraloom's layers' ledger.
+"""Megatron-Core's own tensor-parallel MLP under ``paraloom record`` equals paraloom's layers.
 
-megatron-core 0.19.2's ``ColumnParallelLinear(h -> 4h, gather_output=False) -> GeLU ->
-RowParallelLinear(input_is_parallel=True)`` runs on 2 gloo CPU ranks through the test-side
-shim (tests/_megatron_shim.py), one forward + backward under ``paraloom.record.record_comms``,
-sequence parallelism off and on. Its outputs equal a single-process reference (so the shim runs
-Megatron's real computation), rank 0's communication sequence (phase, op, async, bytes) equals
-what paraloom's ColumnParallelLinear/RowParallelLinear record for the same block, ``paraloom
-diff`` reports the two ledgers equal, and ``paraloom explain layers.py --run`` marks Megatron's
-backward re-gather and reduce-scatter sites with the recorded events.
+``paraloom record --nproc 2 -- tests/_megatron_shim.py`` runs an ordinary torchrun-style program
+(it initialises its own gloo process group) that builds megatron-core 0.19.2's
+``ColumnParallelLinear(h -> 4h, gather_output=False) -> GeLU -> RowParallelLinear(
+input_is_parallel=True)`` through the test-side shim and runs one forward + backward with
+sequence parallelism off, then on; each output is checked against plain PyTorch with the full
+weights (so the shim runs Megatron's real computation). Then:
+
+* rank 0's communication sequence (phase, op, async, bytes) equals what paraloom's own
+  ColumnParallelLinear / RowParallelLinear record for the same block and flags (sp off:
+  Megatron's default async all-reduce of the input grad; sp on: async re-gather and
+  reduce-scatter), in Megatron's order, and ``paraloom diff`` reports the two ledgers equal;
+* ``paraloom explain megatron/core/tensor_parallel/layers.py --run`` marks the backward
+  re-gather and reduce-scatter sites with their recorded events and misses none.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
-import torch
 import torch.nn.functional as F
+from _megatron_shim import block_inputs
 from _megatron_source import megatron_file
 
 from paraloom.cli import main
 from paraloom.explain import explain
 from paraloom.explain.run import annotate, render_run
+from paraloom.ledger import load
 
+ROOT = Path(__file__).resolve().parents[1]
 S, B, H = 8, 2, 16
+TP_ORDER = [("forward", "all_reduce", False), ("backward", "all_reduce", True)]
+"""sp off: the output all-reduce, then the async all-reduce of fc1's input grad."""
 SP_ORDER = [("forward", "all_gather", False), ("forward", "reduce_scatter", False),
             ("backward", "all_gather", False), ("backward", "all_gather", True),
             ("backward", "reduce_scatter", True)]
-"""Megatron-Core's order with sequence parallelism (DESIGN.md "The ledger")."""
-TP_ORDER = [("forward", "all_reduce", False), ("backward", "all_reduce", True)]
-"""Without it: the output all-reduce, then the async all-reduce of fc1's input grad."""
-
-
-def _inputs(sp: bool, rank: int):
-    g = torch.Generator().manual_seed(1)
-    x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
-    if sp:
-        x, dy = x.chunk(2, 0)[rank], dy.chunk(2, 0)[rank]
-    return x.clone().requires_grad_(), dy
-
-
-def _full(weight, dim):
-    import torch.distributed as dist
-
-    parts = [torch.empty_like(weight) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, weight.detach().contiguous())
-    return torch.cat(parts, dim)
-
-
-def megatron_case(sp: bool, out: str):
-    """Megatron-Core's block on this rank under the recorder; checked against one process."""
-    import _megatron_shim as shim
-    import torch.distributed as dist
-
-    from paraloom.record import record_comms
-
-    shim.install()
-    rank = dist.get_rank()
-    fc1, fc2 = shim.mlp_block(H, sequence_parallel=sp)
-    x, dy = _inputs(sp, rank)
-    with record_comms(out=out) as rec:
-        y = shim.forward_backward(fc1, fc2, x, dy)
-    w1, w2 = _full(fc1.weight, 0), _full(fc2.weight, 1)
-    b1 = _full(fc1.bias, 0)
-    x_ref = _inputs(False, rank)[0]
-    y_ref = F.linear(F.gelu(F.linear(x_ref, w1, b1)), w2, fc2.bias.detach())
-    torch.testing.assert_close(y, y_ref.chunk(2, 0)[rank] if sp else y_ref,
-                               rtol=1e-5, atol=1e-5)
-    return rec.events
+"""sp on, Megatron-Core's order (DESIGN.md "The ledger")."""
 
 
 def paraloom_case(sp: bool):
-    """paraloom's layers for the same block and flags (sp off: Megatron's default async
-    all-reduce of the input grad; sp on: async re-gather and reduce-scatter)."""
+    """paraloom's layers for the same block and flags, one forward + backward, on this rank."""
     import torch.distributed as dist
 
     from paraloom.ledger import Ledger, recording
@@ -83,7 +55,7 @@ def paraloom_case(sp: bool):
                                mesh=mesh, name="mlp.fc1")
     fc2 = RowParallelLinear(4 * H, H, input_is_parallel=True, sequence_parallel=sp, mesh=mesh,
                             name="mlp.fc2")
-    x, dy = _inputs(sp, dist.get_rank())
+    x, dy = block_inputs(S, B, H, sequence_parallel=sp, rank=dist.get_rank())
     led = Ledger(rank=dist.get_rank())
     with recording(led):
         y, _ = fc2(F.gelu(fc1(x)[0]))
@@ -91,61 +63,64 @@ def paraloom_case(sp: bool):
     return led.events
 
 
-def _seq(events):
-    return [(e["phase"], e["op"], e["async"], e["bytes"]) for e in events if e["op"] != "compute"]
+def _seq(events, rank=0):
+    return [(e["phase"], e["op"], e["async"], e["bytes"]) for e in events
+            if e["rank"] == rank and e["op"] != "compute"]
 
 
-def _write(path, per_rank):
-    path.write_text("".join(json.dumps(e) + "\n" for events in per_rank for e in events))
-    return str(path)
+def _record_megatron(out: Path) -> list[dict]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+    proc = subprocess.run([sys.executable, "-m", "paraloom", "record", "--nproc", "2", "--out",
+                           str(out), "--", str(ROOT / "tests" / "_megatron_shim.py"), str(S),
+                           str(B), str(H)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.count("megatron-core block ok") == 2, proc.stdout
+    return load(out / "ledger.jsonl")
 
 
-def test_megatron_block_records_like_paraloom(world2, tmp_path, capsys):
-    import _megatron_shim
+def test_megatron_block_under_paraloom_record(world2, tmp_path, capsys):
+    out = tmp_path / "megatron"
+    megatron = _record_megatron(out)
+    ours = [world2.run(paraloom_case, sp) for sp in (False, True)]  # per setting, per rank
+    n_tp = len(TP_ORDER)
+    for rank in (0, 1):
+        got = _seq(megatron, rank)
+        assert [s[:3] for s in got] == TP_ORDER + SP_ORDER, got
+        assert got[:n_tp] == _seq(ours[0][rank], rank), (got, _seq(ours[0][rank], rank))
+        assert got[n_tp:] == _seq(ours[1][rank], rank), (got, _seq(ours[1][rank], rank))
+    assert {(e["kind"], tuple(e["group"])) for e in megatron} == {("tp", (0, 1))}
 
-    _megatron_shim.preload()  # before the ranks fork: they inherit the import (~9 s CPU each)
-    runs = {}
-    for sp, order in ((False, TP_ORDER), (True, SP_ORDER)):
-        out = tmp_path / f"megatron_sp{int(sp)}"
-        megatron = world2.run(megatron_case, sp, str(out))
-        ours = world2.run(paraloom_case, sp)
-        got = _seq(megatron[0])
-        assert [s[:3] for s in got] == order, got
-        assert got == _seq(ours[0]), (got, _seq(ours[0]))
-        assert all(e["kind"] == "tp" and e["group"] == [0, 1] for e in megatron[0])
-        assert sorted((out / "ledger").glob("rank*.jsonl")) != []
-        mine = _write(tmp_path / f"paraloom_sp{int(sp)}.jsonl", ours)
-        code = main(["diff", str(out), mine, "--ignore-names"])
-        text = capsys.readouterr().out
-        assert code == 0, text
-        assert f"rank 0: equal ({len(order)} communications)" in text
-        assert main(["diff", str(out), mine]) == 1  # sites differ: names are compared
-        capsys.readouterr()
-        runs[sp] = (str(out), mine)
-    # sequence parallelism on vs off is a difference at the first communication
-    assert main(["diff", runs[True][0], runs[False][1], "--ignore-names"]) == 1
-    assert "#0: op: all_gather vs all_reduce" in capsys.readouterr().out
+    # paraloom's ledger of the same program: sp off, then on, numbered as one sequence per rank
+    mine = []
+    for rank in (0, 1):
+        events = [e for part in ours for e in part[rank] if e["op"] != "compute"]
+        mine += [dict(e, seq=i) for i, e in enumerate(events)]
+    theirs = tmp_path / "paraloom.jsonl"
+    theirs.write_text("".join(json.dumps(e) + "\n" for e in mine))
+    code = main(["diff", str(out), str(theirs), "--ignore-names"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "rank 0: equal (7 communications)" in text and "rank 1: equal" in text
+    assert main(["diff", str(out), str(theirs)]) == 1  # the sites differ: names are compared
+    assert main(["diff", str(out), str(theirs), "--ignore-names", "--kinds", "exact"]) == 1
+    assert "#2: kind: tp vs sp" in capsys.readouterr().out  # paraloom labels sp calls "sp"
 
     layers = str(megatron_file("tensor_parallel/layers.py"))
     facts = explain(layers)
-    run = annotate(facts, runs[True][0], rank=0)
+    run = annotate(facts, str(out), rank=0)
     sites = facts["sites"]
     marked = {(sites[m["site"]]["function"], sites[m["site"]]["op"]): m["events"]
               for m in run["sites"]
               if sites[m["site"]]["class"] == "LinearWithGradAccumulationAndAsyncCommunication"}
-    want = {("forward", "all_gather"): ("forward", False, 512, 0),
-            ("backward", "all_gather"): ("backward", True, 512, 3),  # the async re-gather
-            ("backward", "reduce_scatter"): ("backward", True, 1024, 4)}
-    for key, (phase, asy, nbytes, index) in want.items():
+    want = {("forward", "all_gather"): [("forward", False, 512, n_tp)],
+            ("backward", "all_gather"): [("backward", True, 512, n_tp + 3)],  # async re-gather
+            ("backward", "reduce_scatter"): [("backward", True, 1024, n_tp + 4)],
+            ("backward", "all_reduce"): [("backward", True, 1024, 1)]}  # sp off: input grad
+    for key, rows in want.items():
         events = marked.get(key)
-        assert events and [(e["phase"], e["async"], e["bytes"], e["index"]) for e in events] \
-            == [(phase, asy, nbytes, index)], (key, events, [e["site"] for e in megatron[0]])
+        assert [(e["phase"], e["async"], e["bytes"], e["index"]) for e in events or []] == rows, \
+            (key, events, [e["site"] for e in megatron if e["rank"] == 0])
     assert run["missed"] == []  # the static reading found every call recorded in layers.py
-    tp_run = annotate(facts, runs[False][0], rank=0)  # sp off: fc1's async input-grad all-reduce
-    got = [(sites[m["site"]]["class"], sites[m["site"]]["function"], e["op"], e["async"],
-            e["index"]) for m in tp_run["sites"] for e in m["events"]]
-    assert got == [("LinearWithGradAccumulationAndAsyncCommunication", "backward", "all_reduce",
-                    True, 1)], got
     text = render_run(facts, run)
     assert ": reduce_scatter (static: backward, async True) -> recorded: rank 0: 1x " \
-           "reduce_scatter backward async 1024 B at #4" in text, text
+           "reduce_scatter backward async 1024 B at #6" in text, text
