@@ -15,6 +15,9 @@ RowParallelLinear`` block on gloo ranks (facts found by doing it, issue 12):
 :func:`install` patches ``torch.cuda`` in the current process: call it inside a rank (a forked
 test world or a ``paraloom record`` script), never in the pytest parent, so no other test sees
 the patch. :func:`preload` only imports megatron-core (safe in the parent, before forking).
+
+Run as a program it is an ordinary torchrun-style job (it initialises its own process group):
+``paraloom record --nproc 2 --out DIR -- tests/_megatron_shim.py [SEQ BATCH HIDDEN]``.
 """
 
 from __future__ import annotations
