@@ -45,7 +45,7 @@ class KindResolver:
 
     def __init__(self) -> None:
         self._cache: dict[str, str] = {}
-        self._meshes: weakref.WeakSet = weakref.WeakSet()
+        self._meshes: list[weakref.ref] = []  # in creation order
         self._orig_init = None
 
     def install(self) -> None:
@@ -54,7 +54,7 @@ class KindResolver:
 
         def init(mesh, *args, **kwargs):
             orig(mesh, *args, **kwargs)
-            meshes.add(mesh)
+            meshes[:] = [m for m in meshes if m() is not None] + [weakref.ref(mesh)]
             self._cache.clear()
 
         DeviceMesh.__init__ = init
@@ -101,7 +101,12 @@ class KindResolver:
         return None, ready
 
     def _mesh(self, name: str, desc: str) -> str | None:
-        for mesh in list(self._meshes):
+        """The newest mesh first: 1-D meshes over the whole world share the default group, and
+        the one built last is the one in use."""
+        for ref in reversed(self._meshes):
+            mesh = ref()
+            if mesh is None:
+                continue
             for dim, dim_name in enumerate(mesh.mesh_dim_names or ()):
                 try:
                     if mesh.get_group(dim).group_name == name:

@@ -5,15 +5,17 @@
     rec.events                                             # contract event dicts (DESIGN.md)
 
 It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
-mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, the
-events are appended to ``out/ledger/rank{R}.jsonl`` at every optimizer step, when ``steps`` is
-reached, at interpreter exit, on SIGTERM and when the block ends (so a program that fails keeps
-its partial ledger; a SIGKILL loses at most the events since the last step).
+mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, each
+event is written to ``out/ledger/rank{R}.jsonl`` as it is launched (a provisional line, so even a
+SIGKILLed rank leaves its ledger), and the lines since the last flush are rewritten with their
+final times at every optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM
+and when the block ends.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 from contextlib import contextmanager
@@ -40,6 +42,8 @@ class Recorder:
         self.steps = steps
         self.path = path
         self.flushed = 0
+        self._file = None
+        self._final = 0  # file offset where the provisional lines start
         self.kinds = KindResolver()
         self.tracker = Tracker(compute=compute, on_step=self._stepped, ledger=ledger)
         self._groups: dict[str, tuple[list[int], str]] = {}
@@ -70,7 +74,16 @@ class Recorder:
         if tensors:
             event["shape"] = list(tensors[0].shape)
             event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
+        if self.path is not None:
+            self._open().write(json.dumps(event) + "\n")
+            self._file.flush()
         return event
+
+    def _open(self):
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w")  # noqa: SIM115 - kept open for the record
+        return self._file
 
     def _stepped(self, step: int) -> None:
         self.ledger.step = step
@@ -80,17 +93,23 @@ class Recorder:
         self.flush()
 
     def flush(self) -> None:
-        """Append the events not yet written to this rank's file (if there is one)."""
+        """Rewrite the provisional lines with the events' current (final) fields."""
         if self.path is None:
             return
+        f = self._open()
+        f.seek(self._final)
+        f.truncate()
         end = len(self.ledger.events)
-        if end == self.flushed and self.path.exists():
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        part = Ledger(self.ledger.rank)
-        part.events = self.ledger.events[self.flushed:end]
-        part.dump(self.path, mode="a")
-        self.flushed = end
+        for event in self.ledger.events[self.flushed:end]:
+            f.write(json.dumps(event) + "\n")
+        f.flush()
+        self._final, self.flushed = f.tell(), end
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 _CURRENT: Recorder | None = None
@@ -145,7 +164,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
         rec.tracker.uninstall()
         rec.kinds.uninstall()
         intercept.uninstall()
-        rec.flush()
+        rec.close()
         _CURRENT = None
         if path is not None:
             atexit.unregister(_flush_current)

@@ -10,13 +10,15 @@
   innermost module whose forward is running; in backward, the module whose forward produced the
   autograd node being run (its output's ``grad_fn``), or the owner of the parameter whose
   gradient is being accumulated (DDP's bucket hooks fire there).
-* site — ``file.py:LINE Qualified.function`` of the innermost frame outside torch and paraloom.
+* site — ``file.py:LINE Qualified.function`` of the innermost frame outside torch, paraloom,
+  the standard library and decorator shims (``typing_extensions``).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -26,7 +28,10 @@ import paraloom
 
 __all__ = ["Tracker", "site"]
 
-_SKIP_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, paraloom))
+_TORCH_PARALOOM = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, paraloom))
+_SKIP_DIRS = (sysconfig.get_paths()["stdlib"] + os.sep,)  # runpy, contextlib, functools
+_PACKAGES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
+_SKIP_FILES = ("typing_extensions.py",)  # its @deprecated wraps Megatron-Core's functions
 _SKIP: dict[str, bool] = {}
 _MAX_NODES = 200_000
 
@@ -34,8 +39,10 @@ _MAX_NODES = 200_000
 def _skipped(filename: str) -> bool:
     skip = _SKIP.get(filename)
     if skip is None:
-        skip = _SKIP[filename] = filename.startswith(_SKIP_DIRS) or filename.startswith("<") \
-            or os.path.basename(filename) == "runpy.py"
+        skip = _SKIP[filename] = (filename.startswith(_SKIP_DIRS)
+                                  and not filename.startswith(_PACKAGES)) \
+            or filename.startswith(_TORCH_PARALOOM) or filename.startswith("<") \
+            or os.path.basename(filename) in _SKIP_FILES
         if not skip:
             cwd = os.getcwd() + os.sep
             _SKIP[filename + "\0rel"] = filename.removeprefix(cwd)
