@@ -14,7 +14,7 @@ import pytest
 
 from paraloom.cli import main
 from paraloom.explain import explain
-from paraloom.explain.run import annotate, parse_site
+from paraloom.explain.run import annotate, parse_site, render_run
 
 SOURCE = '''\
 import torch.distributed as dist
@@ -123,6 +123,18 @@ def test_cli_text_and_json(case, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["run"]["rank"] == 0 and doc["run"]["ranks"] == [0, 1]
     assert [e["line"] for e in doc["run"]["missed"]] == [21]
+
+
+def test_a_file_the_run_never_called_from_gets_a_hint(case, tmp_path):
+    src, run = case
+    other = tmp_path / "other.py"
+    other.write_text("import torch.distributed as dist\n\n\ndef f(t):\n    dist.all_reduce(t)\n")
+    facts = explain(str(other))
+    marked = annotate(facts, str(run), rank=0)
+    assert marked["matched"] == 0 and [m["events"] for m in marked["sites"]] == [[]]
+    text = render_run(facts, marked)
+    assert "-> not run in the recorded run" in text
+    assert f"the run's calls come from: {src} (3), elsewhere.py (1), pkg/block.py (1)" in text
 
 
 def test_bad_input_exits_2(case, tmp_path, capsys):

@@ -102,9 +102,12 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
     first, last = facts["lines"]
     order: dict[int, int] = {}
     here = []  # (event, line) of events recorded in FILE
+    files: dict[str, int] = {}  # recorded site files of the shown ranks (for a hint)
     for e in events:  # communication events only, in (rank, seq) order
         order[e["rank"]] = order.get(e["rank"], -1) + 1
         where = parse_site(e.get("site"))
+        if where and (rank is None or e["rank"] == rank):
+            files[where[0]] = files.get(where[0], 0) + 1
         if where and (rank is None or e["rank"] == rank) and _same_file(where[0], file) \
                 and first <= where[1] <= last:
             here.append((dict(e, index=order[e["rank"]], line=where[1], function=where[2]),
@@ -133,7 +136,7 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
         via.append({"site": i, "line": s["line"], "to": to,
                     "elsewhere": None if span else s["via"][-1]})
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
-            "via": via, "missed": missed}
+            "via": via, "missed": missed, "files": files, "matched": len(here)}
 
 
 def _summary(events: list[dict]) -> str:
@@ -187,6 +190,10 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
                        f"direct sites above and below")
     if not facts["sites"]:
         out.append("- no communication site in the static reading")
+    if not run.get("matched") and run.get("files"):
+        top = sorted(run["files"].items(), key=lambda kv: -kv[1])[:5]
+        out.append("- no recorded event names this file (or line range); the run's calls come "
+                   "from: " + ", ".join(f"{f} ({n})" for f, n in top))
     out += ["", f"## {h[3]}"]
     out += [f"- line {e['line']} {e['function'] or ''}: {_summary([e])}"
             for e in run["missed"]] or ["- none"]
