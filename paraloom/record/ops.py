@@ -85,4 +85,7 @@ def tensors_of(value) -> list:
 
 
 def nbytes(tensors: list) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    total = 0
+    for t in tensors:
+        total += t.numel() * t.element_size()
+    return total

@@ -45,7 +45,8 @@ class Recorder:
         self._file = None
         self._final = 0  # file offset where the provisional lines start
         self.kinds = KindResolver()
-        self.tracker = Tracker(compute=compute, on_step=self._stepped, ledger=ledger)
+        self.tracker = Tracker(compute=compute, on_step=self._stepped,
+                               on_optimizer=intercept.poll, ledger=ledger)
         self._groups: dict[str, tuple[list[int], str]] = {}
         self.now = ledger.now
 

@@ -65,7 +65,8 @@ def site(depth: int = 1) -> str:
 class Tracker:
     """Global module and optimizer hooks that keep phase, step and module current."""
 
-    def __init__(self, *, compute: bool = False, on_step=None, ledger=None) -> None:
+    def __init__(self, *, compute: bool = False, on_step=None, on_optimizer=None,
+                 ledger=None) -> None:
         self.step = 0
         self._optimizer = 0
         self._stack: list[str] = []
@@ -73,6 +74,7 @@ class Tracker:
         self._nodes: dict[int, str] = {}
         self._params: dict[int, str] = {}
         self._on_step = on_step
+        self._on_optimizer = on_optimizer
         self._compute = compute
         self._ledger = ledger
         self._spans: list = []
@@ -170,6 +172,8 @@ class Tracker:
 
     def _opt_pre(self, optimizer, args, kwargs) -> None:
         self._optimizer += 1
+        if self._on_optimizer is not None:
+            self._on_optimizer()
 
     def _opt_post(self, optimizer, args, kwargs) -> None:
         self._optimizer -= 1
