@@ -33,7 +33,7 @@ _SKIP_DIRS = (sysconfig.get_paths()["stdlib"] + os.sep,)  # runpy, contextlib, f
 _PACKAGES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 _SKIP_FILES = ("typing_extensions.py",)  # its @deprecated wraps Megatron-Core's functions
 _SKIP: dict[str, bool] = {}
-_MAX_NODES = 200_000
+_KEY = "paraloom.module"  # autograd node metadata: the module whose forward made the node
 
 
 def _skipped(filename: str) -> bool:
@@ -71,7 +71,6 @@ class Tracker:
         self._optimizer = 0
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
-        self._nodes: dict[int, str] = {}
         self._params: dict[int, str] = {}
         self._on_step = on_step
         self._on_optimizer = on_optimizer
@@ -110,7 +109,7 @@ class Tracker:
         node = torch._C._current_autograd_node()
         if node is None:
             return None
-        path = self._nodes.get(id(node))
+        path = node.metadata.get(_KEY)
         if path is None and type(node).__name__ == "AccumulateGrad":
             path = self._params.get(id(node.variable))
         return path
@@ -147,12 +146,10 @@ class Tracker:
                     and not module._modules:
                 span = self._spans.pop()
                 span["t_wait"] = span["t_end"] = self._ledger.now()
-            if len(self._nodes) > _MAX_NODES:
-                self._nodes.clear()
             for out in output if isinstance(output, (tuple, list)) else (output,):
                 fn = getattr(out, "grad_fn", None)
-                if fn is not None:
-                    self._nodes.setdefault(id(fn), path)
+                if fn is not None:  # the node's own metadata: it lives and dies with the node
+                    fn.metadata.setdefault(_KEY, path)
 
     def _bwd_pre(self, module, grad_output) -> None:
         if self._ledger is not None and not module._modules:
@@ -179,6 +176,5 @@ class Tracker:
         self._optimizer -= 1
         if self._optimizer == 0:
             self.step += 1
-            self._nodes.clear()
             if self._on_step is not None:
                 self._on_step(self.step)
