@@ -117,14 +117,15 @@ FAILING = '''
 '''
 
 
-def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec"):
+def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec",
+           options: tuple = ()):
     """Start ``paraloom record`` on ``program`` (not waited: the module's runs overlap)."""
     script = tmp / f"{name}.py"
     script.write_text(textwrap.dedent(program))
     out = tmp / name
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-m", "paraloom", "record", "--nproc", str(nproc),
-                             "--out", str(out), "--", str(script), *args],
+                             "--out", str(out), *options, "--", str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=tmp)
     return proc, out
@@ -134,7 +135,7 @@ def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec
 def runs(tmp_path_factory):
     """Every recorded run of this module, started together: name -> (code, stderr, out)."""
     tmp = tmp_path_factory.mktemp("record")
-    started = {"main": _start(tmp, PROGRAM, str(tmp / "facts.json")),
+    started = {"main": _start(tmp, PROGRAM, str(tmp / "facts.json"), options=("--compute",)),
                "raise": _start(tmp, FAILING, "raise", name="raise"),
                "kill": _start(tmp, FAILING, "kill", name="kill"),
                "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit"),
@@ -230,11 +231,17 @@ def test_ranks_merged_and_reports_work_on_the_folder(run):
     assert {e["rank"] for e in events} == {0, 1}
     assert [(e["rank"], e["seq"]) for e in events] == sorted((e["rank"], e["seq"])
                                                              for e in events)
-    assert all(e["step"] >= 0 and e["microbatch"] == 0 and e["split"] is None for e in events)
+    comms = [e for e in events if e["op"] != "compute"]
+    assert all(e["step"] >= 0 and e["microbatch"] == 0 and e["split"] is None for e in comms)
+    spans = [e for e in events if e["op"] == "compute"]  # --compute: leaf modules, pipeline
+    assert {"Linear.forward", "Linear.backward", "pipeline.forward", "pipeline.backward"} <= \
+        {e["site"] for e in spans}
+    assert all(e["t_start"] <= e["t_end"] for e in spans)
     table = (out / "comm_table.md").read_text()
     assert "| # | Parallel type |" in table and "并行类型" in table
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    for cmd in (["table", str(out), "--step", "1"], ["trace", str(out)]):
+    for cmd in (["table", str(out), "--step", "1"], ["trace", str(out)],
+                ["schedule", str(out), "--out", str(out / "sched.png")]):
         proc = subprocess.run([sys.executable, "-m", "paraloom", *cmd], capture_output=True,
                               text=True, env=env, timeout=120)
         assert proc.returncode == 0, proc.stderr

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..ledger import Ledger
-from . import intercept
+from . import intercept, pipeline
 from .kinds import KindResolver
 from .ops import nbytes
 from .tracking import Tracker, site
@@ -150,6 +150,8 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     intercept.install(rec)
     rec.kinds.install()
     rec.tracker.install()
+    if compute:
+        pipeline.install(ledger)
     _CURRENT = rec
     old_term = None
     if path is not None:
@@ -162,6 +164,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
         yield ledger
     finally:
         rec.on = False
+        pipeline.uninstall()
         rec.tracker.uninstall()
         rec.kinds.uninstall()
         intercept.uninstall()

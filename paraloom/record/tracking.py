@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 import sysconfig
+import warnings
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -86,7 +87,8 @@ class Tracker:
             optim.register_optimizer_step_pre_hook(self._opt_pre),
             optim.register_optimizer_step_post_hook(self._opt_post),
         ]
-        if self._compute:
+        if self._compute:  # our own hooks make torch warn about modules without grad inputs
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
             self._handles += [
                 nn_module.register_module_full_backward_pre_hook(self._bwd_pre),
                 nn_module.register_module_full_backward_hook(self._bwd_post)]
