@@ -16,7 +16,9 @@ What it measures
     the timed one), order rotated every iteration; each timed region starts after a barrier and
     an iteration's time is the slower rank's. The table shows median times and the median of
     the per-iteration paired ratios on / off (which cancels most of the machine's drift), taken
-    per run order and averaged geometrically (which cancels the order effect).
+    per run order and averaged geometrically (which cancels the order effect). Below it, the
+    recorder's absolute cost per collective and per module call (fastest of 5 batches), which
+    a loaded machine's noise does not hide.
 
 How to run
     ``.venv/bin/python benchmarks/record_overhead.py`` (``--iters 60``). Only rank 0 prints.
@@ -109,6 +111,33 @@ def _measure(step, iters: int) -> torch.Tensor:
     return times
 
 
+def _per_call_us(fn, n: int = 500) -> float:
+    best = float("inf")
+    for _ in range(5):  # the fastest of 5 batches: the cost itself, not the machine's noise
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def _per_call() -> list[str]:
+    """Absolute costs: a blocking 64-byte all-reduce, and a Sequential(Linear, ReLU) forward
+    (three module calls through the recorder's global hooks)."""
+    t, net, x = torch.ones(16), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    rows = []
+    for label, fn in (("all_reduce 64 B, blocking", lambda: dist.all_reduce(t)),
+                      ("Sequential(Linear, ReLU) forward", lambda: net(x))):
+        off = _per_call_us(fn)
+        with record_comms() as rec:
+            fn()
+            on = _per_call_us(fn)
+        rec.events.clear()
+        rows.append(f"{label:<44} {off:>8.1f}us {on:>7.1f}us  +{on - off:.1f} us")
+    return rows
+
+
 def _balanced_ratio(on: list[float], off: list[float]) -> float:
     """Paired on/off ratio with the order effect cancelled: the geometric mean of the median
     ratio over iterations where "on" ran first and over those where it ran second (whichever
@@ -133,6 +162,7 @@ def _main(rank: int, world: int, iters: int, sizes: list[str]) -> None:
             ratio = _balanced_ratio(on, off)
             lines.append(f"{label:<44} {statistics.median(off) * 1e3:>9.3f} "
                          f"{statistics.median(on) * 1e3:>9.3f} {ratio:>7.3f}")
+    lines += ["", "per call (fastest of 5 x 500 calls)", *_per_call()]
     if rank == 0:
         print(f"2 gloo ranks, fp32, 1 thread/rank; medians over {iters} paired iterations; "
               "on/off = per-iteration ratios, median per run order, geometric mean of the two")
