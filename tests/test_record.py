@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -107,8 +108,15 @@ FAILING = '''
     t = torch.ones(4)
     dist.all_reduce(t)
     how = sys.argv[1]
-    if how == "exit":
+    if how == "exit":  # recorded with --steps 2: the third step's all-reduce is not recorded
+        p = torch.nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([p], lr=0.1)
+        for _ in range(3):
+            dist.all_reduce(t)
+            opt.step()
         sys.exit(3)
+    if how == "fine":
+        sys.exit(0)
     if dist.get_rank() == 1:
         if how == "raise":
             raise ValueError("rank one is broken")
@@ -131,6 +139,24 @@ def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec
     return proc, out
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _torchrun(tmp: Path):
+    """``torchrun --nproc-per-node 2 -m paraloom record`` (no --nproc: each rank joins)."""
+    (tmp / "joined.py").write_text(textwrap.dedent(FAILING))
+    out = tmp / "joined"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port()), "-m", "paraloom", "record", "--out", str(out), "--",
+           str(tmp / "joined.py"), "fine"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp), out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every recorded run of this module, started together: name -> (code, stderr, out)."""
@@ -138,12 +164,14 @@ def runs(tmp_path_factory):
     started = {"main": _start(tmp, PROGRAM, str(tmp / "facts.json"), options=("--compute",)),
                "raise": _start(tmp, FAILING, "raise", name="raise"),
                "kill": _start(tmp, FAILING, "kill", name="kill"),
-               "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit"),
+               "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit",
+                              options=("--steps", "2")),
+               "torchrun": _torchrun(tmp),
                "plain": _start(tmp, "print('no distributed here')\n", nproc=1, name="plain")}
     done = {}
     try:
         for name, (proc, out) in started.items():
-            _, err = proc.communicate(timeout=300)
+            _, err = proc.communicate(timeout=180)
             done[name] = (proc.returncode, err, out)
     finally:
         for proc, _ in started.values():
@@ -262,6 +290,17 @@ def test_failing_program_keeps_partial_ledger(runs, how, code, says):
     events = load(out / "ledger.jsonl")
     last = max(e["rank"] for e in events)
     assert [e["op"] for e in events if e["rank"] == last][:1] == ["all_reduce"]
+
+
+def test_steps_stops_recording_and_torchrun_join(runs):
+    _, _, out = runs["exit"]
+    events = load(out / "ledger.jsonl")
+    assert [(e["op"], e["step"]) for e in events] == [("all_reduce", 0)] * 2 + [("all_reduce", 1)]
+    code, err, out = runs["torchrun"]
+    assert code == 0, err
+    events = load(out / "ledger.jsonl")  # merged by rank 0 from both ranks' files
+    assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce"), (1, "all_reduce")]
+    assert (out / "comm_table.md").is_file() and (out / "trace.json").is_file()
 
 
 def test_program_without_process_group(runs):
