@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -135,7 +136,7 @@ def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec
     proc = subprocess.Popen([sys.executable, "-m", "paraloom", "record", "--nproc", str(nproc),
                              "--out", str(out), *options, "--", str(script), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp)
+                            cwd=tmp, start_new_session=True)
     return proc, out
 
 
@@ -154,7 +155,7 @@ def _torchrun(tmp: Path):
            "--master-port", str(_free_port()), "-m", "paraloom", "record", "--out", str(out), "--",
            str(tmp / "joined.py"), "fine"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp), out
+                            env=env, cwd=tmp, start_new_session=True), out
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +175,9 @@ def runs(tmp_path_factory):
             _, err = proc.communicate(timeout=180)
             done[name] = (proc.returncode, err, out)
     finally:
-        for proc, _ in started.values():
+        for proc, _ in started.values():  # a run that timed out: its ranks too
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
     done["facts"] = tmp / "facts.json"
     return done
 
