@@ -1,12 +1,11 @@
 """``paraloom record`` on unmodified programs: torch DDP, FSDP2, DTensor, pipelining, failures.
 
-One recorded 2-rank run of one program exercises four ways of communicating, each in its own
-function (the event's ``site`` names the function, so the checks below pick each part's events):
-DDP's C++ reducer, FSDP2's ``c10d::_allgather_base_`` / ``_reduce_scatter_base_``, DTensor's
-functional collectives and ``torch.distributed.pipelining``'s send/recv. Expected counts and
-bytes are computed from the models (and DDP's own bucket list), never copied from a record.
-Then small runs check the failure paths: a rank that raises, a rank that is killed, a program
-that exits non-zero, a program with no process group.
+One 2-rank run of one program (recorded with --compute) exercises DDP's C++ reducer, FSDP2's
+``c10d::_allgather_base_`` / ``_reduce_scatter_base_``, DTensor's functional collectives and
+pipelining's send/recv, each in its own function (an event's ``site`` names it). Expected counts
+and bytes come from the models and DDP's own buckets, never from a record. Small runs, started
+at the same time, check failures (raise, SIGKILL, exit 3 with --steps), no process group and
+joining a torchrun world.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ PROGRAM = textwrap.dedent('''
 
     FACTS = {}
 
-
     def ddp_part():
         from torch.nn.parallel import DistributedDataParallel as DDP
         torch.manual_seed(0)
@@ -49,7 +47,6 @@ PROGRAM = textwrap.dedent('''
         FACTS["ddp_params"] = [[p.numel() * 4 for p in m.parameters()]
                                for m in (model[2], model[0])]
 
-
     def fsdp_part():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -63,7 +60,6 @@ PROGRAM = textwrap.dedent('''
         model(torch.randn(4, 16)).sum().backward()
         opt.step()
 
-
     def dtensor_part():
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -76,7 +72,6 @@ PROGRAM = textwrap.dedent('''
         mlp(x).sum().backward()
         opt.step()
 
-
     def pipeline_part():
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
         rank = dist.get_rank()
@@ -88,7 +83,6 @@ PROGRAM = textwrap.dedent('''
             schedule.step(x)
         else:
             schedule.step(target=target)
-
 
     dist.init_process_group("gloo")
     ddp_part()
@@ -126,36 +120,28 @@ FAILING = '''
 '''
 
 
-def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec",
-           options: tuple = ()):
-    """Start ``paraloom record`` on ``program`` (not waited: the module's runs overlap)."""
-    script = tmp / f"{name}.py"
-    script.write_text(textwrap.dedent(program))
-    out = tmp / name
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-m", "paraloom", "record", "--nproc", str(nproc),
-                             "--out", str(out), *options, "--", str(script), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=tmp, start_new_session=True)
-    return proc, out
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _torchrun(tmp: Path):
-    """``torchrun --nproc-per-node 2 -m paraloom record`` (no --nproc: each rank joins)."""
-    (tmp / "joined.py").write_text(textwrap.dedent(FAILING))
-    out = tmp / "joined"
+def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec",
+           options: tuple = (), torchrun: bool = False):
+    """Start ``paraloom record`` on ``program`` (not waited: the module's runs overlap); with
+    ``torchrun``, under ``torchrun --nproc-per-node 2`` (no --nproc: each rank joins)."""
+    script = tmp / f"{name}.py"
+    script.write_text(textwrap.dedent(program))
+    out = tmp / name
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port()), "-m", "paraloom", "record", "--out", str(out), "--",
-           str(tmp / "joined.py"), "fine"]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp, start_new_session=True), out
+    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(_free_port())] if torchrun else []
+    cmd = [sys.executable, *launcher, "-m", "paraloom", "record",
+           *([] if torchrun else ["--nproc", str(nproc)]), "--out", str(out), *options, "--",
+           str(script), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp, start_new_session=True)
+    return proc, out
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +153,7 @@ def runs(tmp_path_factory):
                "kill": _start(tmp, FAILING, "kill", name="kill"),
                "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit",
                               options=("--steps", "2")),
-               "torchrun": _torchrun(tmp),
+               "torchrun": _start(tmp, FAILING, "fine", name="joined", torchrun=True),
                "plain": _start(tmp, "print('no distributed here')\n", nproc=1, name="plain")}
     done = {}
     try:
