@@ -77,6 +77,8 @@ _FORWARDED = {
     "export-hf": ("paraloom.training.hf_export", "export_hf_main"),
     "explain": ("paraloom.explain", "explain_main"),
     "doctor": ("paraloom.explain", "doctor_main"),
+    "diff": ("paraloom.record.diff", "diff_main"),
+    "record": ("paraloom.record.command", "record_main"),
 }
 """Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
 
@@ -89,6 +91,9 @@ _HELP = {
     "export-hf": "write a run's checkpoint as a Hugging Face GPT-2 folder",
     "explain": "read parallel-training source: where it splits and communicates",
     "doctor": "diagnose the LLM provider setup used by explain --ask",
+    "diff": "do two runs communicate identically? first divergence per rank",
+    "record": "run any PyTorch program (DDP, FSDP2, DTensor, Megatron) with its "
+              "communication on the record",
 }
 
 

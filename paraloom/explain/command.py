@@ -2,6 +2,7 @@
 
     paraloom explain PATH[:START-END] [--json] [--lang en|zh]       # or - for stdin
     paraloom explain --ask "QUESTION" PATH[:START-END]              # via an OpenAI-compatible model
+    paraloom explain PATH --run DIR [--rank R|all]                  # next to a recorded run
     paraloom doctor [--config ~/.codex/config.toml]                 # diagnose the provider setup
 
 Exit codes: 0 ok, 1 the provider failed (``--ask``) or doctor found problems, 2 bad input (the
@@ -94,9 +95,15 @@ def explain_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lang", choices=("en", "zh"), default="en")
     ap.add_argument("--ask", metavar="QUESTION", help="ask an OpenAI-compatible model")
     ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
+    ap.add_argument("--run", metavar="DIR", help="a recorded run (paraloom record/train folder "
+                    "or ledger.jsonl): mark each site with what the run did there")
+    ap.add_argument("--rank", default="0", help="rank of the run to show, or 'all' (default 0)")
     args = ap.parse_args(argv)
     try:
         facts = explain(args.target, args.lang)
+        if args.run:
+            from .run import annotate
+            facts["run"] = annotate(facts, args.run, _rank(args.rank))
     except SourceError as err:
         print(f"paraloom explain: error: {err}", file=sys.stderr)
         return 2
@@ -116,10 +123,23 @@ def explain_main(argv: list[str] | None = None) -> int:
             print(f"!! {flag}")
         print("\n--- extracted facts, for comparison ---\n")
     if args.json and not args.ask:
-        print(json.dumps(to_json(facts), ensure_ascii=False, indent=1))
+        doc = dict(to_json(facts), **({"run": facts["run"]} if "run" in facts else {}))
+        print(json.dumps(doc, ensure_ascii=False, indent=1))
     else:
         sys.stdout.write(render(facts, args.lang))
+        if "run" in facts:
+            from .run import render_run
+            sys.stdout.write(render_run(facts, facts["run"], args.lang))
     return 0
+
+
+def _rank(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise SourceError(f"--rank {text!r}: expected a rank number or 'all'") from None
 
 
 def doctor_main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,185 @@
+"""What ``paraloom record`` costs: a program with the recorder on vs off, paired in one process.
+
+What it measures
+    Two unmodified PyTorch workloads on 2 gloo ranks (fp32, CPU, one intra-op thread per rank,
+    ranks forked by :func:`paraloom.launch.spawn`), forward + backward (+ an SGD step for DDP)
+    per iteration:
+
+    * torch DDP: an MLP of ``layers`` x ``Linear(h, h)`` + ReLU, ``bucket_cap_mb=1``, batch
+      ``b`` — bucket all-reduces from DDP's C++ reducer in backward;
+    * the DTensor MLP of ``benchmarks/tp_mlp.py``: ``Linear(h, ffn) -> GELU -> Linear(ffn, h)``
+      under ``ColwiseParallel`` / ``RowwiseParallel``, input [s, b, h] requiring grad — functional
+      all-reduces in forward and backward.
+
+    Each iteration runs the workload with the recorder off and inside ``record_comms()`` (entered
+    and left outside the timed region, its events checked; in both, one untimed step precedes
+    the timed one), order rotated every iteration; each timed region starts after a barrier and
+    an iteration's time is the slower rank's. The table shows median times and the median of
+    the per-iteration paired ratios on / off (which cancels most of the machine's drift), taken
+    per run order and averaged geometrically (which cancels the order effect). Below it, the
+    recorder's absolute cost per collective and per module call (fastest of 5 batches), which
+    a loaded machine's noise does not hide.
+
+How to run
+    ``.venv/bin/python benchmarks/record_overhead.py`` (``--iters 60``). Only rank 0 prints.
+
+Goal
+    recorder on / off <= 1.05 for both workloads at the ``full`` size, where the work is a
+    realistic step rather than pure per-call overhead (``tiny`` shows the per-call cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from paraloom.launch import spawn
+from paraloom.record import record_comms
+
+DDP_SIZES = {"tiny": (64, 2, 8), "full": (512, 4, 64)}  # h, layers, batch
+TP_SIZES = {"tiny": (64, 256, 8, 2), "full": (512, 2048, 128, 8)}  # as tp_mlp.py: h, ffn, s, b
+WARMUP = 5
+
+
+def _ddp(size: str):
+    h, layers, b = DDP_SIZES[size]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(h, h), nn.ReLU())])
+    ddp = DDP(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    x = torch.randn(b, h)
+
+    def step() -> None:
+        opt.zero_grad()
+        ddp(x).sum().backward()
+        opt.step()
+    return step
+
+
+def _dtensor(size: str, mesh):
+    h, ffn, s, b = TP_SIZES[size]
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(h, ffn), nn.GELU(), nn.Linear(ffn, h))
+    mlp = parallelize_module(mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(s, b, h, requires_grad=True)
+    grad = torch.randn(s, b, h)
+
+    def step() -> None:
+        for p in mlp.parameters():
+            p.grad = None
+        x.grad = None
+        mlp(x).backward(grad)
+    return step
+
+
+def _timed(step, on: bool) -> float:
+    """One untimed step, then the timed one: with the recorder, both run inside one
+    ``record_comms`` block, so the timed step is a steady-state one (the first op after the
+    kernels are installed pays for the dispatcher's table update, once per program)."""
+    if not on:
+        step()
+        dist.barrier()
+        t = time.perf_counter()
+        step()
+        return time.perf_counter() - t
+    with record_comms() as rec:
+        step()
+        dist.barrier()
+        t = time.perf_counter()
+        step()
+        dt = time.perf_counter() - t
+    assert any(e["op"] == "all_reduce" for e in rec.events), "the recorder saw nothing"
+    return dt
+
+
+def _measure(step, iters: int) -> torch.Tensor:
+    times = torch.zeros(iters, 2, dtype=torch.float64)
+    for i in range(-WARMUP, iters):
+        for k in ((0, 1) if i % 2 else (1, 0)):
+            dt = _timed(step, on=bool(k))
+            if i >= 0:
+                times[i, k] = dt
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts until the slower rank ends
+    return times
+
+
+def _per_call_us(fn, n: int = 500) -> float:
+    best = float("inf")
+    for _ in range(5):  # the fastest of 5 batches: the cost itself, not the machine's noise
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    return best
+
+
+def _per_call() -> list[str]:
+    """Absolute costs: a blocking 64-byte all-reduce, and a Sequential(Linear, ReLU) forward
+    (three module calls through the recorder's global hooks)."""
+    t, net, x = torch.ones(16), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    rows = []
+    for label, fn in (("all_reduce 64 B, blocking", lambda: dist.all_reduce(t)),
+                      ("Sequential(Linear, ReLU) forward", lambda: net(x))):
+        off = _per_call_us(fn)
+        with record_comms() as rec:
+            fn()
+            on = _per_call_us(fn)
+        rec.events.clear()
+        rows.append(f"{label:<44} {off:>8.1f}us {on:>7.1f}us  +{on - off:.1f} us")
+    return rows
+
+
+def _balanced_ratio(on: list[float], off: list[float]) -> float:
+    """Paired on/off ratio with the order effect cancelled: the geometric mean of the median
+    ratio over iterations where "on" ran first and over those where it ran second (whichever
+    runs first in a pair is systematically faster or slower here, so a plain median of ratios
+    lands on one side of a bimodal distribution)."""
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    first, second = ratios[0::2], ratios[1::2]  # even iterations run "on" first (see _measure)
+    return (statistics.median(first) * statistics.median(second)) ** 0.5
+
+
+def _main(rank: int, world: int, iters: int, sizes: list[str]) -> None:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    lines = [f"{'workload':<44} {'off ms':>9} {'on ms':>9} {'on/off':>7}", "-" * 72]
+    for size in sizes:
+        h, layers, b = DDP_SIZES[size]
+        h2, ffn, s, b2 = TP_SIZES[size]
+        for label, step in ((f"DDP {size} (h={h}, layers={layers}, b={b})", _ddp(size)),
+                            (f"DTensor MLP {size} (h={h2}, ffn={ffn}, s={s}, b={b2})",
+                             _dtensor(size, mesh))):
+            times = _measure(step, iters)
+            off, on = times[:, 0].tolist(), times[:, 1].tolist()
+            ratio = _balanced_ratio(on, off)
+            lines.append(f"{label:<44} {statistics.median(off) * 1e3:>9.3f} "
+                         f"{statistics.median(on) * 1e3:>9.3f} {ratio:>7.3f}")
+    lines += ["", "per call (fastest of 5 x 500 calls)", *_per_call()]
+    if rank == 0:
+        print(f"2 gloo ranks, fp32, 1 thread/rank; medians over {iters} paired iterations; "
+              "on/off = per-iteration ratios, median per run order, geometric mean of the two")
+        print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--sizes", default="tiny,full")
+    args = parser.parse_args(argv)
+    sizes = args.sizes.split(",")
+    for size in sizes:
+        if size not in DDP_SIZES:
+            raise SystemExit(f"unknown size {size!r}; valid: {sorted(DDP_SIZES)}")
+    spawn(_main, 2, args.iters, sizes, timeout_s=600)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+"""``paraloom explain FILE --run DIR``: the static reading of FILE next to what a run recorded.
+
+A recorded event (``paraloom record``) names its ``site`` as ``path/file.py:LINE function``: the
+innermost frame outside torch and paraloom that called the communication. An event belongs to
+a static site of FILE when its path is FILE and its line lies in the site's statement (a call
+spread over several lines is one statement); sites at the same statement are told apart by op.
+
+Only *direct* sites (a ``torch.distributed`` call written in FILE) can receive events: a site
+reached through helpers of FILE (``via``) points at the direct site its chain ends in, where its
+events are counted (when the static reading merged several paths into one site, no single line
+is named), and a region helper defined elsewhere (Megatron's ``*_region``) communicates in its
+own file, so its events carry that file's site. Recorded events in FILE (and in the snippet's
+line range) that no direct site covers are listed as *missed by the static reading*.
+
+Per site and rank: count, phase, async, bytes and the order index ``#k`` (position in that
+rank's communication sequence, compute spans excluded — the index ``paraloom diff`` prints).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from .source import SourceError
+
+__all__ = ["parse_site", "annotate", "render_run"]
+
+_SITE = re.compile(r"^(?P<path>.+?):(?P<line>\d+)(?:\s+(?P<func>\S.*))?$")
+
+
+def parse_site(site: str | None) -> tuple[str, int, str | None] | None:
+    """``"a/b.py:12 C.f"`` -> ``("a/b.py", 12, "C.f")``; ``None`` for paraloom's own labels
+    (``"ColumnParallelLinear.backward:input_grad"``) and anything without ``path:LINE``."""
+    m = _SITE.match(site or "")
+    return (m["path"], int(m["line"]), m["func"]) if m else None
+
+
+def _same_file(recorded: str, file: Path) -> bool:
+    """The recorded path is FILE: equal after resolving, or a relative tail of it."""
+    rec = Path(recorded)
+    if rec.is_absolute():
+        return rec.resolve() == file
+    return file.parts[-len(rec.parts):] == rec.parts or (Path.cwd() / rec).resolve() == file
+
+
+def _statements(tree: ast.Module) -> list[tuple[int, int]]:
+    """Line range of every statement; a compound statement counts only its header lines."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.stmt):
+            body = getattr(node, "body", None)
+            end = (max(node.lineno, body[0].lineno - 1) if isinstance(body, list) and body
+                   and isinstance(body[0], ast.stmt) else node.end_lineno or node.lineno)
+            out.append((node.lineno, end))
+    return out
+
+
+def _functions(tree: ast.Module) -> dict[str, tuple[int, int]]:
+    """``"f"`` / ``"Class.f"`` -> line range of each function (the names ``via`` uses)."""
+    out = {}
+    for node in tree.body:
+        inner = node.body if isinstance(node, ast.ClassDef) else [node]
+        for fn in inner:
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = f"{node.name}.{fn.name}" if node is not fn else fn.name
+                out[name] = (fn.lineno, fn.end_lineno or fn.lineno)
+    return out
+
+
+def _range_of(line: int, stmts: list[tuple[int, int]]) -> tuple[int, int]:
+    """The smallest statement range holding ``line``."""
+    inside = [r for r in stmts if r[0] <= line <= r[1]]
+    return min(inside, key=lambda r: r[1] - r[0]) if inside else (line, line)
+
+
+def _load(run_dir: str) -> list[dict]:
+    """The run's communication events (no compute spans), ordered by (rank, seq)."""
+    from ..record.diff import DiffError, load_runs, sequences
+
+    try:
+        return [e for seq in sequences(load_runs(run_dir)).values() for e in seq]
+    except (DiffError, OSError) as err:
+        raise SourceError(f"--run {run_dir!r}: {err}") from None
+
+
+def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
+    """Mark ``facts["sites"]`` with the recorded events of ``run_dir`` (``rank``; ``None`` for
+    every rank); returns ``{"dir", "rank", "ranks", "sites": [...], "missed": [...]}`` where each
+    site entry is ``{"site": index in facts["sites"], "line", "range", "events": [...]}``."""
+    if facts["file"] == "-":
+        raise SourceError("--run needs a file path (recorded sites name files), not stdin")
+    file = Path(facts["file"]).resolve()
+    events = _load(run_dir)
+    ranks = sorted({e["rank"] for e in events})
+    if rank is not None and rank not in ranks:
+        raise SourceError(f"--rank {rank}: the run in {run_dir!r} has ranks {ranks}")
+    from .source import load_snippet, parse_snippet
+
+    tree = parse_snippet(load_snippet(str(file)))
+    stmts, funcs = _statements(tree), _functions(tree)
+    first, last = facts["lines"]
+    order: dict[int, int] = {}
+    here = []  # (event, line) of events recorded in FILE
+    files: dict[str, int] = {}  # recorded site files of the shown ranks (for a hint)
+    for e in events:  # communication events only, in (rank, seq) order
+        order[e["rank"]] = order.get(e["rank"], -1) + 1
+        where = parse_site(e.get("site"))
+        if where and (rank is None or e["rank"] == rank):
+            files[where[0]] = files.get(where[0], 0) + 1
+        if where and (rank is None or e["rank"] == rank) and _same_file(where[0], file) \
+                and first <= where[1] <= last:
+            here.append((dict(e, index=order[e["rank"]], line=where[1], function=where[2]),
+                         where[1]))
+    direct = [(i, s, _range_of(s["line"], stmts)) for i, s in enumerate(facts["sites"])
+              if not s["via"]]
+    marks = {i: {"site": i, "line": s["line"], "range": list(r), "events": []}
+             for i, s, r in direct}
+    missed = []
+    for e, line in here:
+        at = [(i, s) for i, s, r in direct if r[0] <= line <= r[1]]
+        same_op = [i for i, s in at if s["op"] == e["op"]]
+        if at:
+            marks[(same_op or [at[0][0]])[0]]["events"].append(e)
+        else:
+            missed.append(e)
+    via = []
+    for i, s in enumerate(facts["sites"]):
+        if not s["via"]:
+            continue
+        span, inner = funcs.get(s["via"][-1]), s.get("inner_line")
+        to = None  # the direct site the helper chain ends in, when it is one path in FILE
+        if span and inner and span[0] <= inner <= span[1]:
+            to = next((j for j, d, r in direct if r[0] <= inner <= r[1] and d["op"] == s["op"]),
+                      None)
+        via.append({"site": i, "line": s["line"], "to": to,
+                    "elsewhere": None if span else s["via"][-1]})
+    return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
+            "via": via, "missed": missed, "files": files, "matched": len(here)}
+
+
+def _summary(events: list[dict]) -> str:
+    """``rank 0: 2x all_gather backward async 512 B at #3, #8 in layers.0.mlp.fc1``."""
+    groups: dict[tuple, list[dict]] = {}
+    for e in events:
+        key = (e["rank"], e["phase"], e["op"], e["async"], e["bytes"], e.get("module"))
+        groups.setdefault(key, []).append(e)
+    parts = []
+    for (rank, phase, op, asy, nbytes, module), evs in groups.items():
+        idx = ", ".join(f"#{e['index']}" for e in evs)
+        parts.append(f"rank {rank}: {len(evs)}x {op} {phase} {'async' if asy else 'sync'} "
+                     f"{nbytes} B at {idx}" + (f" in {module}" if module else ""))
+    return "; ".join(parts)
+
+
+_HEAD = {
+    "en": ("Recorded run", "every rank", "order #k = position in the rank's communication "
+           "sequence", "Recorded in this file but missed by the static reading"),
+    "zh": ("实际运行记录", "所有 rank", "#k = 该 rank 通信序列中的位置",
+           "运行中在本文件记录到、但静态阅读未找到的通信"),
+}
+
+
+def render_run(facts: dict, run: dict, lang: str = "en") -> str:
+    """The text section appended to ``paraloom explain``'s report (headings en/zh)."""
+    h = _HEAD[lang]
+    who = h[1] if run["rank"] is None else f"rank {run['rank']}"
+    out = ["", f"## {h[0]}: {run['dir']} ({who}; {h[2]})"]
+    by_site = {m["site"]: m for m in run["sites"]}
+    via = {v["site"]: v for v in run.get("via", [])}
+    for i, s in enumerate(facts["sites"]):
+        where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
+        head = f"- line {s['line']} {where}: {s['op']} (static: {s['phase']}, async {s['async']})"
+        if i in by_site:
+            evs = by_site[i]["events"]
+            out.append(f"{head} -> recorded: {_summary(evs)}" if evs
+                       else f"{head} -> not run in the recorded run")
+            continue
+        chain, v = " -> ".join(s["via"]), via.get(i, {})
+        if v.get("to") is not None:
+            evs = by_site[v["to"]]["events"]
+            out.append(f"{head} -> via {chain}: at line {by_site[v['to']]['line']} (all its "
+                       f"callers): "
+                       + (_summary(evs) if evs else "not run in the recorded run"))
+        elif v.get("elsewhere"):
+            out.append(f"{head} -> via {chain}: {v['elsewhere']} is not defined in this file; "
+                       f"its calls carry its own file's site")
+        else:
+            out.append(f"{head} -> via {chain}: several paths through helpers; see their "
+                       f"direct sites above and below")
+    if not facts["sites"]:
+        out.append("- no communication site in the static reading")
+    if not run.get("matched") and run.get("files"):
+        top = sorted(run["files"].items(), key=lambda kv: -kv[1])[:5]
+        out.append("- no recorded event names this file (or line range); the run's calls come "
+                   "from: " + ", ".join(f"{f} ({n})" for f, n in top))
+    out += ["", f"## {h[3]}"]
+    out += [f"- line {e['line']} {e['function'] or ''}: {_summary([e])}"
+            for e in run["missed"]] or ["- none"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,220 @@
+"""``paraloom record``: run any PyTorch program with its communication on the record.
+
+    paraloom record --nproc 2 --out rec -- train.py --lr 3e-4     # local ranks (torchrun env)
+    paraloom record --nproc 2 -m my_package.train                 # a module instead of a file
+    torchrun --nproc-per-node 8 -m paraloom record --out rec -- train.py   # join a given world
+
+With ``--nproc N`` the launcher starts N fresh interpreters with torchrun's variables (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); the
+program calls ``init_process_group`` itself. Without it, this process is one rank of the world
+its environment describes. The output folder is a run folder (``ledger.jsonl`` of all ranks,
+``comm_table.md`` in English and Chinese, ``trace.json``; ``ledger/rank{R}.jsonl`` per rank), so
+``paraloom table | trace | schedule | diff`` read it. A program that raises, exits non-zero or is
+killed keeps its partial ledger; ``record`` exits with the program's code and names the rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..ledger import load, merge
+
+__all__ = ["record_main", "finish"]
+
+_GRACE_S = 5.0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="paraloom record", description=__doc__.splitlines()[0],
+        usage="paraloom record [--nproc N] [--out DIR] [--steps K] [--compute] "
+              "-- (SCRIPT.py | -m MODULE) [ARGS...]")
+    ap.add_argument("--nproc", type=int, help="local ranks to start (default: join the world "
+                                              "of torchrun's environment)")
+    ap.add_argument("--out", default="record", help="output folder (default: record)")
+    ap.add_argument("--steps", type=int, help="stop recording after K optimizer steps")
+    ap.add_argument("--compute", action="store_true",
+                    help="also record leaf modules' forward/backward compute spans")
+    ap.add_argument("--timeout", type=float, default=1800.0,
+                    help="seconds before a local run is stopped (default 1800)")
+    return ap
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    if "-m" in argv:
+        i = argv.index("-m")
+        return argv[:i], argv[i:]
+    for i, arg in enumerate(argv):  # the first argument that is not an option or its value
+        if arg.endswith(".py"):
+            return argv[:i], argv[i:]
+    return argv, []
+
+
+def _check(args, target: list[str]) -> str | None:
+    if not target or (target[0] == "-m" and len(target) < 2):
+        return "no program given: paraloom record [options] -- SCRIPT.py [ARGS] (or -m MODULE)"
+    if target[0] != "-m" and not Path(target[0]).is_file():
+        return f"program {target[0]!r} is not a file (give a script path, or -m MODULE)"
+    if args.nproc is not None and args.nproc < 1:
+        return f"--nproc must be a positive integer, got {args.nproc}"
+    if args.steps is not None and args.steps < 1:
+        return f"--steps must be a positive integer (optimizer steps), got {args.steps}"
+    if args.nproc is None and "RANK" not in os.environ:
+        return ("no --nproc and no torchrun environment (RANK, WORLD_SIZE): give --nproc N "
+                "for local ranks, or start it under torchrun")
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args, target: list[str], out: Path) -> tuple[dict[int, int], set[int]]:
+    """Start ``--nproc`` ranks and wait; returns each rank's exit code (negative: signal) and
+    the ranks the launcher stopped (after another failed, or at the timeout)."""
+    env = dict(os.environ, WORLD_SIZE=str(args.nproc), LOCAL_WORLD_SIZE=str(args.nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               PARALOOM_RECORD_T0=repr(time.time()))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "paraloom.record.bootstrap", str(out), str(args.steps or 0),
+           "1" if args.compute else "0", *target]
+    procs = {r: subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(args.nproc)}
+    deadline, first_fail, stopped = time.monotonic() + args.timeout, None, set()
+    while any(p.poll() is None for p in procs.values()):
+        now = time.monotonic()
+        failed = [r for r, p in procs.items() if p.returncode not in (None, 0)]
+        if failed and first_fail is None:
+            first_fail = now
+        if now > deadline or (first_fail is not None and now - first_fail > _GRACE_S):
+            for r, p in procs.items():
+                if p.poll() is None:
+                    stopped.add(r)
+                    p.send_signal(signal.SIGTERM)  # the rank flushes its ledger on SIGTERM
+            time.sleep(1.0)
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.05)
+    return {r: p.wait() for r, p in procs.items()}, stopped
+
+
+def finish(out: Path) -> list[dict]:
+    """Merge ``out/ledger/rank*.jsonl`` into ``out/ledger.jsonl`` and write the table (en, zh)
+    and the trace; returns the merged events."""
+    from ..report.table import render_table
+    from ..report.trace import write_trace
+
+    files = sorted((out / "ledger").glob("rank*.jsonl"))
+    events = merge(load(f) for f in files)
+    with open(out / "ledger.jsonl", "w") as f:
+        for event in events:
+            f.write(json.dumps(event) + "\n")
+    if events:
+        rank = min(e["rank"] for e in events)
+        parts = [render_table(events, rank=rank, lang=lang) for lang in ("en", "zh")]
+        (out / "comm_table.md").write_text("\n".join(parts))
+        write_trace(events, out / "trace.json")
+    return events
+
+
+def _status(out: Path, rank: int) -> dict:
+    path = out / "ledger" / f"rank{rank}.status.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _culprit(codes: dict[int, int], statuses: dict[int, dict], stopped: set[int]) -> int:
+    """The rank to blame: its own error first (earliest), then one killed from outside, then
+    one that only saw a peer go away, then any other non-zero exit."""
+    from ..launch import _PEER_GONE
+
+    def secondary(r: int) -> bool:
+        return any(s in (statuses[r].get("error") or "").lower() for s in _PEER_GONE)
+
+    bad = [r for r, c in codes.items() if c != 0]
+    tiers = ([r for r in bad if statuses[r].get("error") and not secondary(r)],
+             [r for r in bad if codes[r] < 0 and r not in stopped],
+             [r for r in bad if statuses[r].get("error")],
+             [r for r in bad if r not in stopped], bad)
+    tier = next(t for t in tiers if t)
+    return min(tier, key=lambda r: (statuses[r].get("time", float("inf")), r))
+
+
+def _report(out: Path, codes: dict[int, int], stopped: set[int] = frozenset()) -> int:
+    """Print what happened (naming the rank) and return the exit code of ``record``."""
+    statuses = {r: _status(out, r) for r in codes}
+    if all(c == 0 for c in codes.values()):
+        if not any(s.get("init") for s in statuses.values()):
+            print("paraloom record: the program never called torch.distributed."
+                  "init_process_group, so it did not communicate: nothing to record",
+                  file=sys.stderr)
+            return 2
+        return 0
+    rank = _culprit(codes, statuses, stopped)
+    code = codes[rank]
+    if code < 0:
+        what = f"was killed by {signal.Signals(-code).name}"
+    else:
+        error = statuses[rank].get("error")
+        what = f"exited with code {code}" + (f" ({error})" if error else "")
+    print(f"paraloom record: rank {rank} {what}; the partial ledger is in {out}",
+          file=sys.stderr)
+    return code if code > 0 else 128 - code
+
+
+def record_main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    options, target = _split(argv)
+    ap = _parser()
+    args = ap.parse_args(options)
+    problem = _check(args, target)
+    if problem:
+        print(f"paraloom record: error: {problem}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if args.nproc is None:  # one rank of a world started elsewhere (torchrun)
+        return _join(args, target, out)
+    for old in (out / "ledger").glob("rank*"):
+        old.unlink()
+    codes, stopped = _launch(args, target, out)
+    events = finish(out)
+    code = _report(out, codes, stopped)
+    if code == 0:
+        print(f"paraloom record: {len(events)} events from {args.nproc} ranks -> {out} "
+              f"(ledger.jsonl, comm_table.md, trace.json)")
+    return code
+
+
+def _join(args, target: list[str], out: Path) -> int:
+    """Record this rank; rank 0 then waits (bounded) for every rank's status and merges."""
+    from .bootstrap import run_program
+
+    code = run_program(str(out), args.steps, args.compute, target)
+    rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank != 0:
+        return code
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and not all(
+            (out / "ledger" / f"rank{r}.status.json").exists() for r in range(world)):
+        time.sleep(0.2)
+    codes = {r: _status(out, r).get("exit", 1) for r in range(world)}
+    finish(out)
+    return _report(out, codes) or code

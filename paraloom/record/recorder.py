@@ -1,0 +1,176 @@
+"""``record_comms``: the ledger of every communication of this process, for any program.
+
+    with paraloom.record.record_comms(out="rec") as rec:   # rec is a paraloom.ledger.Ledger
+        train()                                            # DDP, FSDP2, DTensor, Megatron-Core...
+    rec.events                                             # contract event dicts (DESIGN.md)
+
+It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
+mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, each
+event is written to ``out/ledger/rank{R}.jsonl`` as it is launched (a provisional line, so even a
+SIGKILLed rank leaves its ledger), and the lines since the last flush are rewritten with their
+final times at every optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM
+and when the block ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ..ledger import Ledger
+from . import intercept, pipeline
+from .kinds import KindResolver
+from .ops import nbytes
+from .tracking import Tracker, site
+
+__all__ = ["record_comms", "Recorder"]
+
+
+class Recorder:
+    """The sink of :mod:`.intercept`: one rank's :class:`Ledger` plus where to write it."""
+
+    def __init__(self, ledger: Ledger, *, steps: int | None, compute: bool,
+                 path: Path | None) -> None:
+        self.ledger = ledger
+        self.on = True
+        self.steps = steps
+        self.path = path
+        self.flushed = 0
+        self._file = None
+        self._final = 0  # file offset where the provisional lines start
+        self.kinds = KindResolver()
+        self.tracker = Tracker(compute=compute, on_step=self._stepped,
+                               on_optimizer=intercept.poll, ledger=ledger)
+        self._groups: dict[str, tuple[list[int], str]] = {}
+        self.now = ledger.now
+
+    def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool) -> dict:
+        """Record one operation launched now; returns its event (times are filled later)."""
+        name = pg.group_name
+        known = self._groups.get(name)
+        if known is None:
+            known = self._groups[name] = (dist.get_process_group_ranks(pg),
+                                          getattr(pg, "group_desc", "") or "")
+        ranks, desc = known
+        phase = self.tracker.phase()
+        extra = {}
+        if peer is not None:
+            extra["peer"] = ranks[peer] if 0 <= peer < len(ranks) else peer
+        elif op == "recv":
+            extra["peer"] = -1  # any source
+        if coalesced and len(tensors) != 1:
+            extra["tensors"] = len(tensors)
+        if tensors and tensors[0].is_cuda:
+            extra["clock"] = "host"
+        event = self.ledger.record(
+            op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
+            module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
+            group=ranks, **extra)
+        if tensors:
+            event["shape"] = list(tensors[0].shape)
+            event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
+        if self.path is not None:
+            self._open().write(json.dumps(event) + "\n")
+            self._file.flush()
+        return event
+
+    def _open(self):
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w")  # noqa: SIM115 - kept open for the record
+        return self._file
+
+    def _stepped(self, step: int) -> None:
+        self.ledger.step = step
+        intercept.prune()
+        if self.steps is not None and step >= self.steps:
+            self.on = False
+        self.flush()
+
+    def flush(self) -> None:
+        """Rewrite the provisional lines with the events' current (final) fields."""
+        if self.path is None:
+            return
+        f = self._open()
+        f.seek(self._final)
+        f.truncate()
+        end = len(self.ledger.events)
+        for event in self.ledger.events[self.flushed:end]:
+            f.write(json.dumps(event) + "\n")
+        f.flush()
+        self._final, self.flushed = f.tell(), end
+
+    def close(self) -> None:
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+_CURRENT: Recorder | None = None
+
+
+def _flush_current(*_args) -> None:
+    if _CURRENT is not None:
+        _CURRENT.flush()
+
+
+def _on_sigterm(signum, frame) -> None:
+    _flush_current()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+@contextmanager
+def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = None,
+                 compute: bool = False, rank: int | None = None, t0: float | None = None):
+    """Record every communication of this process while the block runs; yields the Ledger.
+
+    ``out``: a folder; this rank's events go to ``out/ledger/rank{R}.jsonl``. ``steps``: stop
+    recording after that many optimizer steps (the program runs on). ``compute``: also record
+    leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
+    process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).
+    """
+    global _CURRENT
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be a positive integer (optimizer steps), got {steps!r}")
+    if rank is None:
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    path = None if out is None else Path(out) / "ledger" / f"rank{rank}.jsonl"
+    if path is not None and path.exists():
+        path.unlink()  # a fresh record, not appended to an older one
+    ledger = Ledger(rank, t0)
+    rec = Recorder(ledger, steps=steps, compute=compute, path=path)
+    intercept.install(rec)
+    rec.kinds.install()
+    rec.tracker.install()
+    if compute:
+        pipeline.install(ledger)
+    _CURRENT = rec
+    old_term = None
+    if path is not None:
+        atexit.register(_flush_current)
+        try:
+            old_term = signal.signal(signal.SIGTERM, _on_sigterm)
+        except ValueError:  # not the main thread: no handler, the other flushes still hold
+            old_term = None
+    try:
+        yield ledger
+    finally:
+        rec.on = False
+        pipeline.uninstall()
+        rec.tracker.uninstall()
+        rec.kinds.uninstall()
+        intercept.uninstall()
+        rec.close()
+        _CURRENT = None
+        if path is not None:
+            atexit.unregister(_flush_current)
+            if old_term is not None:
+                signal.signal(signal.SIGTERM, old_term)

@@ -1,0 +1,147 @@
+"""``paraloom explain FILE --run DIR``: static sites marked with the recorded events.
+
+A small file with a direct call, a call spread over two lines, a helper and a call the static
+reading cannot see (``getattr(dist, "all_reduce")``), and a ledger whose ``site`` fields name
+lines of it the way ``paraloom record`` writes them (``path:LINE function``). The recorded
+Megatron-Core run is checked in test_record_megatron.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paraloom.cli import main
+from paraloom.explain import explain
+from paraloom.explain.run import annotate, parse_site, render_run
+
+SOURCE = '''\
+import torch.distributed as dist
+from torch.distributed import all_gather_into_tensor as ag
+
+
+class Block:
+    def forward(self, x, out):
+        ag(out, x)
+        return out
+
+    def backward(self, g, buf):
+        handle = dist.all_reduce(
+            g, async_op=True)
+        handle.wait()
+        helper(g)
+        return g
+
+
+def helper(t):
+    dist.broadcast(t, src=0)
+    other = getattr(dist, "all_reduce")
+    other(t)
+'''
+
+
+def ev(rank, seq, op, phase, site, nbytes=64, asy=False):
+    return {"rank": rank, "seq": seq, "step": 0, "microbatch": 0, "phase": phase, "kind": "tp",
+            "op": op, "site": site, "module": None, "split": None, "async": asy,
+            "bytes": nbytes, "shape": [nbytes // 4], "dtype": "float32", "group": [0, 1],
+            "t_start": 0.0, "t_wait": 0.0, "t_end": 0.0}
+
+
+@pytest.fixture
+def case(tmp_path):
+    src = tmp_path / "pkg" / "block.py"
+    src.parent.mkdir()
+    src.write_text(SOURCE)
+    events = []
+    for r in (0, 1):
+        rows = [("all_gather", "forward", f"{src}:7 Block.forward", False),
+                ("compute", "forward", "span", False),  # compute spans have no order index
+                ("all_gather", "forward", "elsewhere.py:7 f", False),  # another file
+                ("all_reduce", "backward", f"{src}:12 Block.backward", True),  # 2nd line of 11-12
+                ("broadcast", "backward", "pkg/block.py:19 helper", False),  # relative path
+                ("all_reduce", "backward", f"{src}:21 helper", False),  # static reading misses
+                ("all_reduce", "backward", "RowParallelLinear.forward:output", False)]
+        events += [ev(r, i, op, ph, site, 64 * (r + 1), a) for i, (op, ph, site, a)
+                   in enumerate(rows)]
+        events[-4]["module"] = "blocks.0"  # the all_reduce of lines 11-12
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return src, run
+
+
+def test_parse_site():
+    assert parse_site("/a/b.py:12 C.f") == ("/a/b.py", 12, "C.f")
+    assert parse_site("b.py:3") == ("b.py", 3, None)
+    assert parse_site("ColumnParallelLinear.backward:input_grad") is None
+    assert parse_site(None) is None
+
+
+def test_sites_marked_with_their_events(case, monkeypatch):
+    src, run = case
+    monkeypatch.chdir(src.parent.parent)  # the relative site "pkg/block.py" resolves here
+    facts = explain(str(src))
+    marked = annotate(facts, str(run), rank=0)
+    by_line = {m["line"]: m for m in marked["sites"]}
+    assert sorted(by_line) == [7, 11, 19]  # direct sites only; line 14 is via the helper
+    assert by_line[11]["range"] == [11, 12]
+    got = {line: [(e["op"], e["phase"], e["async"], e["bytes"], e["index"]) for e in m["events"]]
+           for line, m in by_line.items()}
+    assert got == {7: [("all_gather", "forward", False, 64, 0)],
+                   11: [("all_reduce", "backward", True, 64, 2)],
+                   19: [("broadcast", "backward", False, 64, 3)]}
+    assert [(e["line"], e["op"], e["index"]) for e in marked["missed"]] == [(21, "all_reduce", 4)]
+    assert [(v["line"], v["to"] is not None and facts["sites"][v["to"]]["line"], v["elsewhere"])
+            for v in marked["via"]] == [(14, 19, None)]
+    every = annotate(facts, str(run), rank=None)
+    assert sorted(e["rank"] for m in every["sites"] for e in m["events"]) == [0, 0, 0, 1, 1, 1]
+
+
+def test_snippet_range_limits_missed_events(case):
+    src, run = case
+    facts = explain(f"{src}:1-15")  # lines 19 and 21 lie outside
+    marked = annotate(facts, str(run), rank=1)
+    assert {m["line"]: len(m["events"]) for m in marked["sites"]} == {7: 1, 11: 1}
+    assert marked["missed"] == []
+
+
+def test_cli_text_and_json(case, capsys):
+    src, run = case
+    assert main(["explain", str(src), "--run", str(run), "--rank", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "## Recorded run:" in out
+    assert ("- line 11 Block.backward: all_reduce (static: needs more context, async True) -> "
+            "recorded: rank 1: 1x all_reduce backward async 128 B at #2 in blocks.0") in out
+    assert ("- line 14 Block.backward: broadcast (static: needs more context, async False) -> "
+            "via helper: at line 19 (all its callers): rank 1: 1x broadcast backward sync 128 B "
+            "at #3") in out
+    assert "- line 21 helper: rank 1: 1x all_reduce backward sync 128 B at #4" in out
+    assert main(["explain", str(src), "--run", str(run), "--lang", "zh"]) == 0
+    assert "## 实际运行记录" in capsys.readouterr().out
+    assert main(["explain", str(src), "--run", str(run), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["run"]["rank"] == 0 and doc["run"]["ranks"] == [0, 1]
+    assert [e["line"] for e in doc["run"]["missed"]] == [21]
+
+
+def test_a_file_the_run_never_called_from_gets_a_hint(case, tmp_path):
+    src, run = case
+    other = tmp_path / "other.py"
+    other.write_text("import torch.distributed as dist\n\n\ndef f(t):\n    dist.all_reduce(t)\n")
+    facts = explain(str(other))
+    marked = annotate(facts, str(run), rank=0)
+    assert marked["matched"] == 0 and [m["events"] for m in marked["sites"]] == [[]]
+    text = render_run(facts, marked)
+    assert "-> not run in the recorded run" in text
+    assert f"the run's calls come from: {src} (3), elsewhere.py (1), pkg/block.py (1)" in text
+
+
+def test_bad_input_exits_2(case, tmp_path, capsys):
+    src, run = case
+    assert main(["explain", str(src), "--run", str(tmp_path / "missing")]) == 2
+    assert "--run" in capsys.readouterr().err
+    assert main(["explain", str(src), "--run", str(run), "--rank", "7"]) == 2
+    assert "--rank 7: the run in" in capsys.readouterr().err
+    assert main(["explain", str(src), "--run", str(run), "--rank", "x"]) == 2
+    assert "expected a rank number or 'all'" in capsys.readouterr().err
