@@ -171,3 +171,10 @@ def test_trace_is_valid_chrome_json(runs, tmp_path):
     write_trace(runs["sync"], tmp_path / "t.json")
     assert not [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]
                 if e["ph"] == "b"]
+
+
+def test_trigger_location_of_a_recorded_program_keeps_file_and_line():
+    from paraloom.report.table import _site
+
+    assert _site("/home/u/job/train.py:42 Trainer.step") == "train.py:42 Trainer.step"
+    assert _site("ColumnParallelLinear.backward:input_grad") == "ColumnParallelLinear input grad"

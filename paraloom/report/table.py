@@ -37,8 +37,11 @@ _LAYER = re.compile(r"layers\.\d+")
 
 
 def _site(site: str) -> str:
-    """``ColumnParallelLinear.backward:input_grad`` -> ``ColumnParallelLinear input grad``."""
+    """``ColumnParallelLinear.backward:input_grad`` -> ``ColumnParallelLinear input grad``; a
+    recorded program's ``path/to/file.py:LINE function`` -> ``file.py:LINE function``."""
     head, _, tag = site.partition(":")
+    if head.endswith(".py"):
+        return f"{head.rsplit('/', 1)[-1]}:{tag}"
     for phase in (".forward", ".backward", ".optimizer", ".setup"):
         head = head.removesuffix(phase)
     return f"{head} {tag.replace('_', ' ')}".strip()
