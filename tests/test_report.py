@@ -178,3 +178,13 @@ def test_trigger_location_of_a_recorded_program_keeps_file_and_line():
 
     assert _site("/home/u/job/train.py:42 Trainer.step") == "train.py:42 Trainer.step"
     assert _site("ColumnParallelLinear.backward:input_grad") == "ColumnParallelLinear input grad"
+
+
+def test_split_of_a_recorded_program_is_its_tensor():
+    from paraloom.report.table import _split
+
+    event = {"kind": "group[0,1]", "op": "all_reduce", "phase": "backward", "shape": [16448],
+             "dtype": "float32", "site": "/job/ddp.py:9 <module>"}
+    assert _split(event, "en") == "float32 [16448]"
+    own = {**event, "kind": "tp", "site": "RowParallelLinear.forward:output"}
+    assert _split(own, "en") == "—"  # paraloom's own events always name their split

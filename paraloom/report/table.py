@@ -69,11 +69,14 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
 
 def _split(event: dict, lang: str) -> str:
     """The event's ``split``; for pp, emb, loss and finalize-sp events recorded without one, a
-    description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``)."""
+    description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``); for
+    a recorded program's events (which name no split), the dtype and shape of the tensor."""
     if event.get("split"):
         return event["split"]
     kind, fill = event["kind"], _FILL[lang]
     text = fill.get((kind, event["op"], event["phase"])) or fill.get(kind)
+    if text is None and ".py:" in (event.get("site") or "") and event.get("shape") is not None:
+        return f"{event.get('dtype') or 'tensor'} {list(event['shape'])}"  # a recorded program
     if text is None or (kind == "sp" and event["op"] != "all_reduce"):
         return "—"
     shape = str(list(event["shape"])) if event.get("shape") else "[s, b, h]"
