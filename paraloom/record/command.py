@@ -70,9 +70,34 @@ def _check(args, target: list[str]) -> str | None:
         return f"--nproc must be a positive integer, got {args.nproc}"
     if args.steps is not None and args.steps < 1:
         return f"--steps must be a positive integer (optimizer steps), got {args.steps}"
+    problem = _preflight(target)
+    if problem:
+        return problem
     if args.nproc is None and "RANK" not in os.environ:
         return ("no --nproc and no torchrun environment (RANK, WORLD_SIZE): give --nproc N "
                 "for local ranks, or start it under torchrun")
+    return None
+
+
+def _preflight(target: list[str]) -> str | None:
+    """Catch what would fail identically on every rank before any rank starts: a script that
+    does not compile, or a module that cannot be found."""
+    import importlib.util
+
+    if target[0] == "-m":
+        try:
+            found = importlib.util.find_spec(target[1])
+        except (ImportError, ValueError) as err:
+            found, why = None, f" ({err})"
+        else:
+            why = ""
+        if found is None:
+            return f"module {target[1]!r} cannot be found{why} (give an importable -m MODULE)"
+        return None
+    try:
+        compile(Path(target[0]).read_bytes(), target[0], "exec")
+    except (SyntaxError, ValueError) as err:
+        return f"program {target[0]!r} does not compile: {err}"
     return None
 
 
@@ -80,6 +105,34 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _die_with_launcher(launcher: int):
+    """``preexec_fn`` of a rank: on Linux the kernel sends it SIGTERM when the launcher dies,
+    even by SIGKILL (``PR_SET_PDEATHSIG``); if the launcher is already gone, stop now."""
+    def arm():
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+            if os.getppid() != launcher:  # died between fork and prctl
+                os.kill(os.getpid(), signal.SIGTERM)
+    return arm
+
+
+def _forward_signals(procs: dict) -> None:
+    """SIGTERM / SIGINT to the launcher reach every rank as SIGTERM (each flushes its ledger);
+    the launcher then waits for them and merges what they left."""
+    def forward(signum, frame):
+        print(f"paraloom record: got {signal.Signals(signum).name}, stopping the ranks",
+              file=sys.stderr)
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
 
 
 def _launch(args, target: list[str], out: Path) -> tuple[dict[int, int], set[int]]:
@@ -92,8 +145,11 @@ def _launch(args, target: list[str], out: Path) -> tuple[dict[int, int], set[int
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "paraloom.record.bootstrap", str(out), str(args.steps or 0),
            "1" if args.compute else "0", *target]
-    procs = {r: subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+    arm = _die_with_launcher(os.getpid())
+    procs = {r: subprocess.Popen(cmd, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                                 preexec_fn=arm)
              for r in range(args.nproc)}
+    _forward_signals(procs)
     deadline, first_fail, stopped = time.monotonic() + args.timeout, None, set()
     while any(p.poll() is None for p in procs.values()):
         now = time.monotonic()
@@ -197,7 +253,10 @@ def record_main(argv: list[str] | None = None) -> int:
     codes, stopped = _launch(args, target, out)
     events = finish(out)
     code = _report(out, codes, stopped)
-    if code == 0:
+    if code == 0 and not events:
+        print("paraloom record: the program initialised a process group but issued no "
+              f"communication: {out}/ledger.jsonl is empty (no table or trace)")
+    elif code == 0:
         print(f"paraloom record: {len(events)} events from {args.nproc} ranks -> {out} "
               f"(ledger.jsonl, comm_table.md, trace.json)")
     return code
