@@ -61,6 +61,7 @@ def test_eval_all_on_exactly_one_window(hf_dir, tmp_path, capfd):
         logits = model(window[None, :-1]).logits[0]
         want = torch.nn.functional.cross_entropy(logits, window[1:]).item()
     assert got["loss"] == pytest.approx(want, rel=1e-5)
+    assert got["windows"] == 1 and got["tokens"] == 2 * SEQ  # one window, read by both rows
 
 
 def test_eval_refuses_short_files_before_ranks(hf_dir, tmp_path, capsys, no_ranks):
