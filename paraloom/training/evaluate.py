@@ -4,7 +4,7 @@ under any layout.
 The model's shape comes from the checkpoint; the layout (``--tp --pp --dp ...``) is free, since
 checkpoints are stored under global names. Prints one JSON line on rank 0::
 
-    paraloom eval --resume runs/latest --tp 2          # {"loss": 2.71, "tokens": 16384, "windows": 512, ...}
+    paraloom eval --resume runs/latest --tp 2  # {"loss": 2.71, "tokens": 16384, "windows": 512}
     paraloom eval --hf gpt2-folder --tp 2 --pp 2       # a Hugging Face GPT-2 checkpoint ("step": 0)
 """
 
