@@ -61,6 +61,7 @@ def test_eval_all_on_exactly_one_window(hf_dir, tmp_path, capfd):
         logits = model(window[None, :-1]).logits[0]
         want = torch.nn.functional.cross_entropy(logits, window[1:]).item()
     assert got["loss"] == pytest.approx(want, rel=1e-5)
+    assert got["windows"] == 1 and got["tokens"] == 2 * SEQ  # one window, read by both rows
 
 
 def test_eval_refuses_short_files_before_ranks(hf_dir, tmp_path, capsys, no_ranks):
@@ -143,3 +144,15 @@ def test_binary_data_is_noted_not_refused(tmp_path):
     path = _file(tmp_path, "binary.bin", bytes(data))
     notes = check_data(path, SEQ, "train")
     assert len(notes) == 1 and "not UTF-8 text (byte 300 is 0xff)" in notes[0]
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_resume_of_a_missing_path_or_an_empty_folder_is_told_apart(tmp_path, capsys, no_ranks,
+                                                                   command):
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    assert main([command, "--resume", str(missing)]) == 2
+    assert f"--resume {str(missing)!r} does not exist" in capsys.readouterr().err
+    assert main([command, "--resume", str(empty)]) == 2
+    assert f"--resume {str(empty)!r}: no complete paraloom checkpoint there" in (
+        capsys.readouterr().err)

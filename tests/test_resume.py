@@ -122,6 +122,11 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
     assert "hidden_size = 32 in the checkpoint, 64 here" in capsys.readouterr().err
     assert main(["train", "--resume", str(straight)]) == 2  # its last checkpoint is its end
     assert f"is at step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
+    # a dtype change is refused before ranks start (the optimizer state does not convert)
+    assert main(["train", "--resume", str(straight), "--dtype", "bf16", "--steps",
+                 str(STEPS + 2)]) == 2
+    assert "trained with --dtype fp32 and --dtype bf16 is given here" in (
+        capsys.readouterr().err)
     # in place from an earlier checkpoint, recording every step: the later checkpoint is moved
     # aside, the metrics are the same, the ledger continues in order and in time
     before = _metrics(straight)

@@ -188,6 +188,9 @@ def run_folder(ckpt: str | Path) -> Path | None:
 def find_checkpoint(path: str | Path, flag: str = "--resume") -> tuple[Path, dict]:
     """The newest complete paraloom checkpoint under ``path`` and its metadata, or a
     ``ValueError`` that names ``flag`` and ``path`` (none there, or not paraloom's)."""
+    if not Path(path).exists():
+        raise ValueError(f"{flag} {str(path)!r} does not exist (give a run folder, its "
+                         f"checkpoints/ or a checkpoints/step_N folder)")
     ckpt = latest_checkpoint(path)
     if ckpt is None:
         raise ValueError(f"{flag} {str(path)!r}: no complete paraloom checkpoint there "

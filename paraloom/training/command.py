@@ -165,6 +165,12 @@ def _check_inputs(cfg) -> None:
         if diff:
             raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
                 f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+        if meta["config"].get("dtype", "fp32") != cfg.dtype:
+            raise ValueError(
+                f"--resume {str(ckpt)!r} was trained with --dtype {meta['config'].get('dtype')} "
+                f"and --dtype {cfg.dtype} is given here: its optimizer state does not convert "
+                f"(bf16 keeps fp32 master weights, fp32 has none); resume with --dtype "
+                f"{meta['config'].get('dtype')}")
         if int(meta["step"]) >= cfg.steps:
             raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
                              f"--steps {cfg.steps}: nothing left to train; give --steps larger "

@@ -4,7 +4,7 @@ under any layout.
 The model's shape comes from the checkpoint; the layout (``--tp --pp --dp ...``) is free, since
 checkpoints are stored under global names. Prints one JSON line on rank 0::
 
-    paraloom eval --resume runs/latest --tp 2          # {"loss": 2.71, "tokens": 16384, ...}
+    paraloom eval --resume runs/latest --tp 2  # {"loss": 2.71, "tokens": 16384, "windows": 512}
     paraloom eval --hf gpt2-folder --tp 2 --pp 2       # a Hugging Face GPT-2 checkpoint ("step": 0)
 """
 
@@ -94,11 +94,16 @@ def _rank(rank, world, cfg, ckpt, split, batches, hf=None) -> None:
                    if k.startswith("model.")}  # parameters only: no optimizer state needed
         meta = load_checkpoint(ckpt, entries, mesh)
     start = 0 if split == "all" else None
-    loss = evaluate(run, eval_batches(corpus, cfg.global_batch_size, batches, start=start))
+    chosen = eval_batches(corpus, cfg.global_batch_size, batches, start=start)
+    loss = evaluate(run, chosen)
     if dist.get_rank() == 0:
+        # a short evaluated part repeats windows: "tokens" counts scored positions, "windows"
+        # the distinct ones, so a 65-byte file does not read as thousands of tokens of text
+        distinct = len({tuple(row.tolist()) for tokens, _ in chosen for row in tokens})
         tokens = batches * cfg.global_batch_size * cfg.model.seq_length
-        print(json.dumps({"loss": loss, "tokens": tokens, "checkpoint": str(ckpt or hf),
-                          "step": meta["step"], "split": split}), flush=True)
+        print(json.dumps({"loss": loss, "tokens": tokens, "windows": distinct,
+                          "checkpoint": str(ckpt or hf), "step": meta["step"], "split": split}),
+              flush=True)
 
 
 def eval_main(argv) -> int:
