@@ -15,7 +15,6 @@ one-kill version).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -24,20 +23,13 @@ import sys
 import time
 from pathlib import Path
 
+from paraloom.training.resume import read_json_lines
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
-    return out
+    return read_json_lines(run / "metrics.jsonl")  # a line being written is skipped
 
 
 def _ranks_of(pid: int) -> list[int]:

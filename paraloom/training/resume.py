@@ -28,8 +28,8 @@ import shutil
 import sys
 from pathlib import Path
 
-__all__ = ["explicit_dests", "resume_args", "continue_folder", "continue_ledger", "restore_rng",
-           "same_layout", "same_run"]
+__all__ = ["explicit_dests", "resume_args", "read_json_lines", "continue_folder",
+           "continue_ledger", "restore_rng", "same_layout", "same_run"]
 
 _FIELDS = {
     "tp": "parallel.tp", "pp": "parallel.pp", "dp": "parallel.dp", "vpp": "parallel.vpp",
@@ -160,7 +160,7 @@ def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world:
     branch), remove the ledger files that the continuation does not extend, and move aside the
     run's checkpoints after ``start`` (when resuming from an earlier one than its newest)."""
     metrics = out / "metrics.jsonl"
-    kept = [line for line in _lines(metrics) if same and line.get("step", start) < start]
+    kept = [line for line in read_json_lines(metrics) if same and line.get("step", start) < start]
     metrics.write_text("".join(json.dumps(line) + "\n" for line in kept))
     folder = out / "ledger"
     for stale in folder.glob("rank_*.jsonl") if folder.is_dir() else ():
@@ -180,13 +180,14 @@ def continue_ledger(ledger_file: Path, start: int, keep_ledger: bool) -> tuple[i
     """Every rank, its own ledger file: the events of steps before ``start`` when the ledger is
     kept, else nothing. Returns the next ``seq`` and the last ``t_end`` of the kept events, so
     the continuation's events follow them in order and in time."""
-    events = [e for e in _lines(ledger_file) if e.get("step", 0) < start] if keep_ledger else []
+    kept = read_json_lines(ledger_file) if keep_ledger else []
+    events = [e for e in kept if e.get("step", 0) < start]
     ledger_file.write_text("".join(json.dumps(e) + "\n" for e in events))
     return (max((e["seq"] for e in events), default=-1) + 1,
             max((e["t_end"] for e in events), default=0.0))
 
 
-def _lines(path: Path) -> list[dict]:
+def read_json_lines(path: Path) -> list[dict]:
     """The JSON lines of ``path`` that parse (a line cut short by a crash is dropped)."""
     if not path.is_file():
         return []
