@@ -104,6 +104,26 @@ class ModelConfig:
     vocabulary split divides by tp. A fixed multiple (not Megatron's ``128 * tp``) keeps the
     table's shape, and so checkpoints, the same under every layout; padding rows are never a
     token and their logits are excluded from the loss."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (GPT-2) or ``RMSNorm`` (Llama), Megatron's ``--normalization``."""
+    norm_epsilon: float = 1e-5
+    """Epsilon of every norm (Megatron's ``--norm-epsilon``)."""
+    swiglu: bool = False
+    """MLP ``fc2(silu(gate) * up)`` with fc1 holding ``[gate; up]`` (Megatron's ``--swiglu``);
+    off: the tanh-GeLU MLP."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a learned table) or ``rope`` (rotary, applied to q and k)."""
+    rotary_base: int = 10000
+    """Rotary base ``theta`` (Megatron's ``--rotary-base``)."""
+    num_query_groups: int | None = None
+    """Key/value heads (grouped-query attention); ``None``: one per attention head."""
+    untie_embeddings_and_output_weights: bool = False
+    """Give the output layer its own weight instead of reusing the word embeddings."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers (``False``: Megatron's ``--disable-bias-linear``)."""
+    attention: str = "core"
+    """``core`` (written-out attention, saves the ``s x s`` scores) or ``sdpa``
+    (``scaled_dot_product_attention``). Same function, different kernel and memory."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -116,6 +136,29 @@ class ModelConfig:
                              f"num_attention_heads = {self.num_attention_heads}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        for name, valid in (("normalization", ("LayerNorm", "RMSNorm")),
+                            ("position_embedding_type", ("learned_absolute", "rope")),
+                            ("attention", ("core", "sdpa"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"{name} must be {' or '.join(valid)}, got "
+                                 f"{getattr(self, name)!r}")
+        if not self.norm_epsilon > 0:
+            raise ValueError(f"norm_epsilon must be positive, got {self.norm_epsilon}")
+        _positive_int("rotary_base", self.rotary_base)
+        if self.num_query_groups is not None:
+            _positive_int("num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups:
+                raise ValueError(f"num_attention_heads = {self.num_attention_heads} is not "
+                                 f"divisible by num_query_groups = {self.num_query_groups}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dimension, got hidden_size / "
+                             f"num_attention_heads = {self.head_dim}")
+        if self.ffn < 1:
+            raise ValueError(f"with swiglu and hidden_size = {self.hidden_size} Megatron's "
+                             f"default MLP width is 0: give ffn_hidden_size")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -125,8 +168,21 @@ class ModelConfig:
 
     @property
     def ffn(self) -> int:
-        """The MLP width actually used."""
-        return self.ffn_hidden_size or 4 * self.hidden_size
+        """The MLP width actually used (with ``swiglu`` Megatron's default is
+        ``int(4h * 2/3 / 64) * 64``, keeping the parameter count of a ``4h`` GeLU MLP)."""
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+
+    @property
+    def head_dim(self) -> int:
+        """Dimension of one attention head ``d = h / a``."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads ``g`` (``num_attention_heads`` without grouped-query attention)."""
+        return self.num_query_groups or self.num_attention_heads
 
 
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -134,8 +190,11 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     says."""
     tp, chunks = parallel.tp, parallel.pp * (parallel.vpp or 1)
     problems = []
-    for name, value in (("hidden_size", model.hidden_size), ("ffn_hidden_size", model.ffn),
-                        ("num_attention_heads", model.num_attention_heads)):
+    sizes = [("hidden_size", model.hidden_size), ("ffn_hidden_size", model.ffn),
+             ("num_attention_heads", model.num_attention_heads)]
+    if model.num_query_groups:
+        sizes.append(("num_query_groups", model.num_query_groups))
+    for name, value in sizes:
         if value % tp:
             problems.append(f"{name} = {value} is not divisible by tp = {tp}")
     if model.padded_vocab_size % tp:

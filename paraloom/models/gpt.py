@@ -2,6 +2,9 @@
 
 Learned positions, pre-LayerNorm blocks, causal self-attention written out (so its activations
 can be counted), tanh-GeLU MLP, biases everywhere, word embeddings tied to the output layer.
+The Llama family swaps parts through :class:`~paraloom.config.ModelConfig` (blocks in
+``layers.py``): RMSNorm, rotary positions, SwiGLU, grouped-query attention, an untied output
+layer (``output_layer.weight``), no biases, and ``sdpa`` attention.
 Activations are sequence-first ``[s, b, h]``; with sequence parallelism ``[s/tp, b, h]`` between
 the tensor-parallel regions. One :class:`GPTModel` is one pipeline chunk: it holds the global
 layers ``layer_ids`` (named ``layers.<global index>``), the embedding if ``pre_process`` and the
@@ -35,8 +38,11 @@ from ..tensor_parallel import (
     get_rng_tracker,
     vocab_parallel_cross_entropy,
 )
-from ..tensor_parallel.init import CounterInit
-from ..tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+from ..tensor_parallel.init import CounterInit, shard_range
+from ..tensor_parallel.layers import (
+    linear_with_grad_accumulation_and_async_allreduce,
+    set_tensor_model_parallel_attributes,
+)
 from ..tensor_parallel.mappings import (
     Where,
     copy_to_tensor_model_parallel_region,
@@ -44,8 +50,19 @@ from ..tensor_parallel.mappings import (
 )
 from ..tensor_parallel.random import checkpoint
 from ..utils import divide
+from .layers import (
+    CoreAttention,
+    RotaryEmbedding,
+    SwiGLUInit,
+    apply_rotary,
+    drop,
+    make_core_attention,
+    make_norm,
+    swiglu,
+)
 
-__all__ = ["GPTModel", "TransformerLayer", "SelfAttention", "MLP", "Embedding", "ParallelOptions"]
+__all__ = ["GPTModel", "TransformerLayer", "SelfAttention", "MLP", "Embedding", "ParallelOptions",
+           "CoreAttention"]
 
 
 class ParallelOptions:
@@ -61,52 +78,46 @@ class ParallelOptions:
         self.seed, self.params_dtype = seed, params_dtype
 
 
-def _layer_norm(h: int, sp: bool, dtype) -> nn.LayerNorm:
-    ln = nn.LayerNorm(h, eps=1e-5, dtype=dtype)
-    for p in ln.parameters():  # replicated over tp; with sp each rank sees 1/tp of the tokens
-        p.sequence_parallel = sp
-    return ln
-
-
-class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d) + causal mask) v over this rank's ``a/tp`` heads."""
-
-    def __init__(self, dropout: float) -> None:
-        super().__init__()
-        self.dropout = dropout
-
-    def forward(self, q, k, v):                              # each [b, a/tp, s, d]
-        s = q.shape[2]
-        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])   # [b, a/tp, s, s]
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
-        if self.dropout and self.training:
-            with get_rng_tracker().fork():  # heads are split: a different mask per tp rank
-                probs = _drop(probs, self.dropout)
-        return probs @ v                                     # [b, a/tp, s, d]
-
-
 class SelfAttention(nn.Module):
-    """QKV column-parallel (local heads, per-head ``[q, k, v]`` rows), core attention, row proj."""
+    """QKV column-parallel, core attention, row proj. QKV rows are per key/value group
+    ``[g][q x a/g, k, v][d]`` (Megatron's layout; for ``g = a`` per head ``[q, k, v]``), so a
+    rank holds whole groups: ``a/tp`` query and ``g/tp`` key/value heads."""
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, name: str, opt: ParallelOptions,
                  init, out_init) -> None:
         super().__init__()
         h, sp, common = cfg.hidden_size, opt.sequence_parallel, _common(mesh, opt)
+        bias, d = cfg.add_bias_linear, cfg.head_dim
         self.heads_local = divide(cfg.num_attention_heads, mesh.tp.size, "num_attention_heads")
+        self.groups_local = divide(cfg.query_groups, mesh.tp.size, "num_query_groups")
         self.selective = opt.recompute == "selective"
-        self.qkv = ColumnParallelLinear(h, 3 * h, init_method=init, name=f"{name}.qkv",
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
+        self.qkv = ColumnParallelLinear(h, qkv_size, bias=bias, init_method=init,
+                                        name=f"{name}.qkv",
                                         async_grad_allreduce=opt.async_grad_allreduce,
                                         sequence_parallel=sp, **common)
-        self.core = CoreAttention(cfg.dropout)
-        self.proj = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp,
-                                      init_method=out_init, name=f"{name}.proj", **common)
+        self.core = make_core_attention(cfg.attention, cfg.dropout)
+        self.proj = RowParallelLinear(h, h, bias=bias, input_is_parallel=True,
+                                      sequence_parallel=sp, init_method=out_init,
+                                      name=f"{name}.proj", **common)
 
-    def forward(self, x):                                    # [s(/tp), b, h]
-        qkv, _ = self.qkv(x)                                 # [s, b, 3h/tp]
+    def _split_qkv(self, qkv):                               # [s, b, (a+2g)d/tp]
         s, b, _ = qkv.shape
-        q, k, v = qkv.view(s, b, self.heads_local, 3, -1).unbind(3)   # [s, b, a/tp, d]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))          # [b, a/tp, s, d]
+        g, per = self.groups_local, self.heads_local // self.groups_local
+        if per == 1:
+            q, k, v = qkv.view(s, b, g, 3, -1).unbind(3)     # [s, b, a/tp, d]
+        else:
+            qkv = qkv.view(s, b, g, per + 2, -1)
+            q = qkv[:, :, :, :per].reshape(s, b, self.heads_local, -1)
+            k, v = qkv[:, :, :, per], qkv[:, :, :, per + 1]  # [s, b, g/tp, d]
+        return (t.permute(1, 2, 0, 3) for t in (q, k, v))    # [b, heads, s, d]
+
+    def forward(self, x, rope=None):                         # [s(/tp), b, h]
+        qkv, _ = self.qkv(x)                                 # [s, b, (a+2g)d/tp]
+        s, b, _ = qkv.shape
+        q, k, v = self._split_qkv(qkv)                       # q [b, a/tp, s, d]; k, v [b, g/tp..]
+        if rope is not None:                                 # rotary before the core attention
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         ctx = checkpoint(self.core, q, k, v) if self.selective else self.core(q, k, v)
         ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)      # [s, b, h/tp]
         out, _ = self.proj(ctx)                              # [s(/tp), b, h]
@@ -114,21 +125,30 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc1 column-parallel (``4h/tp`` per rank), tanh-GeLU, fc2 row-parallel."""
+    """fc1 column-parallel (``4h/tp`` per rank), tanh-GeLU, fc2 row-parallel. With ``swiglu``
+    fc1 is ``2f`` wide, ``[gate_r; up_r]`` on rank ``r`` (``partition_stride = 2``)."""
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, name: str, opt: ParallelOptions,
                  init, out_init) -> None:
         super().__init__()
         h, sp, common = cfg.hidden_size, opt.sequence_parallel, _common(mesh, opt)
-        self.fc1 = ColumnParallelLinear(h, cfg.ffn, init_method=init, name=f"{name}.fc1",
+        bias, self.swiglu = cfg.add_bias_linear, cfg.swiglu
+        width, fc1_init = (2 * cfg.ffn, SwiGLUInit(init)) if cfg.swiglu else (cfg.ffn, init)
+        self.fc1 = ColumnParallelLinear(h, width, bias=bias, init_method=fc1_init,
+                                        name=f"{name}.fc1",
                                         async_grad_allreduce=opt.async_grad_allreduce,
                                         sequence_parallel=sp, **common)
-        self.fc2 = RowParallelLinear(cfg.ffn, h, input_is_parallel=True, sequence_parallel=sp,
-                                     init_method=out_init, name=f"{name}.fc2", **common)
+        if cfg.swiglu:
+            for p in self.fc1.parameters():
+                set_tensor_model_parallel_attributes(p, True, 0, stride=2)
+        self.fc2 = RowParallelLinear(cfg.ffn, h, bias=bias, input_is_parallel=True,
+                                     sequence_parallel=sp, init_method=out_init,
+                                     name=f"{name}.fc2", **common)
 
     def forward(self, x):
         h, _ = self.fc1(x)                                   # [s, b, 4h/tp]
-        out, _ = self.fc2(F.gelu(h, approximate="tanh"))     # [s(/tp), b, h]
+        act = swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")
+        out, _ = self.fc2(act)                               # [s(/tp), b, h]
         return out
 
 
@@ -137,23 +157,14 @@ def _common(mesh: ParallelMesh, opt: ParallelOptions) -> dict:
                 params_dtype=opt.params_dtype)
 
 
-def _drop(x, p: float):
-    """``F.dropout`` in training, keeping a 1-byte mask for backward. On CPU ``F.dropout`` saves
-    its scaled noise in the activation dtype (2-4 bytes per element); ``native_dropout`` (what it
-    runs on CUDA) draws the same mask from the same generator, gives the same output and saves the
-    mask as bool. fp32 gradients are bitwise the same; in bf16 on CPU its backward scales by
-    ``1/(1-p)`` in fp32 where ``F.dropout`` used ``1/(1-p)`` rounded to bf16 (a last-bit change)."""
-    return torch.native_dropout(x, p, True)[0]
-
-
 def _dropout(x, p: float, training: bool, split: bool):
     """Dropout on activations; ``split`` ones (sequence-parallel) use the tp-rank stream."""
     if not (p and training):
         return x
     if split:
         with get_rng_tracker().fork():
-            return _drop(x, p)
-    return _drop(x, p)
+            return drop(x, p)
+    return drop(x, p)
 
 
 class TransformerLayer(nn.Module):
@@ -166,17 +177,20 @@ class TransformerLayer(nn.Module):
         self.full_recompute = opt.recompute == "full"
         init = CounterInit(opt.seed, cfg.init_std)
         out_init = CounterInit(opt.seed, cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        self.ln1 = _layer_norm(h, sp, opt.params_dtype)
+        norm = (cfg.normalization, h, cfg.norm_epsilon, sp, opt.params_dtype)
+        self.ln1 = make_norm(*norm)
         self.attention = SelfAttention(cfg, mesh, f"{name}.attention", opt, init, out_init)
-        self.ln2 = _layer_norm(h, sp, opt.params_dtype)
+        self.ln2 = make_norm(*norm)
         self.mlp = MLP(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
-    def _forward(self, x):                                   # [s(/tp), b, h]
-        x = x + _dropout(self.attention(self.ln1(x)), self.dropout, self.training, self.sp)
+    def _forward(self, x, rope=None):                        # [s(/tp), b, h]
+        x = x + _dropout(self.attention(self.ln1(x), rope), self.dropout, self.training, self.sp)
         return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training, self.sp)
 
-    def forward(self, x):
-        return checkpoint(self._forward, x) if self.full_recompute else self._forward(x)
+    def forward(self, x, rope=None):
+        if self.full_recompute:
+            return checkpoint(self._forward, x, rope)
+        return self._forward(x, rope)
 
 
 class Embedding(nn.Module):
@@ -197,7 +211,7 @@ class Embedding(nn.Module):
             cfg.padded_vocab_size, cfg.hidden_size, init_method=init,
             reduce_scatter_embeddings=self.sp,
             mesh=mesh, name="embedding.word_embeddings", params_dtype=opt.params_dtype)
-        if mesh.pp.size > 1:
+        if mesh.pp.size > 1 and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings.weight.shared_embedding = True
         self.position_embeddings = None
         if positions:
@@ -208,13 +222,18 @@ class Embedding(nn.Module):
             # with sp each rank adds only its slice: the grad is summed over tp when finalised
             self.position_embeddings.weight.sequence_parallel = self.sp
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
         ids = tokens.t()                                     # [s, b]
         x = self.word_embeddings(ids)                        # [s(/tp), b, h]
-        pos = self.position_embeddings.weight[: ids.shape[0]]  # [s, h]
-        if self.sp:
-            pos = pos.chunk(self.mesh.tp.size, 0)[self.mesh.tp.rank]  # [s/tp, h]
-        x = x + pos.unsqueeze(1)
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                pos = self.position_embeddings.weight[: ids.shape[0]].unsqueeze(1)  # [s, 1, h]
+            else:                                            # global positions [(b,) s]
+                pos = self.position_embeddings.weight[position_ids]
+                pos = pos.unsqueeze(1) if pos.dim() == 2 else pos.transpose(0, 1)
+            if self.sp:
+                pos = pos.chunk(self.mesh.tp.size, 0)[self.mesh.tp.rank]  # [s/tp, (b|1), h]
+            x = x + pos
         return _dropout(x, self.dropout, self.training, self.sp)
 
 
@@ -234,23 +253,36 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
-        self.input_tensor = None
-        if pre_process or post_process:
-            self.embedding = Embedding(cfg, mesh, opt, positions=pre_process)
+        self.input_tensor, tied = None, not cfg.untie_embeddings_and_output_weights
+        learned = cfg.position_embedding_type == "learned_absolute"
+        if pre_process or (post_process and tied):
+            self.embedding = Embedding(cfg, mesh, opt, positions=pre_process and learned)
+        self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_base)
+                       if cfg.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, opt)
                                      for i in layer_ids})
         if post_process:
-            self.final_layernorm = _layer_norm(cfg.hidden_size, opt.sequence_parallel,
-                                               opt.params_dtype)
+            self.final_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                                             opt.sequence_parallel, opt.params_dtype)
+        if post_process and not tied:                        # [Vp/tp, h], vocabulary split
+            self.output_layer = nn.Module()
+            shape = (cfg.padded_vocab_size, cfg.hidden_size)
+            ranges = shard_range(shape, 0, mesh.tp.rank, mesh.tp.size)
+            self.output_layer.weight = nn.Parameter(CounterInit(opt.seed, cfg.init_std)(
+                "output_layer.weight", shape, ranges, dtype=opt.params_dtype))
+            set_tensor_model_parallel_attributes(self.output_layer.weight, True, 0)
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The activation received from the previous pipeline stage (Megatron's hook)."""
         self.input_tensor = tensor
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the tied output layer, vocabulary split over tp
-        (``Vp`` is the padded vocabulary; columns past ``vocab_size`` are padding)."""
+        """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the output layer (tied: the word embeddings),
+        vocabulary split over tp (``Vp`` is the padded vocabulary; columns past ``vocab_size``
+        are padding)."""
         axis = self.mesh.tp
+        weight = (self.output_layer.weight if hasattr(self, "output_layer")
+                  else self.embedding.word_embeddings.weight)
         if self.sp:
             x = gather_from_sequence_parallel_region(x, axis, True, site="GPTModel.output",
                                                      module="output", split="vocabulary")
@@ -259,19 +291,31 @@ class GPTModel(nn.Module):
             # of the input gradient, overlapping the (tied) weight-gradient GEMM
             where = Where(axis, "GPTModel.output", module="output", split="vocabulary")
             return linear_with_grad_accumulation_and_async_allreduce(
-                x, self.embedding.word_embeddings.weight, None, where, False, True, False)
+                x, weight, None, where, False, True, False)
         elif axis.size > 1:
             x = copy_to_tensor_model_parallel_region(x, axis, site="GPTModel.output",
                                                      module="output", split="vocabulary")
-        return F.linear(x, self.embedding.word_embeddings.weight)
+        return F.linear(x, weight)
 
-    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None):
-        """``tokens``/``labels``: ``[b, s]``. Returns the per-token loss ``[b, s]`` on the last
+    def _rope(self, x: torch.Tensor, position_ids: torch.Tensor | None):
+        """Rotary ``(cos, sin)`` for ``position_ids`` (default ``arange(s)``), or ``None``."""
+        if self.rotary is None:
+            return None
+        if position_ids is None:
+            s = x.shape[0] * (self.mesh.tp.size if self.sp else 1)  # the full local sequence
+            position_ids = torch.arange(s, device=x.device)
+        return self.rotary(position_ids)
+
+    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        """``tokens``/``labels``: ``[b, s]``; ``position_ids``: global positions ``[b, s]`` or
+        ``[s]`` (default ``arange(s)``). Returns the per-token loss ``[b, s]`` on the last
         stage when ``labels`` is given, the logits ``[s, b, V/tp]`` without labels, and the
         hidden state ``[s(/tp), b, h]`` on other stages."""
-        x = self.embedding(tokens) if self.pre_process else self.input_tensor
+        x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
+        rope = self._rope(x, position_ids)
         for layer in self.layers.values():
-            x = layer(x)
+            x = layer(x, rope)
         if not self.post_process:
             return x
         logits = self.logits(self.final_layernorm(x))

@@ -1,5 +1,9 @@
 """Hugging Face GPT-2 checkpoints <-> paraloom's GPT: configs, shard-local import, export.
 
+The architecture is read from ``config.json``'s ``model_type``: ``gpt2`` (below) or ``llama``
+(``LlamaForCausalLM``, mapped in :mod:`paraloom.models.hf_llama`); every function here
+dispatches on it.
+
 A ``transformers`` GPT-2 folder (``config.json`` + ``model.safetensors``, a sharded
 ``model.safetensors.index.json`` or ``pytorch_model.bin``) maps onto :class:`GPTModel` like this
 (HF ``Conv1D`` weights are ``[in, out]``: every linear weight is transposed)::
@@ -31,16 +35,28 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from .hf_llama import (
+    is_llama,
+    llama_expected,
+    llama_hf_config,
+    llama_local,
+    llama_model_config,
+    llama_to_hf,
+)
 
 __all__ = ["read_hf_config", "model_config_from_hf", "hf_config_from_model", "HFReader",
            "check_hf_checkpoint", "load_hf_weights", "to_hf_state_dict"]
 
 _TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
 _IGNORED = (".attn.bias", ".attn.masked_bias")  # causal-mask buffers in old GPT-2 files
+_GPT2_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                "ffn_hidden_size", "seq_length", "dropout", "init_std",
+                "make_vocab_size_divisible_by", "attention")
 
 
 def read_hf_config(directory: str | Path) -> dict:
-    """The ``config.json`` of a GPT-2 checkpoint folder (``ValueError`` if it is not one)."""
+    """The ``config.json`` of a GPT-2 or Llama checkpoint folder (``ValueError`` if it is not
+    one)."""
     path = Path(directory) / "config.json"
     if not path.is_file():
         raise ValueError(f"{str(directory)!r} is not a Hugging Face checkpoint folder "
@@ -49,9 +65,9 @@ def read_hf_config(directory: str | Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    if hf.get("model_type", "gpt2") != "gpt2":
+    if hf.get("model_type", "gpt2") not in ("gpt2", "llama"):
         raise ValueError(f"{str(path)!r}: model_type {hf.get('model_type')!r} is not supported "
-                         f"(only gpt2)")
+                         f"(gpt2: GPT2LMHeadModel, llama: LlamaForCausalLM)")
     return hf
 
 
@@ -59,6 +75,8 @@ def model_config_from_hf(hf: dict, *, seq_length: int | None = None,
                          dropout: float = 0.0) -> ModelConfig:
     """The :class:`ModelConfig` of an HF GPT-2 config; ``ValueError`` naming every setting
     paraloom's GPT does not implement. ``seq_length`` defaults to ``n_positions``."""
+    if hf.get("model_type") == "llama":
+        return llama_model_config(hf, seq_length=seq_length, dropout=dropout)
     problems = []
     act = hf.get("activation_function", "gelu_new")
     if act not in _TANH_GELU:
@@ -86,7 +104,14 @@ def model_config_from_hf(hf: dict, *, seq_length: int | None = None,
 
 
 def hf_config_from_model(cfg: ModelConfig) -> dict:
-    """A ``config.json`` for ``transformers.GPT2LMHeadModel`` with ``cfg``'s shape."""
+    """A ``config.json`` for ``transformers.GPT2LMHeadModel`` (a Llama-shaped ``cfg``:
+    ``LlamaForCausalLM``) with ``cfg``'s shape."""
+    if is_llama(cfg):
+        return llama_hf_config(cfg)
+    if cfg != ModelConfig(**{k: getattr(cfg, k) for k in _GPT2_FIELDS}):
+        raise ValueError("this model is neither GPT-2 shaped (LayerNorm, learned positions, "
+                         "GeLU, tied, biases, no query groups) nor Llama shaped (RMSNorm, rope, "
+                         "swiglu, no biases): no Hugging Face architecture to export it as")
     big = cfg.vocab_size >= 50257  # GPT-2's own <|endoftext|> id; none for other vocabularies
     return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.seq_length,
@@ -103,7 +128,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict:
 
 class HFReader:
     """Reads slices of a checkpoint's tensors by their GPT-2 name (``h.0.attn.c_attn.weight``;
-    a ``transformer.`` prefix in the file is accepted)."""
+    a ``transformer.`` prefix in the file is accepted) or Llama name (``layers.0.mlp.up_proj
+    .weight``; the file's ``model.`` prefix removed)."""
 
     def __init__(self, directory: str | Path) -> None:
         d = Path(directory)
@@ -130,7 +156,8 @@ class HFReader:
         else:
             raise ValueError(f"{str(d)!r} holds no model.safetensors, "
                              f"model.safetensors.index.json or pytorch_model.bin")
-        self._key = {k.removeprefix("transformer."): k for k in self._where}
+        self._key = {k.removeprefix("transformer.").removeprefix("model."): k
+                     for k in self._where}
 
     def names(self) -> set[str]:
         return set(self._key)
@@ -155,10 +182,11 @@ def _expected(cfg: ModelConfig) -> set[str]:
 
 
 def _check_names(reader: HFReader, cfg: ModelConfig) -> None:
-    have, want = reader.names(), _expected(cfg)
+    have, want = reader.names(), (llama_expected if is_llama(cfg) else _expected)(cfg)
     extra = {n for n in have - want if not n.endswith(_IGNORED) and n != "lm_head.weight"}
     if want - have or extra:
-        raise ValueError(f"checkpoint tensors do not match a GPT-2 with {cfg.num_layers} layers: "
+        arch = "Llama" if is_llama(cfg) else "GPT-2"
+        raise ValueError(f"checkpoint tensors do not match a {arch} with {cfg.num_layers} layers: "
                          f"missing {sorted(want - have)[:8]}, unexpected {sorted(extra)[:8]}")
 
 
@@ -170,6 +198,8 @@ def check_hf_checkpoint(directory: str | Path, cfg: ModelConfig) -> None:
 
 def _local(reader: HFReader, name: str, param, cfg: ModelConfig, rank: int) -> torch.Tensor:
     """This tp rank's part of paraloom parameter ``name`` (shape of ``param``), from HF."""
+    if is_llama(cfg):
+        return llama_local(reader, name, param, cfg, rank)
     shape = tuple(param.shape)
     pdim = param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
     n = shape[pdim] if pdim is not None else 0
@@ -226,7 +256,10 @@ def load_hf_weights(chunks, directory: str | Path, cfg: ModelConfig, tp_rank: in
 
 def to_hf_state_dict(params: dict[str, torch.Tensor], cfg: ModelConfig) -> dict:
     """Full (unsharded) paraloom parameters -> an HF ``GPT2LMHeadModel`` state dict
-    (``transformer.*``; ``lm_head`` is tied, so not stored). Vocabulary padding is dropped."""
+    (``transformer.*``; ``lm_head`` is tied, so not stored), or a ``LlamaForCausalLM`` one for
+    a Llama-shaped ``cfg``. Vocabulary padding is dropped."""
+    if is_llama(cfg):
+        return llama_to_hf(params, cfg)
     h, a = cfg.hidden_size, cfg.num_attention_heads
     out = {"transformer.wte.weight": params["embedding.word_embeddings.weight"][: cfg.vocab_size],
            "transformer.wpe.weight": params["embedding.position_embeddings.weight"],

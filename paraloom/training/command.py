@@ -86,6 +86,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
       help="stop after this many consecutive NaN/Inf steps (each is skipped)")
     a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
       help="local ranks to start (must equal tp*pp*dp; default: tp*pp*dp)")
+    from .arch_flags import add_architecture_flags
+    add_architecture_flags(cmd)
     return cmd
 
 
@@ -98,11 +100,12 @@ def config_from_args(args):
                               sequence_parallel=args.sequence_parallel,
                               async_grad_allreduce=args.async_grad_allreduce,
                               gradient_accumulation_fusion=args.grad_accum_fusion)
+    from .arch_flags import architecture_from_args
     given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
     model = _model_config(args) if args.init_from_hf else ModelConfig(
         vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
-        seq_length=given("seq_len"), dropout=args.dropout)
+        seq_length=given("seq_len"), dropout=args.dropout, **architecture_from_args(args))
     from .flags import check_layout_flags
     check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
     if model.vocab_size < 256:
@@ -145,6 +148,8 @@ def _model_config(args):
     try:
         from ..models.hf import check_hf_checkpoint
         check_hf_checkpoint(args.init_from_hf, model)
+        from .arch_flags import apply_architecture
+        model = apply_architecture(model, args, f"--init-from-hf {args.init_from_hf!r}")
     except ImportError as err:
         raise ValueError(f"--init-from-hf needs safetensors ({err}): pip install "
                          f"'paraloom[hf]'") from None

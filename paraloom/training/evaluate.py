@@ -24,7 +24,8 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--resume", "--load", dest="resume", help="run folder or checkpoint folder")
-    which.add_argument("--hf", metavar="DIR", help="a local Hugging Face GPT-2 checkpoint folder")
+    which.add_argument("--hf", metavar="DIR",
+                       help="a local Hugging Face GPT-2 or Llama checkpoint folder")
     p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None,
                    help="with --hf: tokens per sample (default: its n_positions)")
     p.add_argument("--data", "--data-path", dest="data", default=None,
@@ -40,11 +41,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0)
+    from .arch_flags import add_architecture_flags
+    add_architecture_flags(p)  # only --attention may differ from the checkpoint's model
     return p
 
 
 def _config(args):
     from ..config import ModelConfig
+    from .arch_flags import apply_architecture
     from .checkpoint import find_checkpoint
     if args.batches < 1:
         raise ValueError(f"--batches must be a positive integer, got {args.batches}")
@@ -55,11 +59,13 @@ def _config(args):
             raise ValueError(f"--hf {args.hf!r}: vocab_size = {model.vocab_size}, but the data "
                              f"are bytes (a vocabulary of at least 256 is needed)")
         check_hf_checkpoint(args.hf, model)
-        return _train_config(args, model, None), None
+        return _train_config(args, apply_architecture(model, args, f"--hf {args.hf!r}"),
+                             None), None
     if args.seq_len is not None:
         raise ValueError("--seq-len is only for --hf (a checkpoint has its own)")
     ckpt, meta = find_checkpoint(args.resume)
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
+    model = apply_architecture(model, args, "the checkpoint")
     return _train_config(args, model, ckpt), ckpt
 
 

@@ -6,6 +6,10 @@ copies of bf16 parameters) are saved per parameter as ``optim.<global name>.exp_
 over tp like their parameter. The distributed optimizer keeps only a ``1/dp`` shard of each
 bucket, so its moments are all-gathered over dp before saving and re-sliced after loading: the
 file is the same whichever optimizer or layout wrote it.
+
+A parameter split with ``partition_stride = k > 1`` (SwiGLU's fc1: ``[gate_r; up_r]`` on rank
+``r``) is saved as ``[k, n/k, ...]`` split on dim 1, so the file holds ``[gate; up]`` whatever tp
+wrote it.
 """
 
 from __future__ import annotations
@@ -23,12 +27,22 @@ def _pdim(param) -> int | None:
     return param.partition_dim if getattr(param, "tensor_model_parallel", False) else None
 
 
+def _entry(tensor: torch.Tensor, param) -> Entry:
+    """``tensor`` (shaped like ``param``) as a checkpoint entry, strided splits unfolded."""
+    stride, dim = getattr(param, "partition_stride", 1), _pdim(param)
+    if dim is None or stride == 1:
+        return Entry(tensor, dim)
+    shape = tensor.shape
+    return Entry(tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:]),
+                 dim + 1)
+
+
 def state_entries(run, *, for_save: bool):
     """``(entries, finish)``: the tensors to save or fill, and a function to call after a load."""
     entries: dict[str, Entry] = {}
     for chunk in run.chunks:
         for name, p in chunk.named_parameters():
-            entries[f"model.{name}"] = Entry(p.data, _pdim(p))
+            entries[f"model.{name}"] = _entry(p.data, p)
     finishers = []
     for ddp, opt in zip(run.ddps, run.optimizers, strict=True):
         names = dict(ddp.named_main_params())
@@ -40,7 +54,7 @@ def state_entries(run, *, for_save: bool):
             if not fp32:
                 states["master"] = master
             for key, tensor in states.items():
-                entries[f"optim.{name}.{key}"] = Entry(tensor, _pdim(param))
+                entries[f"optim.{name}.{key}"] = _entry(tensor, param)
 
     def finish(meta: dict) -> None:
         for fn in finishers:
@@ -67,7 +81,7 @@ def _zero_entries(ddp, opt, entries: dict, for_save: bool):
             fulls.append((full, shard, lo, hi))
             for name, param in zip(bucket.names, bucket.params, strict=True):
                 _, a, b = ddp.param_range(param)
-                entries[f"optim.{name}.{key}"] = Entry(full[a:b].view(param.shape), _pdim(param))
+                entries[f"optim.{name}.{key}"] = _entry(full[a:b].view(param.shape), param)
 
     def finish() -> None:
         for full, shard, lo, hi in fulls:

@@ -1,0 +1,184 @@
+"""Llama-family models: RMSNorm, rotary positions, SwiGLU, grouped-query attention, untied output
+layer, no biases, and ``sdpa`` attention, under every layout and against ``transformers``.
+
+Two oracles: paraloom's own single-process model (the counter-based init builds the same weights
+in every layout) and a randomly initialised ``transformers.LlamaForCausalLM`` saved to a
+temporary folder (4 heads, 2 key/value heads, untied, vocabulary 300 -> 384 padded). No network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from paraloom import comm
+from paraloom.cli import main
+from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+from paraloom.mesh import ParallelMesh
+from paraloom.models.gpt import GPTModel, ParallelOptions
+from paraloom.models.hf import load_hf_weights, model_config_from_hf, read_hf_config
+
+LLAMA = ModelConfig(vocab_size=200, hidden_size=32, num_layers=2, num_attention_heads=4,
+                    num_query_groups=2, ffn_hidden_size=48, seq_length=16,
+                    normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                    untie_embeddings_and_output_weights=True, add_bias_linear=False)
+B, SEQ = 2, 32
+
+
+def full_grads(model, mesh) -> dict:
+    """Every parameter's gradient assembled to its full (tp=1) shape (SwiGLU's fc1, split with
+    stride 2, as ``[gate; up]``)."""
+    out = {}
+    for name, p in model.named_parameters():
+        g = p.grad
+        if getattr(p, "sequence_parallel", False):
+            g = comm.all_reduce(g.clone(), mesh.tp, phase="backward", kind="sp", site="test")
+        if getattr(p, "tensor_model_parallel", False):
+            stride = getattr(p, "partition_stride", 1)
+            g = comm.all_gather(g.reshape(stride, -1, *g.shape[1:]), mesh.tp, dim=1,
+                                phase="backward", kind="tp", site="test").flatten(0, 1)
+            if p.partition_dim == 1:
+                g = comm.all_gather(p.grad, mesh.tp, dim=1, phase="backward", kind="tp",
+                                    site="test")
+        out[name] = g
+    return out
+
+
+def _batch(cfg=LLAMA):
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (B, cfg.seq_length + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _loss_and_grads(cfg, mesh, opt=None, position_ids=None):
+    model = GPTModel(cfg, mesh, options=opt)
+    tokens, labels = _batch(cfg)
+    loss = model(tokens, labels, position_ids=position_ids).mean()
+    loss.backward()
+    return loss.detach(), full_grads(model, mesh)
+
+
+def model_layouts(attention):
+    cfg = replace(LLAMA, attention=attention)
+    out = []
+    for tp, sp, recompute in ((2, False, "none"), (2, True, "selective"), (2, True, "full"),
+                              (4, True, "none")):
+        groups = 4 if tp == 4 else 2  # tp = 4 needs 4 key/value groups (one per rank)
+        opt = ParallelOptions(sequence_parallel=sp, recompute=recompute)
+        c = replace(cfg, num_query_groups=groups)
+        out.append(((tp, sp, recompute, groups), _loss_and_grads(c, ParallelMesh(tp=tp,
+                                                                 dp=4 // tp), opt)))
+    return out
+
+
+def test_llama_layers_match_one_process_and_sdpa_matches_core(world4):
+    refs = {g: _loss_and_grads(replace(LLAMA, num_query_groups=g), ParallelMesh())
+            for g in (2, 4)}
+    for attention in ("core", "sdpa"):
+        for (tp, sp, recompute, g), (loss, grads) in world4.run(model_layouts, attention)[0]:
+            ref_loss, ref_grads = refs[g]
+            where = f"{attention} tp={tp} sp={sp} recompute={recompute} groups={g}"
+            torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0, msg=where)
+            assert grads.keys() == ref_grads.keys()
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, ref_grads[name], rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, n=name, w=where: f"{w} {n}: {m}")
+    # global positions index the rotary angles (relative: a shift changes nothing, a stretch
+    # does); [s] and [b, s] positions agree
+    shifted = _loss_and_grads(LLAMA, ParallelMesh(), position_ids=torch.arange(16) + 5)[0]
+    stretched = _loss_and_grads(LLAMA, ParallelMesh(), position_ids=torch.arange(16) * 2)[0]
+    batched = _loss_and_grads(LLAMA, ParallelMesh(),
+                              position_ids=torch.arange(16).expand(B, 16))[0]
+    assert batched == refs[2][0] and stretched != refs[2][0]
+    torch.testing.assert_close(shifted, refs[2][0], rtol=1e-5, atol=0)
+
+
+def test_swiglu_fc1_holds_gate_and_up_of_the_rank():
+    full = GPTModel(LLAMA, ParallelMesh()).layers["0"].mlp.fc1.weight     # [gate; up] = [96, 32]
+    gate, up = full.detach().chunk(2, 0)
+    # rank 1 of tp = 2: rows 48..96 of the stride-2 split are gate[24:] and up[24:]
+    from paraloom.models.layers import SwiGLUInit
+    from paraloom.tensor_parallel.init import CounterInit
+    init = SwiGLUInit(CounterInit(1234, 0.02))
+    rank1 = init("layers.0.mlp.fc1.weight", (96, 32), ((48, 96), (0, 32)))
+    assert torch.equal(rank1, torch.cat([gate[24:], up[24:]]))
+
+
+# ---------------------------------------------------------------- transformers' Llama
+def _make_hf(path) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms away from one, weights away from the HF init
+            p.add_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.05))
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return str(path), _make_hf(path)
+
+
+def _windows() -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (4, SEQ + 1), generator=g)
+
+
+def hf_losses(hf_dir, windows):
+    from paraloom.training.train import build, evaluate
+    model = model_config_from_hf(read_hf_config(hf_dir), seq_length=SEQ)
+    out = []
+    for tp, pp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)):
+        parallel = ParallelConfig(tp=tp, pp=pp, dp=4 // (tp * pp), sequence_parallel=sp)
+        cfg = TrainConfig(model=model, parallel=parallel, global_batch_size=4,
+                          micro_batch_size=1, schedule="1f1b" if pp > 1 else "none")
+        run = build(cfg, ParallelMesh(parallel), None, init_from_hf=hf_dir)
+        out.append(evaluate(run, [(windows[:, :-1], windows[:, 1:])]))
+    return out
+
+
+def test_every_layout_gives_transformers_llama_loss(world4, hf):
+    folder, model = hf
+    cfg = model_config_from_hf(read_hf_config(folder))
+    assert (cfg.query_groups, cfg.padded_vocab_size, cfg.ffn) == (2, 384, 96)
+    windows = _windows()
+    with torch.no_grad():
+        want = model(windows, labels=windows).loss.item()
+    for losses in world4.run(hf_losses, folder, windows):
+        for got in losses:
+            assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_llama_import_train_export(hf, tmp_path):
+    from paraloom.training.hf_export import load_full_params
+    folder, original = hf
+    run, out = tmp_path / "run", tmp_path / "exported"
+    assert main(["train", "--init-from-hf", folder, "--tp", "2", "--pp", "2", "--dp", "1",
+                 "--seq-len", str(SEQ), "--global-batch-size", "4", "--micro-batch-size", "1",
+                 "--steps", "3", "--warmup-steps", "1", "--lr", "1e-3", "--save-every", "3",
+                 "--ledger-steps", "1", "--out", str(run)]) == 0
+    assert main(["export-hf", str(run), str(out)]) == 0
+    exported = LlamaForCausalLM.from_pretrained(out).eval()
+    cfg, params, _ = load_full_params(run)
+    ours = GPTModel(cfg, ParallelMesh())
+    ours.load_state_dict({k: v.reshape(ours.get_parameter(k).shape) for k, v in params.items()})
+    windows = _windows()[:, :SEQ]
+    with torch.no_grad():
+        want = ours(windows).transpose(0, 1)[..., : cfg.vocab_size]
+        got, before = exported(windows).logits, original(windows).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (got - before).abs().max() > 1e-3  # the three steps moved the weights
+    # import of the export is the identity on the weights
+    again = GPTModel(cfg, ParallelMesh())
+    load_hf_weights([again], out, cfg, 0)
+    for name, p in again.named_parameters():
+        assert torch.equal(p, ours.get_parameter(name)), name
