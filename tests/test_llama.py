@@ -8,13 +8,16 @@ temporary folder (4 heads, 2 key/value heads, untied, vocabulary 300 -> 384 padd
 
 from __future__ import annotations
 
+import argparse
+import json
+import time
 from dataclasses import replace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from paraloom import comm
+from paraloom import comm, launch
 from paraloom.cli import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.mesh import ParallelMesh
@@ -182,3 +185,64 @@ def test_llama_import_train_export(hf, tmp_path):
     load_hf_weights([again], out, cfg, 0)
     for name, p in again.named_parameters():
         assert torch.equal(p, ours.get_parameter(name)), name
+
+
+# ---------------------------------------------------------------- --arch llama training
+def _rank(rank, world, cfg, t0):
+    from paraloom.training.loop import run_rank
+    run_rank(cfg, t0)
+
+
+def _train(path, *, tp=1, pp=1, dp=1, sp=False, vpp=None, zero=False, attention="core"):
+    model = replace(LLAMA, vocab_size=256, num_layers=4, attention=attention,
+                    ffn_hidden_size=None)
+    schedule = "interleaved" if vpp else ("1f1b" if pp > 1 else "none")
+    cfg = TrainConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp,
+                                                           sequence_parallel=sp),
+                      global_batch_size=8, micro_batch_size=1, steps=3, warmup_steps=1,
+                      save_every=0, ledger_steps=1, timeout_s=60, schedule=schedule,
+                      distributed_optimizer=zero, out=str(path))
+    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)
+    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+LAYOUTS = [dict(tp=2, pp=2, sp=True, vpp=2), dict(tp=2, dp=2, sp=True),
+           dict(pp=2, dp=2, zero=True), dict(tp=2, pp=2), dict(dp=4, zero=True, attention="sdpa")]
+
+
+def test_arch_llama_trains_the_same_model_in_every_layout_and_check_agrees(tmp_path, capsys):
+    want = _train(tmp_path / "ref")
+    assert want[-1]["loss"] < want[0]["loss"]
+    for i, layout in enumerate(LAYOUTS):
+        got = _train(tmp_path / f"run{i}", **layout)
+        for a, b in zip(got, want, strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (layout, a, b)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (layout, a, b)
+        assert main(["check", str(tmp_path / f"run{i}")]) == 0, (layout, capsys.readouterr().out)
+
+
+def test_arch_llama_flags(tmp_path, capfd):
+
+    from paraloom.training.command import add_train_parser, config_from_args
+    parser = argparse.ArgumentParser().add_subparsers()
+    add_train_parser(parser)
+    parse = parser.choices["train"].parse_args
+    model = config_from_args(parse(["--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
+                                    "--group-query-attention", "--num-query-groups", "2",
+                                    "--attention", "sdpa"])).model
+    assert (model.normalization, model.swiglu, model.position_embedding_type,
+            model.untie_embeddings_and_output_weights, model.add_bias_linear, model.attention,
+            model.query_groups, model.ffn) == ("RMSNorm", True, "rope", True, False, "sdpa", 2,
+                                               128)
+    assert config_from_args(parse(["--tp", "2", "--pp", "1", "--dp", "1"])).model == \
+        ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_attention_heads=4,
+                    seq_length=64)  # the GPT-2 default is unchanged
+    for extra, message in ((["--num-query-groups", "2"], "needs --group-query-attention"),
+                           (["--group-query-attention", "--num-query-groups", "3"],
+                            "not divisible by num_query_groups = 3"),
+                           (["--group-query-attention", "--num-query-groups", "1"],
+                            "num_query_groups = 1 is not divisible by tp = 2")):
+        assert main(["train", "--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
+                     "--out", str(tmp_path / "never"), *extra]) == 2
+        assert message in capfd.readouterr().err
+    assert not (tmp_path / "never").exists()

@@ -25,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+from .arch import Architecture
 from .formulas import CommConfig, expected_comm
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
@@ -118,7 +119,7 @@ def config_from_run(cfg: dict) -> CommConfig:
     dp = p["dp"]
     return CommConfig(
         layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
-        seq_len=m["seq_length"], vocab=_padded(m), ffn=m.get("ffn_hidden_size"),
+        seq_len=m["seq_length"], vocab=_padded(m), ffn=_ffn(m),
         micro_batch=cfg["micro_batch_size"],
         num_microbatches=cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp),
         tp=p["tp"], pp=p["pp"], dp=dp, vpp=p.get("vpp"),
@@ -127,7 +128,15 @@ def config_from_run(cfg: dict) -> CommConfig:
         distributed_optimizer=cfg.get("distributed_optimizer", False),
         overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
         bucket_size=cfg.get("bucket_size"),
-        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4)
+        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
+        arch=Architecture.from_model(m))
+
+
+def _ffn(model: dict) -> int | None:
+    """The MLP width the model used (SwiGLU's default differs from 4h: see ``ModelConfig``)."""
+    if model.get("ffn_hidden_size") or not model.get("swiglu"):
+        return model.get("ffn_hidden_size")
+    return int(4 * model["hidden_size"] * 2 / 3 / 64) * 64
 
 
 def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from .arch import Architecture
 from .layout import rank_buckets, sp_elems
 
 __all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
@@ -86,6 +87,8 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    arch: Architecture = Architecture()
+    """Llama-family switches (:mod:`paraloom.analysis.arch`); the default is GPT-2."""
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -240,7 +243,7 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
                 add("dp", "all_gather", "optimizer", 1, n // c.dp * c.dtype_bytes)
     if c.sp:
         add("sp", "all_reduce", "optimizer", 1, sp_elems(c, r) * c.grad_bytes)
-    if c.pp > 1 and r in (0, c.pp - 1):
+    if c.pp > 1 and r in (0, c.pp - 1) and c.arch.tied:
         vocab = -(-c.vocab // c.tp) * c.tp
         add("emb", "all_reduce", "optimizer", 1, vocab * c.hidden // c.tp * c.grad_bytes)
     if c.tp * c.pp * c.dp > 1:

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .arch import arch_chunk_params
+
 if TYPE_CHECKING:  # pragma: no cover
     from .formulas import CommConfig
 
@@ -60,6 +62,9 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
     per_chunk = c.layers // (c.pp * c.v)
     virtual = chunk * c.pp + pp_rank
     first, last = virtual == 0, virtual == c.pp * c.v - 1
+    if not c.arch.is_gpt2:  # Llama family: see paraloom.analysis.arch
+        layer_ids = range(virtual * per_chunk, (virtual + 1) * per_chunk)
+        return arch_chunk_params(c, first, last, layer_ids, Param)
     sp = c.sp
     vocab = -(-c.vocab // t) * t  # padded to a multiple of tp
     out: list[Param] = []
