@@ -246,3 +246,36 @@ def test_arch_llama_flags(tmp_path, capfd):
                      "--out", str(tmp_path / "never"), *extra]) == 2
         assert message in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_formulas_know_the_llama_parameters_and_sdpa_memory():
+    from paraloom.analysis.arch import Architecture
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.analysis.layout import chunk_params
+    from paraloom.analysis.memory import expected_saved_bytes, saved_bytes_per_layer
+    from paraloom.analysis.plan import _config, _parser, plan
+    arch = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                        num_query_groups=2, untie_embeddings_and_output_weights=True,
+                        add_bias_linear=False)
+    c = CommConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256, ffn=48, pp=2, arch=arch)
+    cfg = replace(LLAMA, vocab_size=256)
+    for pp_rank, layers in ((0, [0]), (1, [1])):
+        model = GPTModel(cfg, ParallelMesh(), layer_ids=layers, pre_process=pp_rank == 0,
+                         post_process=pp_rank == 1)
+        assert [(p.name, p.numel) for p in chunk_params(c, pp_rank)] == \
+            [(n, p.numel()) for n, p in model.named_parameters()]
+    # Llama-3-8B's shape: 8,030,261,248 parameters
+    args = _parser().parse_args(
+        "--layers 32 --hidden 4096 --heads 32 --seq-len 8192 --global-batch-size 8 "
+        "--micro-batch-size 1 --tp 8 --vocab 128256 --make-vocab-size-divisible-by 1 --arch "
+        "llama --group-query-attention --num-query-groups 8 --ffn 14336".split())
+    assert plan(_config(args))["parameters"]["total"] == 8_030_261_248
+    # sdpa keeps no s x s tensor: measured == accounted, and less than core
+    gpt = ModelConfig(hidden_size=64, num_attention_heads=4, seq_length=32)
+    opt = ParallelOptions(params_dtype=torch.bfloat16)
+    for attention in ("core", "sdpa"):
+        got = saved_bytes_per_layer(replace(gpt, attention=attention), ParallelMesh(), opt, 32, 2)
+        want = expected_saved_bytes(32, 2, 64, 4, dropout=False, attention=attention)
+        assert got == sum(want.values()), (attention, got, want)
+    assert sum(expected_saved_bytes(32, 2, 64, 4, attention="sdpa").values()) < \
+        sum(expected_saved_bytes(32, 2, 64, 4).values())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-__all__ = ["Architecture", "arch_chunk_params", "layer_param_count"]
+__all__ = ["Architecture", "arch_chunk_params", "layer_param_count", "arch_params_per_rank",
+           "arch_param_count"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,3 +101,15 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
         if not arch.tied:
             out.append(param_cls("output_layer.weight", vocab // t * h))
     return out
+
+
+def arch_params_per_rank(c, pp_rank: int) -> int:
+    """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
+    from .layout import chunk_params
+    return sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+
+
+def arch_param_count(c) -> int:
+    """Parameters of the whole model (one copy: tp = pp = 1)."""
+    from dataclasses import replace
+    return arch_params_per_rank(replace(c, tp=1, pp=1, vpp=None, sequence_parallel=False), 0)

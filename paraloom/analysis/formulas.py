@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .arch import Architecture
+from .arch import Architecture, arch_params_per_rank
 from .layout import rank_buckets, sp_elems
 
 __all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
@@ -132,6 +132,8 @@ def _layer_params(c: CommConfig) -> tuple[int, int]:
 def params_per_rank(c: CommConfig, pp_rank: int = 0) -> int:
     """Parameters stored by one rank of pipeline stage ``pp_rank`` (tied embedding counted on
     both the first and the last stage when ``pp > 1``)."""
+    if not c.arch.is_gpt2:
+        return arch_params_per_rank(c, pp_rank)
     split, replicated = _layer_params(c)
     n = stage_layers(c) * (split // c.tp + replicated)
     if pp_rank == 0:
@@ -257,15 +259,18 @@ def bubble_fraction(pp: int, num_microbatches: int, vpp: int | None = None) -> f
 
 
 def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               attention: str = "core") -> float:
     """Activation bytes one layer keeps for backward (16-bit activations), Korthikanti et al.
     2022 Table 2: none ``sbh(34 + 5as/h)``; tp ``sbh(10 + 24/t + 5as/(ht))``; tp + sp
     ``sbh(34/t + 5as/(ht))``; selective + tp ``sbh(10 + 24/t)``; selective + tp + sp
-    ``sbh(34/t)``; full recomputation ``2sbh`` (only the layer input)."""
+    ``sbh(34/t)``; full recomputation ``2sbh`` (only the layer input). ``attention="sdpa"``
+    (fused attention) keeps no ``s x s`` tensor: the ``5as/(ht)`` term drops, as with selective
+    recomputation (its per-row softmax statistics are O(sb), below this resolution)."""
     sbh = s * b * h
     if recompute == "full":
         return 2.0 * sbh
-    attn = 0.0 if recompute == "selective" else 5 * a * s / (h * t)
+    attn = 0.0 if recompute == "selective" or attention == "sdpa" else 5 * a * s / (h * t)
     if recompute not in ("none", "selective"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     if sequence_parallel and t > 1:

@@ -58,6 +58,12 @@ Where this differs from Table 2, exactly:
 3. Full recomputation with sequence parallelism: the layer input is the ``[s/t, b, h]`` shard, so
    ``2sbh/t``; Table 2's ``2sbh`` is the replicated input of tensor parallelism alone.
 
+``attention="sdpa"`` (``F.scaled_dot_product_attention``, the fused kernel) keeps no ``s x s``
+tensor: instead of the causal mask, softmax output and probabilities it saves q, k, v (counted
+already), its output (which the proj input reshapes; on CPU one storage) and the per-row softmax
+log-sum-exp, ``[b, a/t, s]`` in fp32. (With attention dropout, CPU runs PyTorch's unfused math
+fallback, which saves far more; the accounting is for the fused path, no attention dropout.)
+
 Not counted by either: the RNG states a checkpointed region keeps to replay dropout (a few KB per
 region on CPU), which are not saved tensors.
 """
@@ -178,7 +184,8 @@ def saved_bytes_per_layer(cfg: ModelConfig, mesh: ParallelMesh, options, s: int,
 def expected_saved_bytes(s: int, b: int, h: int, a: int, t: int = 1, *,
                          sequence_parallel: bool = False, recompute: str = "none",
                          ffn: int | None = None, dropout: bool = True, act_bytes: int = 2,
-                         stat_bytes: int | None = None) -> dict[str, int]:
+                         stat_bytes: int | None = None,
+                         attention: str = "core") -> dict[str, int]:
     """The exact accounting of the module docstring: ``{tensor: bytes}`` one layer saves per
     rank. ``stat_bytes``: bytes per LayerNorm mean / 1/std element (default ``act_bytes``, as on
     CPU; 4 on CUDA). Masks are bool, 1 byte."""
@@ -196,7 +203,9 @@ def expected_saved_bytes(s: int, b: int, h: int, a: int, t: int = 1, *,
            "fc2 input": e * s * b * f // t}
     if dropout:
         out["residual dropout masks"] = 2 * s1 * b * h
-    if recompute == "none":
+    if recompute == "none" and attention == "sdpa":
+        out["sdpa log-sum-exp"] = 4 * b * (a // t) * s
+    elif recompute == "none":
         probs = b * (a // t) * s * s
         out["causal mask"] = s * s
         out["softmax output"] = e * probs

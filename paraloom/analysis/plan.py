@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 
+from .arch import Architecture, arch_param_count
 from .formulas import (
     CommConfig,
     activation_bytes_per_layer,
@@ -53,7 +54,8 @@ def plan(c: CommConfig) -> dict:
     per_rank = max(params_per_rank(c, r) for r in stages)
     opt_bytes = 12 if c.dtype_bytes < 4 else 8
     layer_act = activation_bytes_per_layer(c.seq_len, c.micro_batch, c.hidden, c.heads, c.tp,
-                                           sequence_parallel=c.sp, recompute=c.recompute)
+                                           sequence_parallel=c.sp, recompute=c.recompute,
+                                           attention=c.arch.attention)
     interleave = 1 + (c.pp - 1) / (c.pp * c.v) if c.v > 1 else 1.0
     activations = (layer_act * c.dtype_bytes / 2 * stage_layers(c)
                    * min(c.pp, c.num_microbatches) * interleave)
@@ -76,7 +78,8 @@ def plan(c: CommConfig) -> dict:
     flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
     gpus = c.tp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
-            "parameters": {"total": param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
+            "parameters": {"total": arch_param_count(c) if not c.arch.is_gpt2 else
+                           param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
                            "per_gpu": per_rank},
             "memory_per_gpu_bytes": memory, "comm_bytes_per_step": comm_bytes,
             "comm_ops_per_step": comm_ops,
@@ -123,6 +126,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    from ..training.arch_flags import add_architecture_flags
+    add_architecture_flags(ap)
     return ap
 
 
@@ -155,16 +160,34 @@ def _config(a: argparse.Namespace) -> CommConfig:
                         f"--micro-batch-size * --dp = {a.micro_batch_size} * {a.dp}")
     if a.sequence_parallel and a.seq_len % a.tp:
         problems.append(f"--seq-len {a.seq_len} is not divisible by --tp {a.tp}")
+    arch = _architecture(a, problems)
     if problems:
         raise ValueError("; ".join(problems))
+    ffn = a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu else None)
     return CommConfig(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq_len,
                       vocab=padded_vocab(a.vocab, a.make_vocab_size_divisible_by, a.tp),
-                      ffn=a.ffn, micro_batch=a.micro_batch_size,
+                      ffn=ffn, micro_batch=a.micro_batch_size,
                       num_microbatches=a.global_batch_size // (a.micro_batch_size * a.dp),
                       tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp,
                       sequence_parallel=a.sequence_parallel, recompute=a.recompute,
                       distributed_optimizer=a.distributed_optimizer,
-                      dtype_bytes=2 if a.dtype == "bf16" else 4)
+                      dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch)
+
+
+def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:
+    """The Llama-family switches of the flags (``--arch llama`` ...); problems appended."""
+    from ..training.arch_flags import architecture_from_args
+    try:
+        fields = architecture_from_args(a)
+    except ValueError as err:
+        problems.append(str(err))
+        return Architecture()
+    groups = fields.get("num_query_groups")
+    if groups is not None and (a.heads % groups or groups % a.tp):
+        problems.append(f"--num-query-groups {groups} must divide --heads {a.heads} and be "
+                        f"divisible by --tp {a.tp}")
+    return Architecture(**{k: v for k, v in fields.items()
+                           if k in Architecture.__dataclass_fields__})
 
 
 def plan_main(argv: list[str] | None = None) -> int:
