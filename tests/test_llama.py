@@ -246,6 +246,16 @@ def test_arch_llama_flags(tmp_path, capfd):
                      "--out", str(tmp_path / "never"), *extra]) == 2
         assert message in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
+    # train --resume refills the architecture from the saved config.json
+    from dataclasses import asdict
+
+    from paraloom.training.arch_flags import architecture_from_args, flags_of_model
+    for model in (LLAMA, replace(LLAMA, num_query_groups=None, attention="sdpa"),
+                  ModelConfig()):
+        args = argparse.Namespace(**flags_of_model(asdict(model)))
+        assert replace(ModelConfig(**{k: getattr(model, k) for k in (
+            "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
+            "seq_length")}), **architecture_from_args(args)) == model
 
 
 def test_formulas_know_the_llama_parameters_and_sdpa_memory():

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_architecture_flags", "architecture_from_args", "apply_architecture", "LLAMA"]
+__all__ = ["add_architecture_flags", "architecture_from_args", "apply_architecture",
+           "flags_of_model", "LLAMA"]
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
@@ -76,3 +77,18 @@ def apply_architecture(model, args, source: str):
         raise ValueError(f"{source} fixes the architecture; drop or correct the flags giving "
                          + ", ".join(clash))
     return replace(model, attention=arch["attention"]) if "attention" in arch else model
+
+
+def flags_of_model(model: dict) -> dict:
+    """``{argparse dest: value}`` that reproduce a saved ``config.json`` model's architecture
+    (for ``train --resume``; keys missing in older run folders mean GPT-2)."""
+    groups = model.get("num_query_groups")
+    return {"arch": None, "normalization": model.get("normalization"),
+            "norm_epsilon": model.get("norm_epsilon"), "swiglu": model.get("swiglu") or None,
+            "position_embedding_type": model.get("position_embedding_type"),
+            "rotary_base": model.get("rotary_base"), "num_query_groups": groups,
+            "group_query_attention": True if groups else None,
+            "untie_embeddings_and_output_weights":
+                model.get("untie_embeddings_and_output_weights") or None,
+            "disable_bias_linear": True if model.get("add_bias_linear") is False else None,
+            "attention": model.get("attention")}

@@ -83,6 +83,10 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     for dest, path in _FIELDS.items():
         if dest not in explicit:
             setattr(args, dest, _get(saved, path))
+    from .arch_flags import flags_of_model
+    for dest, value in flags_of_model(saved["model"]).items():  # the architecture
+        if dest not in explicit:
+            setattr(args, dest, value)
     if "pp" in explicit and "vpp" not in explicit and args.pp != saved["parallel"]["pp"]:
         args.vpp = None  # the saved virtual stages belong to the saved pipeline depth
     if explicit & {"pp", "vpp"} and "schedule" not in explicit:
