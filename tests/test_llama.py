@@ -187,6 +187,23 @@ def test_llama_import_train_export(hf, tmp_path):
         assert torch.equal(p, ours.get_parameter(name)), name
 
 
+def test_unsupported_llama_configs_are_refused(hf):
+    hf_cfg = read_hf_config(hf[0])
+    for key, value in (("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True),
+                       ("head_dim", 32),
+                       ("rope_parameters", {"rope_type": "llama3", "rope_theta": 5e5})):
+        with pytest.raises(ValueError, match=key.split("_")[0]):
+            model_config_from_hf({**hf_cfg, key: value})
+    with pytest.raises(ValueError, match="max_position_embeddings = 64"):
+        model_config_from_hf(hf_cfg, seq_length=65)
+    with pytest.raises(ValueError, match="gpt2: GPT2LMHeadModel, llama: LlamaForCausalLM"):
+        import pathlib
+        folder = pathlib.Path(hf[0]).parent / "mistral"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "mistral"}))
+        read_hf_config(folder)
+
+
 # ---------------------------------------------------------------- --arch llama training
 def _rank(rank, world, cfg, t0):
     from paraloom.training.loop import run_rank
