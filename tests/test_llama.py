@@ -187,6 +187,30 @@ def test_llama_import_train_export(hf, tmp_path):
         assert torch.equal(p, ours.get_parameter(name)), name
 
 
+def test_tied_llama_round_trips(tmp_path):
+    """A Llama with tie_word_embeddings (no lm_head in the file) imports tied and exports tied."""
+    from paraloom.models.hf import hf_config_from_model, to_hf_state_dict
+    torch.manual_seed(3)
+    theirs = LlamaForCausalLM(LlamaConfig(
+        vocab_size=260, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=16,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)).eval()
+    theirs.save_pretrained(tmp_path)
+    cfg = model_config_from_hf(read_hf_config(tmp_path))
+    assert not cfg.untie_embeddings_and_output_weights and cfg.norm_epsilon == 1e-6
+    ours = GPTModel(cfg, ParallelMesh())
+    load_hf_weights([ours], tmp_path, cfg, 0)
+    windows = _windows()[:, :16]
+    with torch.no_grad():
+        torch.testing.assert_close(ours(windows).transpose(0, 1)[..., :260],
+                                   theirs(windows).logits, rtol=1e-5, atol=1e-5)
+    assert hf_config_from_model(cfg)["tie_word_embeddings"] is True
+    back = to_hf_state_dict(dict(ours.named_parameters()), cfg)
+    assert "lm_head.weight" not in back and torch.equal(
+        back["model.layers.1.mlp.up_proj.weight"], theirs.model.layers[1].mlp.up_proj.weight)
+
+
 def test_unsupported_llama_configs_are_refused(hf):
     hf_cfg = read_hf_config(hf[0])
     for key, value in (("hidden_act", "gelu"), ("attention_bias", True), ("mlp_bias", True),

@@ -41,7 +41,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--ffn", "--ffn-hidden-size", dest="ffn", type=int, default=None)
     a("--vocab", "--vocab-size", dest="vocab", type=int, default=None)
     a("--init-from-hf", metavar="DIR", default=None,
-      help="start from a local Hugging Face GPT-2 checkpoint folder (config.json + "
+      help="start from a local Hugging Face GPT-2 or Llama checkpoint folder (config.json + "
            "model.safetensors or pytorch_model.bin); the model shape comes from its config, "
            "--seq-len may shorten it")
     a("--steps", "--train-iters", dest="steps", type=int, default=_DEFAULTS["steps"])

@@ -1,4 +1,5 @@
-"""``paraloom export-hf RUN_DIR OUT_DIR``: a run's latest checkpoint as a Hugging Face GPT-2.
+"""``paraloom export-hf RUN_DIR OUT_DIR``: a run's latest checkpoint as a Hugging Face GPT-2
+(``GPT2LMHeadModel``), or ``LlamaForCausalLM`` for a Llama-shaped model (``--arch llama``).
 
 Reads the checkpoint in this one process (no ranks: DCP assembles every tensor from its tp
 shards, whatever layout wrote it), maps it with :func:`paraloom.models.hf.to_hf_state_dict` and
@@ -55,11 +56,12 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
 
     from ..models.hf import hf_config_from_model, to_hf_state_dict
     cfg, params, ckpt = load_full_params(run_dir)
+    hf_config = hf_config_from_model(cfg)  # ValueError for a model with no HF architecture
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(to_hf_state_dict(params, cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config, indent=1))
     return ckpt
 
 
