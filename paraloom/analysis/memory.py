@@ -168,8 +168,13 @@ def layer_saved_tensors(cfg: ModelConfig, mesh: ParallelMesh, options, s: int, b
         layer = TransformerLayer(cfg, mesh, 0, options).to(device).train()
         x = torch.randn(divide(s, mesh.tp.size, "s") if sp else s, b, cfg.hidden_size,
                         dtype=options.params_dtype, device=device, requires_grad=True)
+        rope = None
+        if cfg.position_embedding_type == "rope":  # the angles are shared by every layer
+            from ..models.layers import RotaryEmbedding
+            rope = tuple(t.to(options.params_dtype) for t in RotaryEmbedding(
+                cfg.head_dim, cfg.rotary_base)(torch.arange(s, device=device)))
         with SavedTensors(exclude=layer.parameters()) as saved:
-            out = layer(x)
+            out = layer(x, rope)
         del out  # the graph (and what it saved) is freed here
     return saved
 

@@ -298,13 +298,14 @@ class GPTModel(nn.Module):
         return F.linear(x, weight)
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor | None):
-        """Rotary ``(cos, sin)`` for ``position_ids`` (default ``arange(s)``), or ``None``."""
+        """Rotary ``(cos, sin)`` for ``position_ids`` (default ``arange(s)``) in the activation
+        dtype (angles computed in fp32), or ``None``."""
         if self.rotary is None:
             return None
         if position_ids is None:
             s = x.shape[0] * (self.mesh.tp.size if self.sp else 1)  # the full local sequence
             position_ids = torch.arange(s, device=x.device)
-        return self.rotary(position_ids)
+        return tuple(t.to(x.dtype) for t in self.rotary(position_ids))  # one copy, all layers
 
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):
