@@ -39,13 +39,12 @@ def full_grads(model, mesh) -> dict:
         g = p.grad
         if getattr(p, "sequence_parallel", False):
             g = comm.all_reduce(g.clone(), mesh.tp, phase="backward", kind="sp", site="test")
-        if getattr(p, "tensor_model_parallel", False):
+        if getattr(p, "tensor_model_parallel", False) and p.partition_dim == 1:
+            g = comm.all_gather(g, mesh.tp, dim=1, phase="backward", kind="tp", site="test")
+        elif getattr(p, "tensor_model_parallel", False):  # rows; stride 2: [gate_r; up_r]
             stride = getattr(p, "partition_stride", 1)
             g = comm.all_gather(g.reshape(stride, -1, *g.shape[1:]), mesh.tp, dim=1,
                                 phase="backward", kind="tp", site="test").flatten(0, 1)
-            if p.partition_dim == 1:
-                g = comm.all_gather(p.grad, mesh.tp, dim=1, phase="backward", kind="tp",
-                                    site="test")
         out[name] = g
     return out
 
