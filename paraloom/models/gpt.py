@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel import ContextParallelAttention
 from ..mesh import ParallelMesh
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -98,7 +99,8 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, 3 * h, init_method=init, name=f"{name}.qkv",
                                         async_grad_allreduce=opt.async_grad_allreduce,
                                         sequence_parallel=sp, **common)
-        self.core = CoreAttention(cfg.dropout)
+        self.core = CoreAttention(cfg.dropout) if mesh.cp.size == 1 else \
+            ContextParallelAttention(mesh.cp, mesh.config.cp_comm_type, f"{name}.core")
         self.proj = RowParallelLinear(h, h, input_is_parallel=True, sequence_parallel=sp,
                                       init_method=out_init, name=f"{name}.proj", **common)
 
@@ -208,13 +210,15 @@ class Embedding(nn.Module):
             # with sp each rank adds only its slice: the grad is summed over tp when finalised
             self.position_embeddings.weight.sequence_parallel = self.sp
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
         ids = tokens.t()                                     # [s, b]
         x = self.word_embeddings(ids)                        # [s(/tp), b, h]
-        pos = self.position_embeddings.weight[: ids.shape[0]]  # [s, h]
+        weight = self.position_embeddings.weight             # global positions (cp: its chunks)
+        pos = weight[: ids.shape[0]] if position_ids is None else weight[position_ids.t()]
+        pos = pos.unsqueeze(1) if pos.dim() == 2 else pos    # [s, 1 or b, h]
         if self.sp:
-            pos = pos.chunk(self.mesh.tp.size, 0)[self.mesh.tp.rank]  # [s/tp, h]
-        x = x + pos.unsqueeze(1)
+            pos = pos.chunk(self.mesh.tp.size, 0)[self.mesh.tp.rank]  # [s/tp, ., h]
+        x = x + pos
         return _dropout(x, self.dropout, self.training, self.sp)
 
 
@@ -265,11 +269,13 @@ class GPTModel(nn.Module):
                                                      module="output", split="vocabulary")
         return F.linear(x, self.embedding.word_embeddings.weight)
 
-    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None):
-        """``tokens``/``labels``: ``[b, s]``. Returns the per-token loss ``[b, s]`` on the last
+    def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
+        """``tokens``/``labels``: ``[b, s]``; ``position_ids``: ``[s]`` or ``[b, s]`` global
+        positions (default ``arange(s)``; context parallelism passes its chunks'). Returns the per-token loss ``[b, s]`` on the last
         stage when ``labels`` is given, the logits ``[s, b, V/tp]`` without labels, and the
         hidden state ``[s(/tp), b, h]`` on other stages."""
-        x = self.embedding(tokens) if self.pre_process else self.input_tensor
+        x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         for layer in self.layers.values():
             x = layer(x)
         if not self.post_process:
