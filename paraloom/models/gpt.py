@@ -272,9 +272,10 @@ class GPTModel(nn.Module):
     def forward(self, tokens: torch.Tensor | None, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):
         """``tokens``/``labels``: ``[b, s]``; ``position_ids``: ``[s]`` or ``[b, s]`` global
-        positions (default ``arange(s)``; context parallelism passes its chunks'). Returns the per-token loss ``[b, s]`` on the last
-        stage when ``labels`` is given, the logits ``[s, b, V/tp]`` without labels, and the
-        hidden state ``[s(/tp), b, h]`` on other stages."""
+        positions (default ``arange(s)``; context parallelism passes its chunks'). Returns the
+        per-token loss ``[b, s]`` on the last stage when ``labels`` is given, the logits
+        ``[s, b, V/tp]`` without labels, and the hidden state ``[s(/tp), b, h]`` on other
+        stages."""
         x = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         for layer in self.layers.values():
             x = layer(x)

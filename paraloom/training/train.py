@@ -20,6 +20,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig
+from ..context_parallel import get_batch_on_this_cp_rank
 from ..data_parallel import (
     DistributedDataParallel,
     DistributedOptimizer,
@@ -36,7 +37,6 @@ from ..pipeline_parallel.schedules import (
     forward_backward_pipelining_without_interleaving,
 )
 from ..tensor_parallel.random import model_parallel_seed
-from ..context_parallel import get_batch_on_this_cp_rank
 from .data import Corpus, microbatches
 from .schedule_lr import learning_rate
 
