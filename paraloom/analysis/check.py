@@ -72,9 +72,9 @@ def check_run(config: CommConfig, events: list[dict], *, step: int | None = None
     against its own pipeline stage (rank order tp fastest, then dp, then pp: ``pp_rank = rank
     // (tp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
     rows = []
-    world = config.tp * config.pp * config.dp
+    world = config.tp * config.cp * config.pp * config.dp
     for rank in sorted(set(range(world)) | {e["rank"] for e in events}):
-        pp_rank = rank // (config.tp * config.dp)
+        pp_rank = rank // (config.tp * config.cp * config.dp)
         expected = expected_comm(config, pp_rank) if rank < world else {}  # outside: all DIFF
         rows += compare(expected, events, rank=rank, step=step)
     return rows
@@ -127,7 +127,8 @@ def config_from_run(cfg: dict) -> CommConfig:
         distributed_optimizer=cfg.get("distributed_optimizer", False),
         overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
         bucket_size=cfg.get("bucket_size"),
-        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4)
+        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
+        cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"))
 
 
 def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
 from .layout import rank_buckets, sp_elems
 
 __all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
@@ -86,6 +87,11 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    cp: int = 1
+    """Context-parallel size: each rank holds ``s/cp`` tokens of every sequence
+    (:mod:`paraloom.analysis.cp_formulas`)."""
+    cp_comm_type: str = "p2p"
+    """``p2p`` (K/V ring) or ``all_gather``."""
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -166,7 +172,7 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
 
     t, m, sp = c.tp, c.num_microbatches, c.sp
     first, last = pp_rank == 0, pp_rank == c.pp - 1
-    act = c.seq_len * c.micro_batch * c.hidden * c.dtype_bytes    # one [s, b, h] tensor
+    act = local_seq(c) * c.micro_batch * c.hidden * c.dtype_bytes  # one [s(/cp), b, h] tensor
     shard = act // t                                              # one [s/t, b, h] tensor
     ml = m * stage_layers(c)                                       # layer passes per step
     if t > 1:
@@ -200,13 +206,14 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
                 add("sp", "reduce_scatter", "backward", m, act)
             else:
                 add("tp", "all_reduce", "backward", m, act)
-            tokens = c.seq_len * c.micro_batch
+            tokens = local_seq(c) * c.micro_batch
             add("tp", "all_reduce", "forward", m, tokens * F32)                   # MAX
             add("tp", "all_reduce", "forward", m, (3 if c.label_smoothing else 2) * tokens * F32)
+    add_cp_comm(c, ml, add)
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)
     if c.grad_sync:
-        _grad_sync(c, pp_rank, add)
+        _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
     return dict(out)
 
 

@@ -25,14 +25,13 @@ class _GatherKV(torch.autograd.Function):
     def forward(ctx, kv, axis: Axis, module: str | None):
         ctx.axis, ctx.module = axis, module
         return comm.all_gather(kv, axis, dim=3, phase="forward", kind="cp",
-                               site="all_gather_attention:kv", module=module,
-                               split="K,V of this rank's two sequence chunks")
+                               site="all_gather_attention:kv", module=module)
 
     @staticmethod
     def backward(ctx, grad):
         return comm.reduce_scatter(grad.contiguous(), ctx.axis, dim=3, phase="backward",
-                                   kind="cp", site="all_gather_attention:dkv", module=ctx.module,
-                                   split="dK,dV of this rank's two sequence chunks"), None, None
+                                   kind="cp", site="all_gather_attention:dkv",
+                                   module=ctx.module), None, None
 
 
 def all_gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axis: Axis, *,
