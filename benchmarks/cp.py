@@ -5,7 +5,10 @@ a (dp = 2) mesh, each rank the whole sequence; cp = 2 is one sequence split over
 (load-balanced chunks, ring attention or ``--cp-comm-type all_gather``). Printed per layout:
 the bytes one training forward of the layer saves for backward on a rank
 (:class:`paraloom.analysis.memory.SavedTensors`: storages, parameters excluded), and the median
-forward + backward time; then the ratios cp2 / cp1.
+forward + backward time; then the ratios cp2 / cp1. cp = 1 runs paraloom's ``CoreAttention``,
+which saves the ``s x s`` probabilities; the ring keeps only q, k, v, the output and its
+log-sum-exp, so the saved-bytes ratio is far below 1/cp unless ``--recompute selective`` takes
+the attention core out of both.
 
     python benchmarks/cp.py                      # s = 4096, h = 256, 4 heads, b = 1
     python benchmarks/cp.py --seq 8192 --iters 5 --cp-comm-type all_gather
@@ -35,7 +38,7 @@ def _step(layer, x) -> float:
 def _rank(rank: int, world: int, args) -> None:
     cfg = ModelConfig(hidden_size=args.hidden, num_attention_heads=args.heads,
                       seq_length=args.seq, num_layers=1)
-    opt = ParallelOptions()
+    opt = ParallelOptions(recompute=args.recompute)
     meshes = {1: ParallelMesh(ParallelConfig(dp=2)),
               2: ParallelMesh(ParallelConfig(cp=2, cp_comm_type=args.cp_comm_type))}
     saved = {cp: layer_saved_tensors(cfg, m, opt, args.seq // cp, args.batch).nbytes
@@ -53,7 +56,7 @@ def _rank(rank: int, world: int, args) -> None:
     if rank == 0:
         med = {cp: statistics.median(t) for cp, t in times.items()}
         print(f"s={args.seq} h={args.hidden} heads={args.heads} b={args.batch}, one layer, "
-              f"cp comm {args.cp_comm_type}; {args.iters} alternating iterations after "
+              f"cp comm {args.cp_comm_type}, recompute {args.recompute}; {args.iters} alternating iterations after "
               f"{args.warmup} warm-up, 1 thread per rank")
         for cp in (1, 2):
             print(f"cp={cp}: saved activations per rank {saved[cp] / 2**20:9.2f} MiB   "
@@ -71,6 +74,9 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p")
+    ap.add_argument("--recompute", choices=("none", "selective"), default="none",
+                    help="selective: the attention core is recomputed, so cp = 1 keeps no "
+                         "s x s scores either and the comparison is of the other activations")
     args = ap.parse_args()
     launch.spawn(_rank, 2, args, timeout_s=1800, threads=1)
 

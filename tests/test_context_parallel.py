@@ -133,3 +133,21 @@ def test_bad_cp_input_exits_2_before_ranks_start(monkeypatch, capsys, argv, mess
     monkeypatch.setattr(launch, "spawn", refuse)
     assert main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def accessors_case():
+    from paraloom import parallel_state as ps
+    mesh = ps.initialize_model_parallel(2, 1, context_parallel_size=2)
+    try:
+        return (ps.get_context_parallel_world_size(), ps.get_context_parallel_rank(),
+                ps.get_context_parallel_group() is mesh.cp.group, ps.get_data_parallel_world_size(),
+                mesh.dp_cp.ranks)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_megatron_cp_accessors(world4):
+    # tp 2, cp 2 on 4 ranks: tp fastest, so ranks (0, 2) and (1, 3) share a sequence
+    got = world4.run(accessors_case)
+    assert got == [(2, 0, True, 1, (0, 2)), (2, 0, True, 1, (1, 3)), (2, 1, True, 1, (0, 2)),
+                   (2, 1, True, 1, (1, 3))]
