@@ -56,8 +56,8 @@ def _rank(rank: int, world: int, args) -> None:
     if rank == 0:
         med = {cp: statistics.median(t) for cp, t in times.items()}
         print(f"s={args.seq} h={args.hidden} heads={args.heads} b={args.batch}, one layer, "
-              f"cp comm {args.cp_comm_type}, recompute {args.recompute}; {args.iters} alternating iterations after "
-              f"{args.warmup} warm-up, 1 thread per rank")
+              f"cp comm {args.cp_comm_type}, recompute {args.recompute}; {args.iters} "
+              f"alternating iterations after {args.warmup} warm-up, 1 thread per rank")
         for cp in (1, 2):
             print(f"cp={cp}: saved activations per rank {saved[cp] / 2**20:9.2f} MiB   "
                   f"median forward+backward {med[cp] * 1e3:8.1f} ms")
