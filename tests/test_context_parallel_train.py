@@ -1,7 +1,7 @@
 """``paraloom train`` with context parallelism trains the (1,1,1) model: losses and gradient norms
 at rtol 1e-5 for cp in {2, 4} with tp+sp, pp, dp+ZeRO and both comm types; a resume that changes
 cp (DCP reshard cp=2 -> cp=1 and cp=1 -> cp=2) continues with the same losses; ``paraloom check``
-is exact on a CP run's ledger.
+is exact on a CP run's ledger; a Hugging Face GPT-2 evaluated under cp = 2 scores as transformers.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from paraloom import launch
 from paraloom.analysis.check import check_main
@@ -70,3 +71,27 @@ def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):
     up = train(tmp_path, "to-cp2", cp=2, comm="all_gather",
                resume=str(folder / "single" / "checkpoints" / "step_2"))
     _assert_same(up, ref[2:])
+
+
+def test_hf_gpt2_under_cp_scores_like_transformers(tmp_path, capfd):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from paraloom.cli import main
+    torch.manual_seed(0)
+    seq = 16
+    cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=seq,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None,
+                     eos_token_id=None)
+    model = GPT2LMHeadModel(cfg).eval()
+    model.save_pretrained(tmp_path / "gpt2")
+    text = bytes(range(40, 40 + seq + 1))
+    (tmp_path / "one.txt").write_bytes(text)
+    assert main(["eval", "--hf", str(tmp_path / "gpt2"), "--data", str(tmp_path / "one.txt"),
+                 "--split", "all", "--batches", "1", "--global-batch-size", "2", "--cp", "2",
+                 "--cp-comm-type", "p2p"]) == 0
+    got = json.loads([x for x in capfd.readouterr().out.splitlines() if x.startswith("{")][-1])
+    window = torch.tensor(list(text))
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(window[None, :-1]).logits[0],
+                                                 window[1:]).item()
+    assert got["loss"] == pytest.approx(want, rel=1e-5)
