@@ -69,8 +69,8 @@ def compare(expected: dict, events: Iterable[dict], *, rank: int = 0,
 
 def check_run(config: CommConfig, events: list[dict], *, step: int | None = None) -> list[dict]:
     """:func:`compare` for every rank of the layout (and any other rank in ``events``), each
-    against its own pipeline stage (rank order tp fastest, then dp, then pp: ``pp_rank = rank
-    // (tp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
+    against its own pipeline stage (rank order tp fastest, then cp, dp, pp: ``pp_rank = rank
+    // (tp * cp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
     rows = []
     world = config.tp * config.cp * config.pp * config.dp
     for rank in sorted(set(range(world)) | {e["rank"] for e in events}):

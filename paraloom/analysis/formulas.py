@@ -13,7 +13,9 @@ and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_ma
 of it with a ``paraloom train`` run folder.
 
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``
-vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches.
+vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches. With
+context parallelism (``cp``) activations hold ``s/cp`` tokens and gradients are reduced over
+``dp * cp`` ranks; the cp messages themselves are in :mod:`paraloom.analysis.cp_formulas`.
 
 Sources: Shoeybi et al. 2019 (Megatron-LM: 2 all-reduces forward + 2 backward per layer),
 Korthikanti et al. 2022 (sequence parallelism, Table 2 activation memory), Narayanan et al. 2021
