@@ -59,6 +59,11 @@ def reference(tmp_path_factory):
 def test_cp_layouts_train_the_same_model(tmp_path, reference, layout):
     _assert_same(train(tmp_path, "run", **layout), reference[1])
     assert check_main([str(tmp_path / "run"), "--only-diff"]) == 0  # the ledger, exactly
+    events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().split("\n")
+              if x]
+    grads = {len(e["group"]) for e in events if e["kind"] == "dp" and e["phase"] != "setup"}
+    # Megatron's rule: one bucketed reduction over dp x cp (not one over dp and one over cp)
+    assert grads == {layout.get("dp", 1) * layout["cp"]}
 
 
 def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):
