@@ -151,3 +151,24 @@ def test_megatron_cp_accessors(world4):
     got = world4.run(accessors_case)
     assert got == [(2, 0, True, 1, (0, 2)), (2, 0, True, 1, (1, 3)), (2, 1, True, 1, (0, 2)),
                    (2, 1, True, 1, (1, 3))]
+
+
+def test_plan_divides_activations_by_cp_and_counts_the_ring():
+    from dataclasses import replace
+
+    from paraloom.analysis.formulas import CommConfig, expected_comm
+    from paraloom.analysis.plan import plan
+    base = CommConfig(layers=4, hidden=64, heads=4, seq_len=64, vocab=256, micro_batch=2,
+                      num_microbatches=3, tp=2, dp=2, sequence_parallel=True)
+    ring, one = plan(replace(base, cp=4)), plan(base)
+    assert ring["gpus"] == 4 * one["gpus"]
+    act = ring["memory_per_gpu_bytes"]["activations"] / one["memory_per_gpu_bytes"]["activations"]
+    assert act == pytest.approx(1 / 4)
+    kv = 2 * 2 * (64 // 4) * (64 // 2) * 4          # 2 b (s/cp) (h/t) fp32 elements
+    got = expected_comm(replace(base, cp=4))
+    n = 3 * 4                                          # microbatches x layers
+    assert got["cp", "send", "forward"] == {"count": 3 * n, "bytes": 3 * n * kv}
+    assert got["cp", "send", "backward"] == {"count": 7 * n, "bytes": 7 * n * kv}
+    gathered = expected_comm(replace(base, cp=4, cp_comm_type="all_gather", recompute="full"))
+    assert gathered["cp", "all_gather", "recompute"] == {"count": n, "bytes": n * kv}
+    assert gathered["cp", "reduce_scatter", "backward"] == {"count": n, "bytes": n * 4 * kv}
