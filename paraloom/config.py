@@ -18,8 +18,8 @@ def _positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """How the world is split: ``world_size = tp * pp * dp`` (tensor fastest, pipeline
-    slowest)."""
+    """How the world is split: ``world_size = tp * cp * dp * pp`` (tensor fastest, then context,
+    data, pipeline slowest)."""
 
     tp: int = 1
     """Tensor-model-parallel size (Megatron ``tensor_model_parallel_size``): ranks sharing each
@@ -46,9 +46,15 @@ class ParallelConfig:
     """Accumulate weight gradients straight into fp32 ``param.main_grad``; ``param.grad`` stays
     None. Off by default, as in Megatron-Core's ``ModelParallelConfig`` (Megatron-LM's training
     script turns it on, but there it needs a fused CUDA kernel; see README, "Defaults")."""
+    cp: int = 1
+    """Context-parallel size (``context_parallel_size``): ranks sharing each sequence, split
+    load-balanced into ``2 * cp`` chunks (rank r holds chunks r and 2cp-1-r)."""
+    cp_comm_type: str = "p2p"
+    """How attention sees the other chunks' K/V: ``p2p`` (a ring of cp steps, Megatron/TE's
+    default) or ``all_gather`` (one all-gather of K,V per layer, as in Llama 3)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             _positive_int(name, getattr(self, name))
         if self.vpp is not None:
             _positive_int("vpp", self.vpp)
@@ -64,6 +70,8 @@ class ParallelConfig:
                 "sequence parallelism there is no input-gradient all-reduce to overlap (it is a "
                 "reduce-scatter, which already overlaps the weight-gradient GEMM); leave "
                 "async_grad_allreduce at its default (None: not used with sequence_parallel)")
+        if self.cp_comm_type not in ("p2p", "all_gather"):
+            raise ValueError(f"cp_comm_type must be p2p or all_gather, got {self.cp_comm_type!r}")
 
     @property
     def uses_async_grad_allreduce(self) -> bool:
@@ -75,8 +83,8 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Number of ranks this layout needs: ``tp * pp * dp``."""
-        return self.tp * self.pp * self.dp
+        """Number of ranks this layout needs: ``tp * cp * pp * dp``."""
+        return self.tp * self.cp * self.pp * self.dp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,6 +214,16 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     if parallel.sequence_parallel and model.seq_length % tp:
         problems.append(f"seq_length = {model.seq_length} is not divisible by tp = {tp} "
                         f"(needed by sequence_parallel)")
+    cp = parallel.cp
+    if cp > 1 and model.seq_length % (2 * cp):
+        problems.append(f"seq_length = {model.seq_length} is not divisible by 2 * cp = {2 * cp} "
+                        f"(context parallelism cuts each sequence into 2 * cp chunks)")
+    elif cp > 1 and parallel.sequence_parallel and (model.seq_length // cp) % tp:
+        problems.append(f"seq_length / cp = {model.seq_length // cp} is not divisible by tp = "
+                        f"{tp} (needed by sequence_parallel with context parallelism)")
+    if cp > 1 and model.dropout > 0:
+        problems.append(f"dropout = {model.dropout} with cp = {cp}: attention dropout is not "
+                        f"implemented for context parallelism; use dropout 0")
     if problems:
         raise ValueError("invalid layout: " + "; ".join(problems))
 

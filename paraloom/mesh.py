@@ -1,14 +1,17 @@
-"""ParallelMesh: the (pp, dp, tp) rank grid and one process group per axis.
+"""ParallelMesh: the (pp, dp, cp, tp) rank grid and one process group per axis.
 
-Rank order is Megatron's default: tensor fastest, then data, then pipeline::
+Rank order is Megatron's default (tp-cp-dp-pp): tensor fastest, then context, data, pipeline::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * cp * tp) + dp_rank * (cp * tp) + cp_rank * tp + tp_rank
 
 so the ranks of a tensor-parallel group are neighbours (same node, fastest links), and pipeline
 stages are the furthest apart. ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.emb`` are
 :class:`Axis` handles carrying the group, its size, this rank's index in it and its global ranks.
 ``mesh.emb`` is the embedding group: the first and the last pipeline stage of this (dp, tp) column,
-over which the tied word-embedding gradients are all-reduced.
+over which the tied word-embedding gradients are all-reduced. ``mesh.cp`` holds the ranks sharing
+one sequence (context parallelism); ``mesh.dp_cp`` is Megatron's data-parallel group "with context
+parallel" (the dp x cp ranks holding the same model shard), over which gradients are reduced. With
+``cp == 1`` it is the dp group itself.
 
 The grid itself (:func:`rank_groups`) is pure logic, tested without processes.
 """
@@ -44,27 +47,35 @@ class Axis:
         return len(self.ranks)
 
 
-def rank_coords(rank: int, tp: int, pp: int, dp: int) -> tuple[int, int, int]:
-    """``(pp_rank, dp_rank, tp_rank)`` of a global rank."""
-    if not 0 <= rank < tp * pp * dp:
-        raise ValueError(f"rank {rank} is outside a world of tp*pp*dp = "
-                         f"{tp}*{pp}*{dp} = {tp * pp * dp}")
-    return rank // (dp * tp), (rank // tp) % dp, rank % tp
+def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, ...]:
+    """``(pp_rank, dp_rank, tp_rank)`` of a global rank; ``(pp, dp, cp, tp)`` ranks if
+    ``cp > 1``."""
+    world = tp * cp * pp * dp
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of tp*cp*pp*dp = "
+                         f"{tp}*{cp}*{pp}*{dp} = {world}")
+    coords = rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
+    return coords if cp > 1 else (coords[0], coords[1], coords[3])
 
 
-def rank_groups(tp: int, pp: int, dp: int) -> dict[str, list[tuple[int, ...]]]:
+def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
     """Every group of every axis, in a fixed order that all ranks share.
 
     >>> rank_groups(2, 2, 1)["pp"]
     [(0, 2), (1, 3)]
+    >>> rank_groups(1, 1, 2, cp=2)["dp_cp"]
+    [(0, 1, 2, 3)]
     """
-    def r(p: int, d: int, t: int) -> int:
-        return p * dp * tp + d * tp + t
+    def r(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
 
+    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
     groups = {
-        "tp": [tuple(r(p, d, t) for t in range(tp)) for p in range(pp) for d in range(dp)],
-        "dp": [tuple(r(p, d, t) for d in range(dp)) for p in range(pp) for t in range(tp)],
-        "pp": [tuple(r(p, d, t) for p in range(pp)) for d in range(dp) for t in range(tp)],
+        "tp": [tuple(r(p, d, c, t) for t in T) for p in P for d in D for c in C],
+        "dp": [tuple(r(p, d, c, t) for d in D) for p in P for c in C for t in T],
+        "pp": [tuple(r(p, d, c, t) for p in P) for d in D for c in C for t in T],
+        "cp": [tuple(r(p, d, c, t) for c in C) for p in P for d in D for t in T],
+        "dp_cp": [tuple(r(p, d, c, t) for d in D for c in C) for p in P for t in T],
     }
     groups["emb"] = [tuple(dict.fromkeys((g[0], g[-1]))) for g in groups["pp"]]
     return groups
@@ -78,18 +89,21 @@ class ParallelMesh:
     """
 
     def __init__(self, config: ParallelConfig | None = None, *, tp: int = 1, pp: int = 1,
-                 dp: int = 1, vpp: int | None = None) -> None:
-        self.config = config or ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp)
+                 dp: int = 1, vpp: int | None = None, cp: int = 1) -> None:
+        self.config = config or ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp)
         cfg = self.config
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         self.rank = dist.get_rank() if distributed else 0
         if cfg.world_size != world:
-            raise ValueError(f"tp*pp*dp = {cfg.tp}*{cfg.pp}*{cfg.dp} = {cfg.world_size} does not "
-                             f"match the world size {world}; choose sizes whose product is {world}")
+            raise ValueError(f"tp*cp*pp*dp = {cfg.tp}*{cfg.cp}*{cfg.pp}*{cfg.dp} = "
+                             f"{cfg.world_size} does not match the world size {world}; choose "
+                             f"sizes whose product is {world}")
         self.world_size = world
         self.axes: dict[str, Axis] = {}
-        for name, groups in rank_groups(cfg.tp, cfg.pp, cfg.dp).items():
+        for name, groups in rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp).items():
+            if name == "dp_cp" and cfg.cp == 1:
+                continue  # the dp groups themselves: no second set of process groups
             mine = None
             for ranks in groups:  # every rank creates every group, in the same order
                 pg = dist.new_group(list(ranks)) if distributed and len(ranks) > 1 else None
@@ -98,12 +112,17 @@ class ParallelMesh:
             if mine is None:  # emb: a middle pipeline stage is in no embedding group
                 mine = Axis(name, (), -1, None)
             self.axes[name] = mine
+        if cfg.cp == 1:
+            self.axes["dp_cp"] = self.axes["dp"]
         world_group = dist.group.WORLD if distributed and world > 1 else None
         self.axes["world"] = Axis("world", tuple(range(world)), self.rank, world_group)
 
     tp = property(lambda self: self.axes["tp"], doc="Tensor-parallel axis.")
     dp = property(lambda self: self.axes["dp"], doc="Data-parallel axis.")
     pp = property(lambda self: self.axes["pp"], doc="Pipeline axis (stage = ``mesh.pp.rank``).")
+    cp = property(lambda self: self.axes["cp"], doc="Context-parallel axis (one sequence).")
+    dp_cp = property(lambda self: self.axes["dp_cp"],
+                     doc="Data-parallel x context-parallel axis: where gradients are reduced.")
     emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
     world = property(lambda self: self.axes["world"], doc="Every rank (the step's scalars).")
 
@@ -132,5 +151,8 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         c = self.config
-        return (f"ParallelMesh(rank={self.rank}, tp={c.tp}, pp={c.pp}, dp={c.dp}, vpp={c.vpp}; "
-                f"tp_rank={self.tp.rank}, dp_rank={self.dp.rank}, pp_rank={self.pp.rank})")
+        cp = f", cp={c.cp}" if c.cp > 1 else ""
+        cp_rank = f", cp_rank={self.cp.rank}" if c.cp > 1 else ""
+        return (f"ParallelMesh(rank={self.rank}, tp={c.tp}{cp}, pp={c.pp}, dp={c.dp}, "
+                f"vpp={c.vpp}; tp_rank={self.tp.rank}{cp_rank}, dp_rank={self.dp.rank}, "
+                f"pp_rank={self.pp.rank})")

@@ -18,7 +18,8 @@ __all__ = [
     "get_embedding_group", "is_pipeline_first_stage", "is_pipeline_last_stage",
     "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
     "get_virtual_pipeline_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
-    "set_virtual_pipeline_model_parallel_rank",
+    "set_virtual_pipeline_model_parallel_rank", "get_context_parallel_world_size",
+    "get_context_parallel_rank", "get_context_parallel_group",
 ]
 
 _MESH: ParallelMesh | None = None
@@ -28,23 +29,24 @@ _VIRTUAL_RANK: int | None = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               data_parallel_size: int | None = None,
-                              virtual_pipeline_model_parallel_size: int | None = None
-                              ) -> ParallelMesh:
-    """Build the groups (tensor fastest, then data, then pipeline) and make them current.
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              context_parallel_size: int = 1) -> ParallelMesh:
+    """Build the groups (tensor fastest, then context, data, pipeline) and make them current.
 
-    ``data_parallel_size`` defaults to ``world_size // (tp * pp)``, as in Megatron.
+    ``data_parallel_size`` defaults to ``world_size // (tp * cp * pp)``, as in Megatron.
     """
     global _MESH
     import torch.distributed as dist
 
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    tp, pp, cp = tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size
     if data_parallel_size is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if world % (tp * pp):
-            raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
-        data_parallel_size = world // (tp * pp)
+        if world % (tp * cp * pp):
+            raise ValueError(f"world size {world} is not divisible by tp*cp*pp = "
+                             f"{tp}*{cp}*{pp}")
+        data_parallel_size = world // (tp * cp * pp)
     _MESH = ParallelMesh(tp=tp, pp=pp, dp=data_parallel_size,
-                         vpp=virtual_pipeline_model_parallel_size)
+                         vpp=virtual_pipeline_model_parallel_size, cp=cp)
     return _MESH
 
 
@@ -98,6 +100,18 @@ def get_data_parallel_rank() -> int:
 
 def get_data_parallel_group():
     return get_mesh().dp.group
+
+
+def get_context_parallel_world_size() -> int:
+    return get_mesh().cp.size
+
+
+def get_context_parallel_rank() -> int:
+    return get_mesh().cp.rank
+
+
+def get_context_parallel_group():
+    return get_mesh().cp.group
 
 
 def get_embedding_group():

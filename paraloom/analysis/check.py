@@ -70,12 +70,12 @@ def compare(expected: dict, events: Iterable[dict], *, rank: int = 0,
 
 def check_run(config: CommConfig, events: list[dict], *, step: int | None = None) -> list[dict]:
     """:func:`compare` for every rank of the layout (and any other rank in ``events``), each
-    against its own pipeline stage (rank order tp fastest, then dp, then pp: ``pp_rank = rank
-    // (tp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
+    against its own pipeline stage (rank order tp fastest, then cp, dp, pp: ``pp_rank = rank
+    // (tp * cp * dp)``); a rank that recorded nothing shows all of its expectation as missing."""
     rows = []
-    world = config.tp * config.pp * config.dp
+    world = config.tp * config.cp * config.pp * config.dp
     for rank in sorted(set(range(world)) | {e["rank"] for e in events}):
-        pp_rank = rank // (config.tp * config.dp)
+        pp_rank = rank // (config.tp * config.cp * config.dp)
         expected = expected_comm(config, pp_rank) if rank < world else {}  # outside: all DIFF
         rows += compare(expected, events, rank=rank, step=step)
     return rows
@@ -129,7 +129,8 @@ def config_from_run(cfg: dict) -> CommConfig:
         overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
         bucket_size=cfg.get("bucket_size"),
         dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
-        arch=Architecture.from_model(m))
+        arch=Architecture.from_model(m),
+        cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"))
 
 
 def _ffn(model: dict) -> int | None:

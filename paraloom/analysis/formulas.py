@@ -13,7 +13,9 @@ and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_ma
 of it with a ``paraloom train`` run folder.
 
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``
-vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches.
+vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches. With
+context parallelism (``cp``) activations hold ``s/cp`` tokens and gradients are reduced over
+``dp * cp`` ranks; the cp messages themselves are in :mod:`paraloom.analysis.cp_formulas`.
 
 Sources: Shoeybi et al. 2019 (Megatron-LM: 2 all-reduces forward + 2 backward per layer),
 Korthikanti et al. 2022 (sequence parallelism, Table 2 activation memory), Narayanan et al. 2021
@@ -26,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from .arch import Architecture, arch_params_per_rank
+from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
 from .layout import rank_buckets, sp_elems
 
 __all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
@@ -89,6 +92,11 @@ class CommConfig:
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
     arch: Architecture = Architecture()
     """Llama-family switches (:mod:`paraloom.analysis.arch`); the default is GPT-2."""
+    cp: int = 1
+    """Context-parallel size: each rank holds ``s/cp`` tokens of every sequence
+    (:mod:`paraloom.analysis.cp_formulas`)."""
+    cp_comm_type: str = "p2p"
+    """``p2p`` (K/V ring) or ``all_gather``."""
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -171,7 +179,7 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
 
     t, m, sp = c.tp, c.num_microbatches, c.sp
     first, last = pp_rank == 0, pp_rank == c.pp - 1
-    act = c.seq_len * c.micro_batch * c.hidden * c.dtype_bytes    # one [s, b, h] tensor
+    act = local_seq(c) * c.micro_batch * c.hidden * c.dtype_bytes  # one [s(/cp), b, h] tensor
     shard = act // t                                              # one [s/t, b, h] tensor
     ml = m * stage_layers(c)                                       # layer passes per step
     if t > 1:
@@ -205,13 +213,14 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
                 add("sp", "reduce_scatter", "backward", m, act)
             else:
                 add("tp", "all_reduce", "backward", m, act)
-            tokens = c.seq_len * c.micro_batch
+            tokens = local_seq(c) * c.micro_batch
             add("tp", "all_reduce", "forward", m, tokens * F32)                   # MAX
             add("tp", "all_reduce", "forward", m, (3 if c.label_smoothing else 2) * tokens * F32)
+    add_cp_comm(c, ml, add)
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)
     if c.grad_sync:
-        _grad_sync(c, pp_rank, add)
+        _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
     return dict(out)
 
 

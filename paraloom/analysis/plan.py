@@ -22,6 +22,7 @@ import json
 import sys
 
 from .arch import Architecture, arch_param_count
+from .cp_formulas import cp_activation_factor
 from .formulas import (
     CommConfig,
     activation_bytes_per_layer,
@@ -58,9 +59,11 @@ def plan(c: CommConfig) -> dict:
                                            attention=c.arch.attention)
     interleave = 1 + (c.pp - 1) / (c.pp * c.v) if c.v > 1 else 1.0
     activations = (layer_act * c.dtype_bytes / 2 * stage_layers(c)
-                   * min(c.pp, c.num_microbatches) * interleave)
+                   * min(c.pp, c.num_microbatches) * interleave
+                   * cp_activation_factor(c.cp))  # cp: each rank holds s/cp tokens
     memory = {"weights": per_rank * c.dtype_bytes, "grads": per_rank * 4,
-              "optimizer": per_rank * opt_bytes / (c.dp if c.distributed_optimizer else 1),
+              "optimizer": per_rank * opt_bytes / (c.dp * c.cp if c.distributed_optimizer
+                                                   else 1),
               "activations": activations}
     memory["total"] = sum(memory.values())
     comm_bytes: dict[str, int] = {}
@@ -76,7 +79,7 @@ def plan(c: CommConfig) -> dict:
                 comm_bytes[kind], comm_ops[kind] = b, n
     gbs = c.micro_batch * c.num_microbatches * c.dp
     flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
-    gpus = c.tp * c.pp * c.dp
+    gpus = c.tp * c.cp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
             "parameters": {"total": arch_param_count(c) if not c.arch.is_gpt2 else
                            param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
@@ -91,7 +94,9 @@ def render_plan(c: CommConfig, p: dict) -> str:
     """The plan as a few aligned lines for people."""
     mem = p["memory_per_gpu_bytes"]
     lines = [f"{p['parameters']['total'] / 1e9:.1f}B parameters on {p['gpus']} GPUs "
-             f"(tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.v}, sp={'on' if c.sp else 'off'}, "
+             f"(tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.v}"
+             + (f" cp={c.cp} ({c.cp_comm_type})" if c.cp > 1 else "")
+             + f", sp={'on' if c.sp else 'off'}, "
              f"recompute={c.recompute}, distributed optimizer="
              f"{'on' if c.distributed_optimizer else 'off'})",
              f"global batch {p['global_batch_size']} = micro {c.micro_batch} x "
@@ -128,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     from ..training.arch_flags import add_architecture_flags
     add_architecture_flags(ap)
+    ap.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+                    help="context-parallel size (each rank holds seq-len / cp tokens)")
+    ap.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("p2p", "all_gather"),
+                    default="p2p")
     return ap
 
 
@@ -142,7 +151,7 @@ def _config(a: argparse.Namespace) -> CommConfig:
     """Validate the arguments (every number named) and build the formulas' config."""
     problems = []
     for name in ("layers", "hidden", "heads", "seq_len", "vocab", "global_batch_size",
-                 "micro_batch_size", "tp", "pp", "dp", "make_vocab_size_divisible_by"):
+                 "micro_batch_size", "tp", "pp", "dp", "make_vocab_size_divisible_by", "cp"):
         if getattr(a, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if problems:
@@ -161,6 +170,9 @@ def _config(a: argparse.Namespace) -> CommConfig:
     if a.sequence_parallel and a.seq_len % a.tp:
         problems.append(f"--seq-len {a.seq_len} is not divisible by --tp {a.tp}")
     arch = _architecture(a, problems)
+    if a.cp > 1 and a.seq_len % (2 * a.cp):
+        problems.append(f"--seq-len {a.seq_len} is not divisible by 2 * --cp = {2 * a.cp} "
+                        f"(context parallelism cuts each sequence into 2 * cp chunks)")
     if problems:
         raise ValueError("; ".join(problems))
     ffn = a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu else None)
@@ -171,7 +183,8 @@ def _config(a: argparse.Namespace) -> CommConfig:
                       tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp,
                       sequence_parallel=a.sequence_parallel, recompute=a.recompute,
                       distributed_optimizer=a.distributed_optimizer,
-                      dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch)
+                      dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch, cp=a.cp,
+                      cp_comm_type=a.cp_comm_type)
 
 
 def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:

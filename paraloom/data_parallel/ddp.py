@@ -15,7 +15,7 @@ so they complete buckets in the same order. Buckets are nevertheless *launched i
 complete bucket waits for the ones before it): collectives on one group must be issued in the same
 order on every rank, and this makes it so whatever order autograd happens to use.
 
-Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp``; with
+Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp_cp`` (dp x cp); with
 ``average_in_collective=False`` (default) the summed bucket is divided by dp afterwards, with
 ``average_in_collective=True`` each rank divides its contribution by dp before the SUM (what an
 AVG reduction does; this keeps bf16 sums in range). ``average=False`` gives the plain sum.
@@ -50,7 +50,7 @@ class DistributedDataParallel(nn.Module):
 
     Args:
         module: the model (chunk); its trainable parameters get ``main_grad`` views.
-        mesh: the layout; gradients are reduced over ``mesh.dp``.
+        mesh: the layout; gradients are reduced over ``mesh.dp_cp`` (``mesh.dp`` when cp = 1).
         overlap_grad_reduce: launch a bucket's reduction from the gradient hooks as soon as the
             bucket is complete on the last microbatch (else all at :meth:`finish_grad_sync`).
         bucket_size: elements per bucket (default ``max(40M, 1M * dp)``, as Megatron).
@@ -72,7 +72,8 @@ class DistributedDataParallel(nn.Module):
         self.average_in_collective, self.average = average_in_collective, average
         self.grad_reduce_in_fp32 = grad_reduce_in_fp32
         self.use_distributed_optimizer = use_distributed_optimizer
-        dp = mesh.dp.size
+        self.dp = mesh.dp_cp  # Megatron: non-expert grads reduced over dp x cp, in one reduction
+        dp = self.dp.size
         self.bucket_size = default_bucket_size(dp) if bucket_size is None else bucket_size
         by_dtype: dict[torch.dtype, list] = {}
         for name, param in module.named_parameters():
@@ -128,7 +129,7 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket, phase: str) -> None:
-        dp = self.mesh.dp
+        dp = self.dp
         send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
         if self.average and self.average_in_collective:
             send.div_(dp.size)  # may be the buffer itself: the reduced result overwrites it
@@ -146,12 +147,12 @@ class DistributedDataParallel(nn.Module):
         result = handle.wait()
         target = bucket.grad
         if bucket.reduce_scatter:
-            lo, hi = bucket.shard(self.mesh.dp.rank, self.mesh.dp.size)
+            lo, hi = bucket.shard(self.dp.rank, self.dp.size)
             target = target[lo:hi]
         if result.data_ptr() != target.data_ptr():
             target.copy_(result)
         if self.average and not self.average_in_collective:
-            target.div_(self.mesh.dp.size)
+            target.div_(self.dp.size)
         bucket.pending = None
 
     # ------------------------------------------------------------------ public API
@@ -215,10 +216,10 @@ class DistributedDataParallel(nn.Module):
 
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's parameters to the other replicas (phase ``setup``)."""
-        src = self.mesh.dp.ranks[0] if self.mesh.dp.size > 1 else None
+        src = self.dp.ranks[0] if self.dp.size > 1 else None
         for name, param in self.module.named_parameters():
             if src is not None:
-                comm.broadcast(param.data, self.mesh.dp, src=src, phase="setup", kind="dp",
+                comm.broadcast(param.data, self.dp, src=src, phase="setup", kind="dp",
                                site="DistributedDataParallel.broadcast_params", module=name)
 
     def param_range(self, param: nn.Parameter) -> tuple[Bucket, int, int]:

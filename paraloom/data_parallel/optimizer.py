@@ -124,7 +124,7 @@ class DistributedOptimizer(_AdamBase):
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., "
                              "use_distributed_optimizer=True): its buckets must be padded to a "
                              "multiple of dp, reduce-scattered, and the parameters held flat")
-        dp = ddp.mesh.dp
+        dp = ddp.dp  # dp x cp
         self.shards = []  # (bucket, lo, hi, master, exp_avg, exp_avg_sq, is_copy)
         for bucket in ddp.buckets:
             lo, hi = bucket.shard(dp.rank, dp.size)
@@ -141,7 +141,7 @@ class DistributedOptimizer(_AdamBase):
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket's parameters."""
         self.step_count += 1
-        dp = self.ddp.mesh.dp
+        dp = self.ddp.dp
         pending = []
         for bucket, lo, hi, master, exp_avg, exp_avg_sq, copy in self.shards:
             adam_update_(master, bucket.grad[lo:hi], exp_avg, exp_avg_sq, self.step_count,

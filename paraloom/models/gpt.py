@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..context_parallel import ContextParallelAttention
 from ..mesh import ParallelMesh
 from ..tensor_parallel import (
     ColumnParallelLinear,
@@ -96,7 +97,8 @@ class SelfAttention(nn.Module):
                                         name=f"{name}.qkv",
                                         async_grad_allreduce=opt.async_grad_allreduce,
                                         sequence_parallel=sp, **common)
-        self.core = make_core_attention(cfg.attention, cfg.dropout)
+        self.core = make_core_attention(cfg.attention, cfg.dropout) if mesh.cp.size == 1 else \
+            ContextParallelAttention(mesh.cp, mesh.config.cp_comm_type, f"{name}.core")
         self.proj = RowParallelLinear(h, h, bias=bias, input_is_parallel=True,
                                       sequence_parallel=sp, init_method=out_init,
                                       name=f"{name}.proj", **common)

@@ -55,7 +55,16 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
            "pp": "activations {shape} between stages",
            "emb": "tied word-embedding grads [V/tp, h], first + last stage",
            "loss": "per-rank partial sums (grad norm², loss)",
-           "sp": "sequence-parallel replicated grads (LayerNorms, row biases, positions)"},
+           "sp": "sequence-parallel replicated grads (LayerNorms, row biases, positions)",
+           ("cp", "send", "forward"): "K,V {shape} of two sequence chunks to the next cp rank",
+           ("cp", "recv", "forward"): "K,V {shape} of two sequence chunks from the previous "
+                                      "cp rank",
+           ("cp", "send", "backward"): "K,V or the dK,dV sum {shape} to the next cp rank",
+           ("cp", "recv", "backward"): "K,V or the dK,dV sum {shape} from the previous cp rank",
+           ("cp", "all_gather", "forward"): "K,V {shape} of this rank's two sequence chunks",
+           ("cp", "reduce_scatter", "backward"): "dK,dV {shape} of the whole sequence; each "
+                                                 "rank keeps its two chunks",
+           "cp": "K,V {shape} of sequence chunks"},
     "zh": {("pp", "send", "forward"): "激活 {shape}，发往下一流水级",
            ("pp", "recv", "forward"): "激活 {shape}，来自上一流水级",
            ("pp", "send", "backward"): "激活梯度 {shape}，发往上一流水级",
@@ -63,7 +72,14 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
            "pp": "流水级之间的激活 {shape}",
            "emb": "共享词嵌入梯度 [V/tp, h]，首末流水级",
            "loss": "各 rank 的部分和（梯度范数²、损失）",
-           "sp": "序列并行下复制参数的梯度（LayerNorm、行并行偏置、位置嵌入）"},
+           "sp": "序列并行下复制参数的梯度（LayerNorm、行并行偏置、位置嵌入）",
+           ("cp", "send", "forward"): "两个序列块的 K,V {shape}，发往下一个 cp rank",
+           ("cp", "recv", "forward"): "两个序列块的 K,V {shape}，来自上一个 cp rank",
+           ("cp", "send", "backward"): "K,V 或 dK,dV 累加和 {shape}，发往下一个 cp rank",
+           ("cp", "recv", "backward"): "K,V 或 dK,dV 累加和 {shape}，来自上一个 cp rank",
+           ("cp", "all_gather", "forward"): "本 rank 两个序列块的 K,V {shape}",
+           ("cp", "reduce_scatter", "backward"): "整条序列的 dK,dV {shape}，各 rank 保留自己的两块",
+           "cp": "序列块的 K,V {shape}"},
 }
 
 

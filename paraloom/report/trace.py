@@ -28,7 +28,7 @@ from ..ledger import load
 
 __all__ = ["build_trace", "write_trace", "trace_main", "KIND_ORDER"]
 
-KIND_ORDER = ("tp", "sp", "pp", "dp", "emb", "loss")
+KIND_ORDER = ("tp", "sp", "cp", "pp", "dp", "emb", "loss")
 """Thread order of the communication kinds (thread ``i + 1``); other kinds follow."""
 _ARGS = ("step", "microbatch", "phase", "kind", "op", "site", "module", "split", "async",
          "bytes", "shape", "dtype", "group", "seq", "recompute", "bucket", "peer")

@@ -1,7 +1,7 @@
 """Checkpoints with ``torch.distributed.checkpoint`` under global, layout-independent names.
 
-Every saved tensor is a DTensor on the run's ``(pp, dp, tp)`` device mesh: a tensor-parallel
-parameter is ``Shard(partition_dim)`` over tp and replicated over dp; everything else is
+Every saved tensor is a DTensor on the run's ``(pp, dp, cp, tp)`` device mesh: a tensor-parallel
+parameter is ``Shard(partition_dim)`` over tp and replicated over dp and cp; everything else is
 replicated. Names are the model's global names (``layers.7.mlp.fc1.weight``), so a checkpoint
 written under one (tp, pp, dp) loads under another: DCP reads, for each rank, just the slices its
 own shards need.
@@ -101,9 +101,11 @@ def _device_mesh(mesh):
         from torch.distributed.device_mesh import init_device_mesh
         c = mesh.config
         device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        cached = init_device_mesh(device, (c.pp, c.dp, c.tp), mesh_dim_names=("pp", "dp", "tp"))
+        cp = getattr(c, "cp", 1)  # every tensor is replicated over cp, as over dp
+        cached = init_device_mesh(device, (c.pp, c.dp, cp, c.tp),
+                                  mesh_dim_names=("pp", "dp", "cp", "tp"))
         mesh._device_mesh = cached
-    return cached["dp", "tp"]
+    return cached["dp", "cp", "tp"]
 
 
 def _dtensors(entries: dict[str, Entry], mesh) -> dict:
@@ -112,7 +114,8 @@ def _dtensors(entries: dict[str, Entry], mesh) -> dict:
     out = {}
     for name, e in entries.items():
         tp = Shard(e.partition_dim) if e.partition_dim is not None else Replicate()
-        out[name] = DTensor.from_local(e.tensor, sub, [Replicate(), tp], run_check=False)
+        out[name] = DTensor.from_local(e.tensor, sub, [Replicate(), Replicate(), tp],
+                                       run_check=False)
     return out
 
 

@@ -85,10 +85,28 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--max-bad-steps", type=int, default=3,
       help="stop after this many consecutive NaN/Inf steps (each is skipped)")
     a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
-      help="local ranks to start (must equal tp*pp*dp; default: tp*pp*dp)")
+      help="local ranks to start (must equal tp*cp*pp*dp; default: tp*cp*pp*dp)")
     from .arch_flags import add_architecture_flags
     add_architecture_flags(cmd)
+    add_cp_flags(cmd)
     return cmd
+
+
+def add_cp_flags(cmd) -> None:
+    """Context parallelism (``--cp``, ``--cp-comm-type``), shared by train and eval."""
+    a = cmd.add_argument
+    a("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
+      help="ranks sharing each sequence (load-balanced 2*cp chunks; default 1)")
+    a("--cp-comm-type", dest="cp_comm_type", choices=["p2p", "all_gather"], default="p2p",
+      help="context-parallel attention: p2p (K/V ring, default) or all_gather (one all-gather "
+           "of K,V per layer)")
+
+
+def check_cp_world(cp: int, world: int, where: str) -> None:
+    """``ValueError`` when ``cp`` does not divide the ``world`` the launcher gives."""
+    if world % cp:
+        raise ValueError(f"--cp {cp} does not divide the world of {world} ranks ({where}); "
+                         f"choose a --cp that divides {world}")
 
 
 def config_from_args(args):
@@ -99,7 +117,8 @@ def config_from_args(args):
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
                               sequence_parallel=args.sequence_parallel,
                               async_grad_allreduce=args.async_grad_allreduce,
-                              gradient_accumulation_fusion=args.grad_accum_fusion)
+                              gradient_accumulation_fusion=args.grad_accum_fusion,
+                              cp=args.cp, cp_comm_type=args.cp_comm_type)
     from .arch_flags import architecture_from_args
     given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
     model = _model_config(args) if args.init_from_hf else ModelConfig(
@@ -227,14 +246,17 @@ def train_main(args, argv: list[str] | None = None) -> int:
         if not launch.under_torchrun():  # under torchrun every rank checks what it can read
             _check_inputs(cfg)
         world = cfg.parallel.world_size
+        c = cfg.parallel
+        layout = f"tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {world}"
         if launch.under_torchrun():
+            check_cp_world(c.cp, int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE")
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"torchrun started WORLD_SIZE = {os.environ['WORLD_SIZE']} "
-                                 f"ranks but tp*pp*dp = {cfg.parallel.tp}*{cfg.parallel.pp}*"
-                                 f"{cfg.parallel.dp} = {world}")
-        elif args.nprocs is not None and args.nprocs != world:
-            raise ValueError(f"--nprocs {args.nprocs} does not match tp*pp*dp = "
-                             f"{cfg.parallel.tp}*{cfg.parallel.pp}*{cfg.parallel.dp} = {world}")
+                                 f"ranks but {layout}")
+        elif args.nprocs is not None:
+            check_cp_world(c.cp, args.nprocs, "--nprocs")
+            if args.nprocs != world:
+                raise ValueError(f"--nprocs {args.nprocs} does not match {layout}")
     except ValueError as err:
         print(f"paraloom train: error: {err}", file=sys.stderr)
         return 2

@@ -43,6 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0)
     from .arch_flags import add_architecture_flags
     add_architecture_flags(p)  # only --attention may differ from the checkpoint's model
+    from .command import add_cp_flags
+    add_cp_flags(p)
     return p
 
 
@@ -74,7 +76,8 @@ def _train_config(args, model, ckpt):
     from .flags import check_layout_flags
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
-                              sequence_parallel=args.sequence_parallel)
+                              sequence_parallel=args.sequence_parallel, cp=args.cp,
+                              cp_comm_type=args.cp_comm_type)
     check_layout_flags(model, parallel, shape_from=f"--hf {args.hf!r}" if args.hf else
                        "the checkpoint")
     schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"

@@ -36,6 +36,7 @@ _FIELDS = {
     "sequence_parallel": "parallel.sequence_parallel",
     "async_grad_allreduce": "parallel.async_grad_allreduce",
     "grad_accum_fusion": "parallel.gradient_accumulation_fusion",
+    "cp": "parallel.cp", "cp_comm_type": "parallel.cp_comm_type",
     "seq_len": "model.seq_length", "layers": "model.num_layers", "hidden": "model.hidden_size",
     "heads": "model.num_attention_heads", "ffn": "model.ffn_hidden_size",
     "vocab": "model.vocab_size", "dropout": "model.dropout",
@@ -48,7 +49,9 @@ _FIELDS = {
 }
 """argparse destination -> TrainConfig field (dotted into the nested configs)."""
 
-_LAYOUT = ("tp", "pp", "dp")
+_LAYOUT = ("tp", "pp", "dp", "cp")
+_NEWER = ("cp", "cp_comm_type")
+"""Flags a checkpoint written before they existed does not have (their defaults apply)."""
 
 
 def explicit_dests(argv: list[str] | None, args: argparse.Namespace) -> set[str]:
@@ -81,7 +84,8 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     ckpt, meta = find_checkpoint(args.resume)
     saved, step = meta["config"], int(meta["step"])
     for dest, path in _FIELDS.items():
-        if dest not in explicit:
+        if dest not in explicit and (dest not in _NEWER or path.split(".")[-1] in
+                                     saved["parallel"]):  # a checkpoint from before cp: 1
             setattr(args, dest, _get(saved, path))
     from .arch_flags import flags_of_model
     for dest, value in flags_of_model(saved["model"]).items():  # the architecture
@@ -112,7 +116,7 @@ def _notes(args, saved: dict, ckpt: Path, step: int, home: Path | None) -> list[
                  f"{args.steps} (nothing is copied there; its metrics begin at step {step})"]
     notes.append("changed from the checkpoint: " + ", ".join(changed) if changed
                  else "no setting changed from the checkpoint")
-    layout = [(saved["parallel"][k], now["parallel"][k]) for k in _LAYOUT]
+    layout = [(saved["parallel"].get(k, 1), now["parallel"][k]) for k in _LAYOUT]
     if any(a != b for a, b in layout) and now["model"]["dropout"] > 0:
         notes.append("dropout RNG streams are per rank and do not carry over to another "
                      "layout: they are re-seeded from (seed, step), so the continuation is not "
@@ -135,7 +139,7 @@ def same_layout(meta: dict, cfg) -> bool:
     """Whether the checkpoint was written by the same (tp, pp, dp) grid: only then does rank r
     hold the same part of the model and draw from the same RNG streams as the writer's rank r."""
     saved = meta["config"]["parallel"]
-    return all(saved[k] == getattr(cfg.parallel, k) for k in _LAYOUT)
+    return all(saved.get(k, 1) == getattr(cfg.parallel, k) for k in _LAYOUT)
 
 
 def restore_rng(ckpt: Path, meta: dict, run, rank: int, start: int) -> bool:

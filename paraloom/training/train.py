@@ -20,6 +20,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig
+from ..context_parallel import get_batch_on_this_cp_rank
 from ..data_parallel import (
     DistributedDataParallel,
     DistributedOptimizer,
@@ -100,9 +101,11 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
 
 
 def forward_step(data_iterator, model: GPTModel):
-    """Megatron's ``forward_step_func``: read a microbatch where the chunk needs one."""
-    tokens, labels = next(data_iterator)
-    out = model(tokens if model.pre_process else None, labels if model.post_process else None)
+    """Megatron's ``forward_step_func``: read a microbatch where the chunk needs one (with
+    context parallelism, this cp rank's chunks of it and their global positions)."""
+    tokens, labels, *positions = next(data_iterator)
+    out = model(tokens if model.pre_process else None, labels if model.post_process else None,
+                position_ids=positions[0] if positions else None)
 
     def loss_func(per_token):  # [b, s] on the last stage
         loss = per_token.float().mean()
@@ -115,6 +118,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     mbs = [(t.to(run.device), lab.to(run.device)) for t, lab in
            microbatches(batch, mesh.dp.rank, mesh.dp.size, batch.shape[0] // (
                cfg.micro_batch_size * mesh.dp.size))]
+    if mesh.cp.size > 1:  # Megatron's get_batch_on_this_cp_rank: chunks r and 2cp-1-r
+        mbs = [get_batch_on_this_cp_rank(t, lab, mesh.cp.rank, mesh.cp.size) for t, lab in mbs]
     iters = [iter(mbs) for _ in run.chunks]
     schedule = _SCHEDULES[cfg.schedule]
     interleaved = cfg.schedule == "interleaved"
@@ -128,7 +133,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
         chunk.train(not forward_only)
     return schedule(forward_step, iters if interleaved else iters[0],
                     run.chunks if interleaved else run.chunks[0], len(mbs),
-                    cfg.model.seq_length, cfg.micro_batch_size, forward_only, **kw)
+                    cfg.model.seq_length // mesh.cp.size, cfg.micro_batch_size, forward_only,
+                    **kw)
 
 
 def _counts_once(param, mesh: ParallelMesh) -> bool:
@@ -139,14 +145,15 @@ def _counts_once(param, mesh: ParallelMesh) -> bool:
 
 
 def _local_sq_norm(run: Run) -> torch.Tensor:
-    """Sum of squared main grads this rank is responsible for (dedup over tp, pp, dp)."""
+    """Sum of squared main grads this rank is responsible for (dedup over tp, pp, dp x cp)."""
     mesh, zero = run.mesh, run.cfg.distributed_optimizer
     total = torch.zeros((), dtype=torch.float64, device=run.device)
-    if not zero and mesh.dp.rank != 0:
+    dp = mesh.dp_cp  # gradients are reduced (and ZeRO-sharded) over dp x cp
+    if not zero and dp.rank != 0:
         return total  # replicated after the all-reduce: dp rank 0 counts it
     for ddp in run.ddps:
         for bucket in ddp.buckets:
-            lo, hi = bucket.shard(mesh.dp.rank, mesh.dp.size) if zero else (0, bucket.numel)
+            lo, hi = bucket.shard(dp.rank, dp.size) if zero else (0, bucket.numel)
             grad = bucket.grad
             for param in bucket.params:
                 if not _counts_once(param, mesh):
@@ -171,13 +178,14 @@ def train_step(run: Run, step: int) -> dict:
     losses = _run_schedule(run, batch, forward_only=False)
     zero = torch.zeros((), dtype=torch.float64)
     loss_sum = torch.stack(losses).double().sum() if losses else zero
-    # this rank's loss counts once per (dp replica): last stage, tp rank 0
+    # this rank's loss counts once per (dp replica, cp rank): last stage, tp rank 0; every cp
+    # rank holds the mean over the same number of tokens, so their mean is the sequence's
     weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
     scalars = torch.stack([_local_sq_norm(run), loss_sum.to(run.device) * weight])
     comm.all_reduce(scalars, mesh.world, phase="optimizer", kind="loss",
                     site="train_step:grad_norm_and_loss", split="per-rank partial sums")
     grad_norm = math.sqrt(scalars[0].item())
-    loss = scalars[1].item() / (mesh.dp.size * run.cfg.num_microbatches)
+    loss = scalars[1].item() / (mesh.dp_cp.size * run.cfg.num_microbatches)
     lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                        total_steps=cfg.steps)
     # One all-reduce carried both numbers, so every rank sees the same NaN/Inf and decides alike.
@@ -209,4 +217,4 @@ def evaluate(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
             total += torch.stack(losses).double().sum()
     comm.all_reduce(total, mesh.world, phase="forward", kind="loss", site="evaluate:loss")
     per_batch = cfg.global_batch_size // (cfg.micro_batch_size * mesh.dp.size)
-    return total.item() / (len(batches) * mesh.dp.size * per_batch)
+    return total.item() / (len(batches) * mesh.dp_cp.size * per_batch)
