@@ -100,3 +100,16 @@ def test_hf_gpt2_under_cp_scores_like_transformers(tmp_path, capfd):
         want = torch.nn.functional.cross_entropy(model(window[None, :-1]).logits[0],
                                                  window[1:]).item()
     assert got["loss"] == pytest.approx(want, rel=1e-5)
+
+
+LLAMA = replace(MODEL, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                num_query_groups=2, untie_embeddings_and_output_weights=True,
+                add_bias_linear=False, ffn_hidden_size=64)
+
+
+def test_llama_gqa_rope_under_cp_trains_the_same_model(tmp_path):
+    """Rotary positions follow the load-balanced chunks and the ring carries g < a K/V heads."""
+    want = train(tmp_path, "llama1", model=LLAMA)
+    got = train(tmp_path, "llama-tp2-cp2", tp=2, cp=2, sp=True, model=LLAMA)
+    _assert_same(got, want)
+    assert check_main([str(tmp_path / "llama-tp2-cp2"), "--only-diff"]) == 0

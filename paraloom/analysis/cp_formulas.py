@@ -35,8 +35,11 @@ def grad_sync_view(c):
 
 
 def cp_kv_bytes(c) -> int:
-    """Bytes of one rank's K and V for one layer and microbatch: ``2 b (s/cp) (h/t)`` elements."""
-    return 2 * c.micro_batch * local_seq(c) * (c.hidden // c.tp) * c.dtype_bytes
+    """Bytes of one rank's K and V for one layer and microbatch: ``2 b (s/cp) (g d/t)`` elements
+    (``g`` key/value heads of size ``d = h/a``; ``g = a`` without grouped-query attention)."""
+    groups = getattr(c, "arch", None) and c.arch.num_query_groups or c.heads
+    return 2 * c.micro_batch * local_seq(c) * (groups * (c.hidden // c.heads) // c.tp) \
+        * c.dtype_bytes
 
 
 def add_cp_comm(c, layer_passes: int, add) -> None:
