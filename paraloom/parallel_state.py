@@ -19,6 +19,10 @@ __all__ = [
     "get_pipeline_model_parallel_next_rank", "get_pipeline_model_parallel_prev_rank",
     "get_virtual_pipeline_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
     "set_virtual_pipeline_model_parallel_rank",
+    "get_expert_model_parallel_world_size", "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_group", "get_expert_data_parallel_world_size",
+    "get_expert_data_parallel_rank", "get_expert_data_parallel_group",
+    "get_data_modulo_expert_parallel_group",
 ]
 
 _MESH: ParallelMesh | None = None
@@ -28,11 +32,12 @@ _VIRTUAL_RANK: int | None = None
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               data_parallel_size: int | None = None,
-                              virtual_pipeline_model_parallel_size: int | None = None
-                              ) -> ParallelMesh:
+                              virtual_pipeline_model_parallel_size: int | None = None,
+                              expert_model_parallel_size: int = 1) -> ParallelMesh:
     """Build the groups (tensor fastest, then data, then pipeline) and make them current.
 
-    ``data_parallel_size`` defaults to ``world_size // (tp * pp)``, as in Megatron.
+    ``data_parallel_size`` defaults to ``world_size // (tp * pp)``, as in Megatron;
+    ``expert_model_parallel_size`` (ep) is carved out of the data-parallel ranks.
     """
     global _MESH
     import torch.distributed as dist
@@ -44,7 +49,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             raise ValueError(f"world size {world} is not divisible by tp*pp = {tp}*{pp}")
         data_parallel_size = world // (tp * pp)
     _MESH = ParallelMesh(tp=tp, pp=pp, dp=data_parallel_size,
-                         vpp=virtual_pipeline_model_parallel_size)
+                         vpp=virtual_pipeline_model_parallel_size,
+                         ep=expert_model_parallel_size)
     return _MESH
 
 
@@ -139,3 +145,32 @@ def get_pipeline_model_parallel_next_rank() -> int:
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     return get_mesh().prev_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_mesh().ep.size
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_mesh().ep.rank
+
+
+def get_expert_model_parallel_group():
+    return get_mesh().ep.group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_mesh().edp.size
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_mesh().edp.rank
+
+
+def get_expert_data_parallel_group():
+    return get_mesh().edp.group
+
+
+def get_data_modulo_expert_parallel_group():
+    """Megatron-Core's older name for :func:`get_expert_data_parallel_group`."""
+    return get_mesh().edp.group

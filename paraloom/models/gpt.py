@@ -169,7 +169,9 @@ class TransformerLayer(nn.Module):
         self.ln1 = _layer_norm(h, sp, opt.params_dtype)
         self.attention = SelfAttention(cfg, mesh, f"{name}.attention", opt, init, out_init)
         self.ln2 = _layer_norm(h, sp, opt.params_dtype)
-        self.mlp = MLP(cfg, mesh, f"{name}.mlp", opt, init, out_init)
+        from ..moe import MoELayer, is_moe_layer  # MoE layers route to experts (issue 14)
+        mlp = MoELayer if is_moe_layer(cfg, index) else MLP
+        self.mlp = mlp(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
     def _forward(self, x):                                   # [s(/tp), b, h]
         x = x + _dropout(self.attention(self.ln1(x)), self.dropout, self.training, self.sp)
