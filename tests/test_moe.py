@@ -1,9 +1,12 @@
-"""Mixture of experts: the ep/edp grid, routing, and the MoE layer under ep/tp/sp against a plain
-loop over experts (outputs and every gradient), in one warm 4-rank world."""
+"""Mixture of experts: the ep/edp grid, routing, the MoE layer under ep/tp/sp against a plain loop
+over experts (outputs and every gradient), and training under five layouts with ep in {2, 4}
+against one process (LM loss, aux and z loss, gradient norm, tokens per expert, dropped tokens),
+all in one warm 4-rank world."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from paraloom.config import ModelConfig, ParallelConfig, check_layout
+from paraloom.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
 from paraloom.mesh import Axis, expert_rank_groups, rank_groups
 from paraloom.moe import expert_capacity, topk_routing
 
@@ -173,3 +176,68 @@ def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity
     assert (sum(r["dropped"] for r in res) > 0) == (capacity is not None)
     assert sorted({g for r in res for g in r["local"]}) == list(range(CFG.num_experts))
     assert math.isfinite(res[0]["kept"])
+
+
+# ------------------------------------------------------------------ training, every layout
+TRAIN_MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
+                          seq_length=16, num_experts=4, moe_router_topk=2, moe_layer_freq=2,
+                          moe_z_loss_coeff=1e-3)
+TRAIN = TrainConfig(model=TRAIN_MODEL, global_batch_size=8, micro_batch_size=1, steps=4,
+                    lr=3e-3, warmup_steps=1, save_every=0)
+
+
+def train_steps(cfg):
+    """The training loop's steps without its files: ``train_step`` metrics for ``cfg.steps``."""
+    from paraloom.mesh import ParallelMesh
+    from paraloom.training.data import Corpus, load_corpus
+    from paraloom.training.train import build, train_step
+    mesh = ParallelMesh(cfg.parallel)
+    run = build(cfg, mesh, Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed))
+    return [train_step(run, s) for s in range(cfg.steps)]
+
+
+def _cfg(model=TRAIN_MODEL, *, tp=1, pp=1, dp=1, ep=1, sp=False, zero=False):
+    return replace(TRAIN, model=model, parallel=ParallelConfig(
+        tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp), distributed_optimizer=zero,
+        schedule="1f1b" if pp > 1 else "none")
+
+
+def assert_same_training(got, want, rtol=1e-5):
+    """LM loss, aux and z loss, gradient norm at ``rtol``; tokens per expert and drops exactly."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=rtol), (key, a, b)
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+        assert a.get("dropped_tokens") == b.get("dropped_tokens")
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One process (the pytest process itself, no torch.distributed): the oracle."""
+    return {cf: train_steps(_cfg(replace(TRAIN_MODEL, moe_expert_capacity_factor=cf)))
+            for cf in (None, 1.0)}
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=4), dict(dp=4, ep=2, zero=True), dict(tp=2, dp=2, ep=2, sp=True),
+    dict(tp=2, dp=2, ep=2, zero=True), dict(pp=2, dp=2, ep=2),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_every_expert_layout_trains_the_same_model(world4, single, layout):
+    got = world4.run(train_steps, _cfg(**layout))
+    for rank_metrics in got:  # every rank reports the same numbers
+        assert_same_training(rank_metrics, single[None])
+    first = got[0][0]
+    assert first["aux_loss"] > 0 and got[0][-1]["loss"] < first["loss"]
+    assert set(first["tokens_per_expert"]) == {"0", "2"}  # moe_layer_freq 2
+    assert all(sum(v) == 8 * 16 * 2 for v in first["tokens_per_expert"].values())
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4)],
+                         ids=["tp2-sp-ep2", "dp4-ep4"])
+def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, layout):
+    want = single[1.0]
+    assert all(m["dropped_tokens"] > 0 for m in want)
+    model = replace(TRAIN_MODEL, moe_expert_capacity_factor=1.0)
+    assert_same_training(world4.run(train_steps, _cfg(model, **layout))[0], want)
+    assert all(sum(v) < 8 * 16 * 2 for v in want[0]["tokens_per_expert"].values())
