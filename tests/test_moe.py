@@ -94,8 +94,8 @@ def _reference(layer, x, proj, cfg):
     for g in range(e):
         ex = layer.experts[str(g)]
         rows = chosen[:, g].nonzero().flatten()
-        hmid = F.gelu(tokens[rows] @ ex.fc1_weight.t() + ex.fc1_bias, approximate="tanh")
-        out = hmid @ ex.fc2_weight.t() + ex.fc2_bias
+        hmid = F.gelu(tokens[rows] @ ex.fc1.weight.t() + ex.fc1.bias, approximate="tanh")
+        out = hmid @ ex.fc2.weight.t() + ex.fc2.bias
         y = y.index_add(0, rows, out * weight[rows, g:g + 1])
     p = torch.softmax(logits, -1)
     before = torch.zeros(n, e).scatter(1, idx, 1.0).sum(0)
@@ -153,14 +153,14 @@ def layer_vs_loop(tp, ep, sp, capacity):
         mine, theirs = layer.experts[str(gid)], ref.experts[str(gid)]
         f = divide(cfg.ffn, tp)
         r = slice(mesh.tp.rank * f, (mesh.tp.rank + 1) * f)
-        torch.testing.assert_close(mine.fc1_weight.grad, theirs.fc1_weight.grad[r], rtol=1e-5,
+        torch.testing.assert_close(mine.fc1.weight.grad, theirs.fc1.weight.grad[r], rtol=1e-5,
                                    atol=1e-6)
-        torch.testing.assert_close(mine.fc2_weight.grad, theirs.fc2_weight.grad[:, r], rtol=1e-5,
+        torch.testing.assert_close(mine.fc2.weight.grad, theirs.fc2.weight.grad[:, r], rtol=1e-5,
                                    atol=1e-6)
-        b2 = mine.fc2_bias.grad
+        b2 = mine.fc2.bias.grad
         if tp > 1:
             dist.all_reduce(b2, group=mesh.tp.group)
-        torch.testing.assert_close(b2, theirs.fc2_bias.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b2, theirs.fc2.bias.grad, rtol=1e-5, atol=1e-6)
     return {"kept": int(layer.stats["tokens_per_expert"].sum()),
             "dropped": int(layer.stats["dropped"]), "local": list(layer.local_ids)}
 

@@ -56,17 +56,19 @@ class Expert(nn.Module):
         f = divide(ffn, tp, "ffn_hidden_size")
         rows, cols = (r * f, (r + 1) * f), (0, hidden)
         self.name, self.first = name, r == 0
-        self.fc1_weight = _param(init, f"{name}.fc1.weight", (ffn, hidden), (rows, cols), dtype,
+        self.fc1, self.fc2 = nn.Module(), nn.Module()  # names as the dense MLP's: fc1.weight
+        self.fc1.weight = _param(init, f"{name}.fc1.weight", (ffn, hidden), (rows, cols), dtype,
                                  0, tp)
-        self.fc1_bias = _param(None, f"{name}.fc1.bias", (ffn,), (rows,), dtype, 0, tp)
-        self.fc2_weight = _param(out_init, f"{name}.fc2.weight", (hidden, ffn), (cols, rows),
+        self.fc1.bias = _param(None, f"{name}.fc1.bias", (ffn,), (rows,), dtype, 0, tp)
+        self.fc2.weight = _param(out_init, f"{name}.fc2.weight", (hidden, ffn), (cols, rows),
                                  dtype, 1, tp)
-        self.fc2_bias = _param(None, f"{name}.fc2.bias", (hidden,), None, dtype, None, tp)
-        self.fc2_bias.sequence_parallel = tp > 1  # partial (rank 0 only): summed over tp
+        self.fc2.bias = _param(None, f"{name}.fc2.bias", (hidden,), None, dtype, None, tp)
+        self.fc2.bias.sequence_parallel = tp > 1  # partial (rank 0 only): summed over tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:     # [n, h]
         with span("Expert.forward:fc1_gelu_fc2", phase="forward", module=self.name,
                   rows=x.shape[0]):
-            h = F.gelu(F.linear(x, self.fc1_weight, self.fc1_bias), approximate="tanh")
-            out = F.linear(h, self.fc2_weight)              # [n, h] partial over tp
-        return out + self.fc2_bias if self.first else out + 0 * self.fc2_bias
+            h = F.gelu(F.linear(x, self.fc1.weight, self.fc1.bias), approximate="tanh")
+            out = F.linear(h, self.fc2.weight)              # [n, h] partial over tp
+        bias = self.fc2.bias
+        return out + bias if self.first else out + 0 * bias
