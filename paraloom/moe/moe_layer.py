@@ -71,12 +71,12 @@ class MoELayer(nn.Module):
         self.stats: dict = {}
         reset_moe_stats([self])
 
-    def _tp(self, t: torch.Tensor, what: str) -> torch.Tensor:
+    def _tp(self, t: torch.Tensor, what: str, split: str) -> torch.Tensor:
         """Every tp rank gets all tokens (forward), partial gradients summed (backward)."""
         tp = self.mesh.tp
         if tp.size == 1:
             return t
-        site, kw = f"MoELayer.{what}", dict(module=self.name, split="tokens (sequence)")
+        site, kw = f"MoELayer.{what}", dict(module=self.name, split=split)
         if self.sp:
             return gather_from_sequence_parallel_region(t, tp, True, site=site, **kw)
         return copy_to_tensor_model_parallel_region(t, tp, site=site, **kw)
@@ -86,14 +86,14 @@ class MoELayer(nn.Module):
         s_local, b, h = x.shape
         n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
-        logits = self._tp(logits_slice, "router_logits")    # [N, E]
+        logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
         probs, routing_map, per_expert = topk_routing(
             logits, cfg.moe_router_topk,
             cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)
         aux = switch_load_balancing_loss(torch.softmax(logits_slice, -1), per_expert, n,
                                          cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
         zl = z_loss(logits_slice, n, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else None
-        tokens = self._tp(x, "tokens").reshape(-1, h)       # [N, h]
+        tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
         rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map)
         outs = [self.experts[str(g)](chunk) for g, chunk in
                 zip(self.local_ids, torch.split(rows, per_local), strict=True)]
