@@ -241,3 +241,24 @@ def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, l
     model = replace(TRAIN_MODEL, moe_expert_capacity_factor=1.0)
     assert_same_training(world4.run(train_steps, _cfg(model, **layout))[0], want)
     assert all(sum(v) < 4 * 16 * 2 for v in want[0]["tokens_per_expert"].values())
+
+
+def test_plan_and_layout_count_the_real_experts():
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.analysis.layout import chunk_params
+    from paraloom.analysis.moe_formulas import MoECommConfig
+    from paraloom.analysis.plan import plan
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel
+
+    model = GPTModel(TRAIN_MODEL, ParallelMesh())
+    real = {n: p.numel() for n, p in model.named_parameters()}
+    moe = MoECommConfig(num_experts=4, topk=2, ep=1, layer_freq=2)
+    c = CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256, moe=moe)
+    assert plan(c)["parameters"]["total"] == plan(c)["parameters"]["per_gpu"] == sum(real.values())
+    assert {p.name: p.numel for p in chunk_params(c, 0)} == real  # names and sizes, in order
+    assert [p.name for p in chunk_params(c, 0)] == list(real)
+    # ep = 2 over dp = 2: each rank holds half of every MoE layer's experts
+    c2 = replace(c, dp=2, moe=replace(moe, ep=2))
+    experts = sum(n for name, n in real.items() if ".experts." in name)
+    assert plan(c2)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2

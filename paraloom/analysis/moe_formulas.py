@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from .layout import Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
-           "check_all_to_all", "moe_from_run", "expert_params", "moe_param_bytes"]
+           "check_all_to_all", "moe_from_run", "expert_params", "moe_param_bytes", "moe_plan",
+           "split_bytes"]
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,22 @@ def moe_comm(c, pp_rank: int, add) -> None:
     mm = c.num_microbatches * moe_layers_on_rank(c, pp_rank)
     n_tok = c.seq_len * c.micro_batch
     logits = n_tok * m.num_experts * 4                      # [N, E] fp32
+    act = n_tok * c.hidden * c.dtype_bytes                  # [s, b, h]
+    # full recomputation re-runs the whole MoE forward (its output feeds the saved residual)
+    again = mm if c.recompute == "full" else 0
     if t > 1 and c.sp:
         add("sp", "all_gather", "forward", mm, logits // t)   # the logits' gather
-        add("sp", "all_gather", "backward", -mm, c.seq_len * c.micro_batch * c.hidden *
-            c.dtype_bytes // t)                                # no saved-input re-gather
+        add("sp", "all_gather", "backward", -mm, act // t)    # no saved-input re-gather
         add("sp", "reduce_scatter", "backward", mm, logits)   # the logits' gradient
+        add("sp", "all_gather", "recompute", again, logits // t)
+        add("sp", "reduce_scatter", "recompute", again, act)  # the output's reduce-scatter
     elif t > 1:
         add("tp", "all_reduce", "backward", mm, logits)       # the logits' copy region
+        add("tp", "all_reduce", "recompute", again, act)      # the output's all-reduce
     if m.ep > 1:
-        add("ep", "all_to_all", "forward", mm, m.num_experts * 8)  # counts
-        add("ep", "all_to_all", "forward", 2 * mm, 0)         # dispatch, combine: see splits
+        for phase, n in (("forward", mm), ("recompute", again)):
+            add("ep", "all_to_all", phase, n, m.num_experts * 8)  # counts
+            add("ep", "all_to_all", phase, 2 * n, 0)          # dispatch, combine: see splits
         add("ep", "all_to_all", "backward", 2 * mm, 0)
 
 
@@ -161,3 +168,34 @@ def _row(rank, phase, exp_n, rec_n, exp_b, rec_b) -> dict:
     return {"rank": rank, "kind": "ep", "op": "all_to_all", "phase": phase,
             "expected_count": exp_n, "recorded_count": rec_n, "expected_bytes": exp_b,
             "recorded_bytes": rec_b, "ok": exp_n == rec_n and exp_b == rec_b}
+
+
+def moe_plan(c, pp_rank: int) -> dict:
+    """What MoE adds to ``paraloom plan`` for one pipeline rank (estimates for balanced routing):
+
+    * ``params``: router ``E h`` plus ``E / ep`` tp-split experts instead of one dense MLP, per
+      MoE layer;
+    * ``activation_bytes``: per microbatch in flight, the ``k - 1`` extra copies of each token's
+      MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``, 16-bit units) and the
+      combine's ``k h`` rows, scaled to the dtype;
+    * ``expert_params`` (sharded over ``edp`` by ZeRO) and ``total_params`` (what MoE adds to
+      the whole model's count);
+    * ``ep_bytes`` / ``ep_ops``: the all-to-alls of a step, each token all-to-all moving
+      ``N k h B`` per rank when every rank receives as much as it sends."""
+    m, t, h, f = c.moe, c.tp, c.hidden, c.f
+    layers = moe_layers_on_rank(c, pp_rank)
+    dense = 2 * h * f // t + f // t + h
+    expert = 2 * h * f // t + f // t + h
+    params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense)
+    all_layers = sum(1 for i in range(c.layers) if m.is_moe_layer(i))
+    total = all_layers * (m.num_experts * h + (m.num_experts - 1) * (2 * h * f + f + h))
+    n_tok = c.seq_len * c.micro_batch
+    act = layers * n_tok * ((m.topk - 1) * (2 * h + 4 * f / t) + 2 * m.topk * h) \
+        * c.dtype_bytes / 2
+    mm = layers * c.num_microbatches
+    ep_ops = 5 * mm if m.ep > 1 else 0
+    ep_bytes = mm * (8 * m.num_experts + 4 * n_tok * m.topk * h * c.dtype_bytes) \
+        if m.ep > 1 else 0
+    return {"params": params, "activation_bytes": act, "ep_bytes": ep_bytes, "ep_ops": ep_ops,
+            "expert_params": layers * m.num_experts // m.ep * expert, "edp": c.dp // m.ep,
+            "total_params": total}
