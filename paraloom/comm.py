@@ -22,6 +22,7 @@ Conventions:
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -195,7 +196,7 @@ def all_to_all(tensor: torch.Tensor, axis: Axis, *, input_splits: list[int] | No
                          f"have {n} entries (the group size) and input_splits must sum to "
                          f"dim 0 of shape {list(local.shape)}")
     out = torch.empty((sum(outs), *local.shape[1:]), dtype=local.dtype, device=local.device)
-    row = local[0].numel() * local.element_size() if local.dim() > 1 else local.element_size()
+    row = math.prod(local.shape[1:]) * local.element_size()  # also when this rank sends nothing
     record = dict(op="all_to_all", phase=phase, kind=kind, site=site, module=module, split=split,
                   tensor=local, input_splits=ins, output_splits=outs, row_bytes=row,
                   recv_bytes=sum(outs) * row, **extra)

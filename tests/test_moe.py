@@ -262,3 +262,25 @@ def test_plan_and_layout_count_the_real_experts():
     c2 = replace(c, dp=2, moe=replace(moe, ep=2))
     experts = sum(n for name, n in real.items() if ".experts." in name)
     assert plan(c2)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2
+
+
+def empty_all_to_all():
+    from paraloom import comm
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    mesh = ParallelMesh(dp=dist.get_world_size(), ep=4)
+    r = mesh.ep.rank
+    ins = [0, 0, 0, 0] if r == 0 else [1, 1, 1, 1]  # rank 0 sends nothing
+    outs = [0, 1, 1, 1]
+    x = torch.full((sum(ins), 3), float(r))
+    with recording(Ledger(rank=dist.get_rank())) as led:
+        y = comm.all_to_all(x, mesh.ep, input_splits=ins, output_splits=outs, phase="forward",
+                            kind="ep", site="test")
+    e = led.events[0]
+    return y[:, 0].tolist(), e["bytes"], e["recv_bytes"], e["row_bytes"]
+
+
+def test_all_to_all_with_an_empty_send(world4):
+    for r, (got, sent, received, row) in enumerate(world4.run(empty_all_to_all)):
+        assert got == [1.0, 2.0, 3.0] and row == 12 and received == 36
+        assert sent == (0 if r == 0 else 48)
