@@ -59,6 +59,11 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.name = cfg, mesh, name
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
+        cp = getattr(mesh, "cp", None)
+        if cp is not None and cp.size > 1:  # the router would see only its sequence chunks
+            raise ValueError(f"MoE layers with context parallelism (cp = {cp.size}) are not "
+                             f"supported yet: the routing statistics and the capacity of a "
+                             f"microbatch must first be reduced over cp; use cp = 1")
         e, dtype = cfg.num_experts, opt.params_dtype
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
                                  sequence_parallel=opt.sequence_parallel)
