@@ -15,10 +15,14 @@ Conventions:
   a timeout (:func:`set_timeout`), after which :class:`CommTimeout` names the operation and the
   group instead of hanging.
 * Reductions are SUM (averages divide afterwards), except where an algorithm needs MAX.
+* ``all_to_all`` moves rows of dim 0 with per-rank split sizes (Megatron's expert dispatch); its
+  event carries ``input_splits`` / ``output_splits`` (rows) and ``row_bytes``, and ``bytes`` is the
+  whole local input (the rows kept on this rank included), ``recv_bytes`` the whole output.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections import deque
@@ -30,7 +34,8 @@ import torch.distributed as dist
 from . import ledger as _ledger
 from .mesh import Axis
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "batch_p2p", "barrier",
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "batch_p2p",
+           "barrier",
            "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout",
            "flight_recorder"]
 
@@ -170,6 +175,34 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str
                   split=split, tensor=tensor, **extra)
     return _run(lambda: _reduce_scatter_single(out, full, group=axis.group, async_op=True), out,
                 axis, async_op, None, record, f"reduce_scatter at {site}")
+
+
+def all_to_all(tensor: torch.Tensor, axis: Axis, *, input_splits: list[int] | None = None,
+               output_splits: list[int] | None = None, phase: str, kind: str, site: str,
+               module: str | None = None, split: str | None = None, async_op: bool = False,
+               **extra):
+    """Send rows ``[sum(input_splits[:j]), ...)`` of ``tensor`` (dim 0) to the ``j``-th rank of
+    ``axis`` and receive ``output_splits[j]`` rows from it, concatenated in rank order (a new
+    tensor). ``None`` splits mean equal parts. Every rank must pass matching sizes (rank ``i``'s
+    ``input_splits[j]`` is rank ``j``'s ``output_splits[i]``)."""
+    if axis.size == 1:
+        return _done(tensor, async_op)
+    local = tensor.contiguous()
+    n = axis.size
+    ins = list(input_splits) if input_splits is not None else [local.shape[0] // n] * n
+    outs = list(output_splits) if output_splits is not None else ins
+    if len(ins) != n or len(outs) != n or sum(ins) != local.shape[0]:
+        raise ValueError(f"all_to_all at {site}: input_splits {ins} / output_splits {outs} must "
+                         f"have {n} entries (the group size) and input_splits must sum to "
+                         f"dim 0 of shape {list(local.shape)}")
+    out = torch.empty((sum(outs), *local.shape[1:]), dtype=local.dtype, device=local.device)
+    row = math.prod(local.shape[1:]) * local.element_size()  # also when this rank sends nothing
+    record = dict(op="all_to_all", phase=phase, kind=kind, site=site, module=module, split=split,
+                  tensor=local, input_splits=ins, output_splits=outs, row_bytes=row,
+                  recv_bytes=sum(outs) * row, **extra)
+    return _run(lambda: dist.all_to_all_single(out, local, outs, ins, group=axis.group,
+                                               async_op=True),
+                out, axis, async_op, None, record, f"all_to_all at {site}")
 
 
 def broadcast(tensor: torch.Tensor, axis: Axis, *, src: int, phase: str, kind: str, site: str,

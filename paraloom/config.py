@@ -52,10 +52,18 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"
     """How attention sees the other chunks' K/V: ``p2p`` (a ring of cp steps, Megatron/TE's
     default) or ``all_gather`` (one all-gather of K,V per layer, as in Llama 3)."""
+    ep: int = 1
+    """Expert-model-parallel size (``expert_model_parallel_size``): ranks the experts of each MoE
+    layer are divided over; carved out of the ``dp`` (x cp) ranks, so it must divide them."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             _positive_int(name, getattr(self, name))
+        dp_cp = self.dp * getattr(self, "cp", 1)
+        if dp_cp % self.ep:
+            raise ValueError(f"ep = {self.ep} does not divide dp * cp = {dp_cp}: expert "
+                             f"parallelism is carved out of the data-parallel ranks; choose an "
+                             f"ep among the divisors of {dp_cp}")
         if self.vpp is not None:
             _positive_int("vpp", self.vpp)
             if self.vpp > 1 and self.pp == 1:
@@ -132,6 +140,22 @@ class ModelConfig:
     attention: str = "core"
     """``core`` (written-out attention, saves the ``s x s`` scores) or ``sdpa``
     (``scaled_dot_product_attention``). Same function, different kernel and memory."""
+    num_experts: int | None = None
+    """Experts per MoE layer (Megatron ``num_experts``); ``None``: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (``k``)."""
+    moe_aux_loss_coeff: float = 1e-2
+    """Coefficient of the Switch load-balancing loss (0 turns it off)."""
+    moe_z_loss_coeff: float | None = None
+    """Coefficient of the router z-loss (ST-MoE); ``None``: none."""
+    moe_expert_capacity_factor: float | None = None
+    """Each expert takes at most ``ceil(factor * N * k / E)`` of a microbatch's ``N`` tokens,
+    the others are dropped; ``None``: dropless."""
+    moe_layer_freq: int = 1
+    """Every N-th layer (counting from layer 0) is an MoE layer, the others dense."""
+    moe_token_drop_policy: str = "probs"
+    """With a capacity factor, keep each expert's highest-weight tokens (``probs``) or its
+    earliest ones (``position``)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -145,6 +169,8 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_architecture()
+        if self.num_experts is not None:
+            _check_moe(self)
 
     def _check_architecture(self) -> None:
         for name, valid in (("normalization", ("LayerNorm", "RMSNorm")),
@@ -193,6 +219,29 @@ class ModelConfig:
         return self.num_query_groups or self.num_attention_heads
 
 
+def _check_moe(m: ModelConfig) -> None:
+    _positive_int("num_experts", m.num_experts)
+    _positive_int("moe_router_topk", m.moe_router_topk)
+    _positive_int("moe_layer_freq", m.moe_layer_freq)
+    if m.moe_router_topk > m.num_experts:
+        raise ValueError(f"moe_router_topk = {m.moe_router_topk} is larger than num_experts = "
+                         f"{m.num_experts}: a token cannot go to more experts than there are")
+    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
+        raise ValueError(f"moe_aux_loss_coeff ({m.moe_aux_loss_coeff}) and moe_z_loss_coeff "
+                         f"({m.moe_z_loss_coeff}) must be >= 0")
+    cf = m.moe_expert_capacity_factor
+    if cf is not None and not cf > 0:
+        raise ValueError(f"moe_expert_capacity_factor must be positive (or None: dropless), "
+                         f"got {cf}")
+    if m.swiglu or not m.add_bias_linear:
+        raise ValueError(f"num_experts = {m.num_experts} with swiglu = {m.swiglu} and "
+                         f"add_bias_linear = {m.add_bias_linear}: experts are GeLU MLPs with "
+                         f"biases (as GPT-2's MLP) for now; use the GPT-2 MLP flags with MoE")
+    if m.moe_token_drop_policy not in ("probs", "position"):
+        raise ValueError(f"moe_token_drop_policy must be probs or position, got "
+                         f"{m.moe_token_drop_policy!r}")
+
+
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ``ValueError`` (every number named) if ``model`` cannot be split as ``parallel``
     says."""
@@ -211,6 +260,14 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
                         f"{model.padded_vocab_size}) is not divisible by tp = {tp}")
     if model.num_layers % chunks:
         problems.append(f"num_layers = {model.num_layers} is not divisible by pp * vpp = {chunks}")
+    if model.num_experts is not None and model.num_experts % parallel.ep:
+        problems.append(f"num_experts = {model.num_experts} is not divisible by ep = "
+                        f"{parallel.ep} (each ep rank holds num_experts / ep experts)")
+    if model.num_experts is not None and getattr(parallel, "cp", 1) > 1:
+        problems.append(f"num_experts = {model.num_experts} with cp = {parallel.cp}: MoE layers "
+                        f"do not support context parallelism yet; use cp = 1")
+    if model.num_experts is None and parallel.ep > 1:
+        problems.append(f"ep = {parallel.ep} needs an MoE model (give num_experts)")
     if parallel.sequence_parallel and model.seq_length % tp:
         problems.append(f"seq_length = {model.seq_length} is not divisible by tp = {tp} "
                         f"(needed by sequence_parallel)")

@@ -14,6 +14,13 @@ parallel" (the dp x cp ranks holding the same model shard), over which gradients
 ``cp == 1`` it is the dp group itself.
 
 The grid itself (:func:`rank_groups`) is pure logic, tested without processes.
+
+Expert parallelism (:func:`expert_rank_groups`) is carved out of the data-parallel ranks (times
+context parallelism), as in Megatron-Core: of the ``dp * cp`` ranks that share a (pp, tp)
+position, consecutive blocks of ``ep`` form ``mesh.ep`` (the experts are divided over them and
+tokens are exchanged by all-to-all), and the ranks at the same place in every block form
+``mesh.edp`` (expert-data-parallel, size ``dp * cp / ep``: replicas of the same experts, over
+which expert gradients are reduced). ``ep = 1`` gives size-1 ep groups and ``edp == dp``.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 
-__all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords"]
+__all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords", "expert_rank_groups"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,32 @@ def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[tuple[
     return groups
 
 
+def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
+                       ) -> dict[str, list[tuple[int, ...]]]:
+    """The ``ep`` and ``edp`` groups (Megatron-Core's expert-model-parallel and expert-data-parallel
+    groups): the ``dp * cp`` ranks at each (pp, tp) position, in rank order ``tp-cp-dp-pp``, split
+    into consecutive blocks of ``ep``.
+
+    >>> expert_rank_groups(tp=1, pp=1, dp=4, ep=2)
+    {'ep': [(0, 1), (2, 3)], 'edp': [(0, 2), (1, 3)]}
+    """
+    dp_cp = dp * cp
+    if ep < 1 or dp_cp % ep:
+        raise ValueError(f"ep = {ep} must divide dp * cp = {dp} * {cp} = {dp_cp} (expert "
+                         f"parallelism is carved out of the data-parallel ranks)")
+
+    def r(p: int, d: int, t: int) -> int:  # d: index in dp x cp (cp fastest)
+        return p * dp_cp * tp + d * tp + t
+
+    edp = dp_cp // ep
+    return {
+        "ep": [tuple(r(p, b * ep + e, t) for e in range(ep))
+               for p in range(pp) for b in range(edp) for t in range(tp)],
+        "edp": [tuple(r(p, b * ep + e, t) for b in range(edp))
+                for p in range(pp) for e in range(ep) for t in range(tp)],
+    }
+
+
 class ParallelMesh:
     """Process groups for a (tp, pp, dp) layout; build it on every rank, in the same order.
 
@@ -89,8 +122,8 @@ class ParallelMesh:
     """
 
     def __init__(self, config: ParallelConfig | None = None, *, tp: int = 1, pp: int = 1,
-                 dp: int = 1, vpp: int | None = None, cp: int = 1) -> None:
-        self.config = config or ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp)
+                 dp: int = 1, vpp: int | None = None, cp: int = 1, ep: int = 1) -> None:
+        self.config = config or ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp, ep=ep)
         cfg = self.config
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
@@ -101,12 +134,15 @@ class ParallelMesh:
                              f"sizes whose product is {world}")
         self.world_size = world
         self.axes: dict[str, Axis] = {}
-        for name, groups in rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp).items():
-            if name == "dp_cp" and cfg.cp == 1:
-                continue  # the dp groups themselves: no second set of process groups
+        made: dict[tuple[int, ...], object] = {}  # a group with the same ranks is made once
+        every = {**rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp),
+                 **expert_rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp)}
+        for name, groups in every.items():
             mine = None
             for ranks in groups:  # every rank creates every group, in the same order
-                pg = dist.new_group(list(ranks)) if distributed and len(ranks) > 1 else None
+                if distributed and len(ranks) > 1 and ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks))
+                pg = made.get(ranks)
                 if self.rank in ranks:
                     mine = Axis(name, ranks, ranks.index(self.rank), pg)
             if mine is None:  # emb: a middle pipeline stage is in no embedding group
@@ -125,6 +161,9 @@ class ParallelMesh:
                      doc="Data-parallel x context-parallel axis: where gradients are reduced.")
     emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
     world = property(lambda self: self.axes["world"], doc="Every rank (the step's scalars).")
+    ep = property(lambda self: self.axes["ep"], doc="Expert-parallel axis (experts divided).")
+    edp = property(lambda self: self.axes["edp"],
+                   doc="Expert-data-parallel axis (replicas of this rank's experts).")
 
     @property
     def vpp(self) -> int:

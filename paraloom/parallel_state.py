@@ -20,6 +20,10 @@ __all__ = [
     "get_virtual_pipeline_model_parallel_world_size", "get_virtual_pipeline_model_parallel_rank",
     "set_virtual_pipeline_model_parallel_rank", "get_context_parallel_world_size",
     "get_context_parallel_rank", "get_context_parallel_group",
+    "get_expert_model_parallel_world_size", "get_expert_model_parallel_rank",
+    "get_expert_model_parallel_group", "get_expert_data_parallel_world_size",
+    "get_expert_data_parallel_rank", "get_expert_data_parallel_group",
+    "get_data_modulo_expert_parallel_group",
 ]
 
 _MESH: ParallelMesh | None = None
@@ -30,10 +34,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
                               data_parallel_size: int | None = None,
                               virtual_pipeline_model_parallel_size: int | None = None,
-                              context_parallel_size: int = 1) -> ParallelMesh:
+                              context_parallel_size: int = 1,
+                              expert_model_parallel_size: int = 1) -> ParallelMesh:
     """Build the groups (tensor fastest, then context, data, pipeline) and make them current.
 
-    ``data_parallel_size`` defaults to ``world_size // (tp * cp * pp)``, as in Megatron.
+    ``data_parallel_size`` defaults to ``world_size // (tp * cp * pp)``, as in Megatron;
+    ``expert_model_parallel_size`` (ep) is carved out of the data-parallel (x cp) ranks.
     """
     global _MESH
     import torch.distributed as dist
@@ -46,7 +52,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                              f"{tp}*{cp}*{pp}")
         data_parallel_size = world // (tp * cp * pp)
     _MESH = ParallelMesh(tp=tp, pp=pp, dp=data_parallel_size,
-                         vpp=virtual_pipeline_model_parallel_size, cp=cp)
+                         vpp=virtual_pipeline_model_parallel_size, cp=cp,
+                         ep=expert_model_parallel_size)
     return _MESH
 
 
@@ -153,3 +160,32 @@ def get_pipeline_model_parallel_next_rank() -> int:
 
 def get_pipeline_model_parallel_prev_rank() -> int:
     return get_mesh().prev_rank
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_mesh().ep.size
+
+
+def get_expert_model_parallel_rank() -> int:
+    return get_mesh().ep.rank
+
+
+def get_expert_model_parallel_group():
+    return get_mesh().ep.group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_mesh().edp.size
+
+
+def get_expert_data_parallel_rank() -> int:
+    return get_mesh().edp.rank
+
+
+def get_expert_data_parallel_group():
+    return get_mesh().edp.group
+
+
+def get_data_modulo_expert_parallel_group():
+    """Megatron-Core's older name for :func:`get_expert_data_parallel_group`."""
+    return get_mesh().edp.group

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .arch import Architecture
 from .formulas import CommConfig, expected_comm
+from .moe_formulas import moe_from_run
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
            "check_main"]
@@ -77,7 +78,15 @@ def check_run(config: CommConfig, events: list[dict], *, step: int | None = None
     for rank in sorted(set(range(world)) | {e["rank"] for e in events}):
         pp_rank = rank // (config.tp * config.cp * config.dp)
         expected = expected_comm(config, pp_rank) if rank < world else {}  # outside: all DIFF
+        if config.moe is not None and rank < world:  # token all-to-alls: bytes from the splits
+            from .moe_formulas import split_bytes
+            for key, cell in split_bytes(config, events, rank, step).items():
+                expected[key] = {"count": expected.get(key, {"count": 0})["count"],
+                                 "bytes": expected.get(key, {"bytes": 0})["bytes"] + cell["bytes"]}
         rows += compare(expected, events, rank=rank, step=step)
+    if config.moe is not None:
+        from .moe_formulas import check_all_to_all
+        rows += check_all_to_all(config, events, step=step)
     return rows
 
 
@@ -130,7 +139,8 @@ def config_from_run(cfg: dict) -> CommConfig:
         bucket_size=cfg.get("bucket_size"),
         dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
         arch=Architecture.from_model(m),
-        cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"))
+        cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"),
+        moe=moe_from_run(m, p))
 
 
 def _ffn(model: dict) -> int | None:

@@ -97,6 +97,9 @@ class CommConfig:
     (:mod:`paraloom.analysis.cp_formulas`)."""
     cp_comm_type: str = "p2p"
     """``p2p`` (K/V ring) or ``all_gather``."""
+    moe: object = None
+    """Mixture of experts (:class:`paraloom.analysis.moe_formulas.MoECommConfig`); ``None``:
+    dense. Its all-to-alls are checked by :mod:`paraloom.analysis.moe_formulas`."""
 
     def __post_init__(self) -> None:
         if self.recompute not in ("none", "selective", "full"):
@@ -219,6 +222,9 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
     add_cp_comm(c, ml, add)
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)
+    if c.moe is not None:  # MoE layers' tp/sp traffic instead of the dense MLP's, and ep counts
+        from .moe_formulas import moe_comm
+        moe_comm(c, pp_rank, add)
     if c.grad_sync:
         _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
     return dict(out)
@@ -248,17 +254,26 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         phase = "backward" if c.overlap_grad_reduce else "optimizer"
         buckets = [(b.numel, b.reduce_scatter) for b in rank_buckets(c, r)] \
             if c.buckets is None else [(n, c.distributed_optimizer) for n in c.buckets]
-        for n, scatter in buckets:
+        edp = c.dp // c.moe.ep if c.moe is not None else c.dp
+        if c.buckets is None:
+            buckets = [(b.numel, b.reduce_scatter, edp if b.expert else c.dp)
+                       for b in rank_buckets(c, r)]
+        else:
+            buckets = [(n, c.distributed_optimizer, c.dp) for n in c.buckets]
+        for n, scatter, size in buckets:
+            if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
+                continue
             add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1, n * c.grad_bytes)
             if c.distributed_optimizer and c.optimizer_step:
-                add("dp", "all_gather", "optimizer", 1, n // c.dp * c.dtype_bytes)
-    if c.sp:
+                add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
+    if c.tp > 1 and sp_elems(c, r):  # LayerNorms etc. under sp; MoE: experts' fc2 biases
         add("sp", "all_reduce", "optimizer", 1, sp_elems(c, r) * c.grad_bytes)
     if c.pp > 1 and r in (0, c.pp - 1) and c.arch.tied:
         vocab = -(-c.vocab // c.tp) * c.tp
         add("emb", "all_reduce", "optimizer", 1, vocab * c.hidden // c.tp * c.grad_bytes)
     if c.tp * c.pp * c.dp > 1:
-        add("loss", "all_reduce", "optimizer", 1, 2 * 8)
+        stats = 3 + c.layers * c.moe.num_experts if c.moe is not None else 0
+        add("loss", "all_reduce", "optimizer", 1, (2 + stats) * 8)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, vpp: int | None = None) -> float:

@@ -40,6 +40,8 @@ class Param:
     """``shared_embedding``: the tied word embedding when ``pp > 1`` (its own bucket)."""
     sp: bool = False
     """``sequence_parallel``: its gradient is all-reduced over tp by ``finalize_model_grads``."""
+    expert: bool = False
+    """An expert's parameter (``allreduce=False``): its own buffer, reduced over edp."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class Bucket:
     numel: int
     reduce_scatter: bool
     names: tuple[str, ...]
+    expert: bool = False
+    """Expert parameters' bucket: reduced (and ZeRO-sharded) over edp, not dp."""
 
 
 def bucket_size_of(c: CommConfig) -> int:
@@ -79,8 +83,12 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
                 Param(p + "attention.qkv.bias", 3 * h // t),
                 Param(p + "attention.proj.weight", h * (h // t)),
                 Param(p + "attention.proj.bias", h, sp=sp),
-                Param(p + "ln2.weight", h, sp=sp), Param(p + "ln2.bias", h, sp=sp),
-                Param(p + "mlp.fc1.weight", f // t * h), Param(p + "mlp.fc1.bias", f // t),
+                Param(p + "ln2.weight", h, sp=sp), Param(p + "ln2.bias", h, sp=sp)]
+        if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
+            from .moe_formulas import moe_layer_params
+            out += moe_layer_params(c, p + "mlp.")
+            continue
+        out += [Param(p + "mlp.fc1.weight", f // t * h), Param(p + "mlp.fc1.bias", f // t),
                 Param(p + "mlp.fc2.weight", h * (f // t)), Param(p + "mlp.fc2.bias", h, sp=sp)]
     if last:
         out += [Param("final_layernorm.weight", h, sp=sp), Param("final_layernorm.bias", h, sp=sp)]
@@ -88,8 +96,16 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
 
 
 def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
-    """The gradient buckets of one chunk, in launch order (as ``GradBuffer`` cuts them)."""
-    size, pad = bucket_size_of(c), (c.dp if c.distributed_optimizer else 1)
+    """The gradient buckets of one chunk, in launch order (as ``GradBuffer`` cuts them): the
+    non-expert buffer's, then the expert buffer's (padded to a multiple of edp under ZeRO)."""
+    params = chunk_params(c, pp_rank, chunk)
+    edp = c.dp // c.moe.ep if c.moe is not None else c.dp
+    return _cut(c, [p for p in params if not p.expert], c.dp, False) + \
+        _cut(c, [p for p in params if p.expert], edp, True)
+
+
+def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool) -> list[Bucket]:
+    size, pad = bucket_size_of(c), (axis if c.distributed_optimizer else 1)
     out: list[Bucket] = []
     current: list[Param] = []
 
@@ -98,10 +114,10 @@ def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
             n = sum(p.numel for p in current)
             out.append(Bucket(-(-n // pad) * pad, c.distributed_optimizer and
                               not any(p.shared for p in current),
-                              tuple(p.name for p in current)))
+                              tuple(p.name for p in current), expert))
         current.clear()
 
-    for param in reversed(chunk_params(c, pp_rank, chunk)):  # backward order: last layer first
+    for param in reversed(params):  # backward order: last layer first
         if param.shared:
             close()
         current.append(param)

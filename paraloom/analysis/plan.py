@@ -52,18 +52,21 @@ def human_bytes(n: float) -> str:
 def plan(c: CommConfig) -> dict:
     """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
     stages = range(c.pp)
-    per_rank = max(params_per_rank(c, r) for r in stages)
+    extra = {r: _moe_plan(c, r) for r in stages}  # MoE: experts, their activations, all-to-all
+    per_rank = max(params_per_rank(c, r) + extra[r]["params"] for r in stages)
     opt_bytes = 12 if c.dtype_bytes < 4 else 8
     layer_act = activation_bytes_per_layer(c.seq_len, c.micro_batch, c.hidden, c.heads, c.tp,
                                            sequence_parallel=c.sp, recompute=c.recompute,
                                            attention=c.arch.attention)
     interleave = 1 + (c.pp - 1) / (c.pp * c.v) if c.v > 1 else 1.0
-    activations = (layer_act * c.dtype_bytes / 2 * stage_layers(c)
+    activations = ((layer_act * c.dtype_bytes / 2 * stage_layers(c)
+                    + max(e["activation_bytes"] for e in extra.values()))
                    * min(c.pp, c.num_microbatches) * interleave
                    * cp_activation_factor(c.cp))  # cp: each rank holds s/cp tokens
+    experts = max(e["expert_params"] for e in extra.values())  # ZeRO shards them over edp
+    shards = (c.dp * c.cp, extra[0]["edp"]) if c.distributed_optimizer else (1, 1)
     memory = {"weights": per_rank * c.dtype_bytes, "grads": per_rank * 4,
-              "optimizer": per_rank * opt_bytes / (c.dp * c.cp if c.distributed_optimizer
-                                                   else 1),
+              "optimizer": ((per_rank - experts) / shards[0] + experts / shards[1]) * opt_bytes,
               "activations": activations}
     memory["total"] = sum(memory.values())
     comm_bytes: dict[str, int] = {}
@@ -74,6 +77,8 @@ def plan(c: CommConfig) -> dict:
             cell = kinds.setdefault(kind, [0, 0])
             cell[0] += v["count"]
             cell[1] += v["bytes"]
+        if extra[r]["ep_ops"]:  # token all-to-alls: their bytes under balanced routing
+            kinds["ep"] = [extra[r]["ep_ops"], extra[r]["ep_bytes"]]
         for kind, (n, b) in kinds.items():
             if b > comm_bytes.get(kind, -1):
                 comm_bytes[kind], comm_ops[kind] = b, n
@@ -81,13 +86,21 @@ def plan(c: CommConfig) -> dict:
     flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
     gpus = c.tp * c.cp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
-            "parameters": {"total": arch_param_count(c) if not c.arch.is_gpt2 else
-                           param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
-                           "per_gpu": per_rank},
+            "parameters": {"total": (arch_param_count(c) if not c.arch.is_gpt2 else
+                                     param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn))
+                           + extra[0]["total_params"], "per_gpu": per_rank},
             "memory_per_gpu_bytes": memory, "comm_bytes_per_step": comm_bytes,
             "comm_ops_per_step": comm_ops,
             "bubble_fraction": bubble_fraction(c.pp, c.num_microbatches, c.vpp),
             "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus}
+
+
+def _moe_plan(c: CommConfig, r: int) -> dict:
+    if c.moe is None:
+        return {"params": 0, "activation_bytes": 0, "ep_bytes": 0, "ep_ops": 0,
+                "expert_params": 0, "edp": c.dp, "total_params": 0}
+    from .moe_formulas import moe_plan
+    return moe_plan(c, r)
 
 
 def render_plan(c: CommConfig, p: dict) -> str:
@@ -137,6 +150,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="context-parallel size (each rank holds seq-len / cp tokens)")
     ap.add_argument("--cp-comm-type", dest="cp_comm_type", choices=("p2p", "all_gather"),
                     default="p2p")
+    ap.add_argument("--num-experts", type=int, default=None, help="MoE: experts per MoE layer")
+    ap.add_argument("--moe-router-topk", type=int, default=2)
+    ap.add_argument("--moe-layer-freq", type=int, default=1)
+    ap.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1)
     return ap
 
 
@@ -173,6 +190,20 @@ def _config(a: argparse.Namespace) -> CommConfig:
     if a.cp > 1 and a.seq_len % (2 * a.cp):
         problems.append(f"--seq-len {a.seq_len} is not divisible by 2 * --cp = {2 * a.cp} "
                         f"(context parallelism cuts each sequence into 2 * cp chunks)")
+    moe = None
+    if a.num_experts is not None:
+        from ..config import ModelConfig, ParallelConfig, check_layout
+        from .moe_formulas import MoECommConfig
+        try:  # the training config's own checks: topk <= E, ep | dp, E % ep
+            check_layout(ModelConfig(num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+                                     moe_layer_freq=a.moe_layer_freq),
+                         ParallelConfig(dp=a.dp, ep=a.ep))
+        except ValueError as err:
+            problems.append(str(err))
+        moe = MoECommConfig(num_experts=a.num_experts, topk=a.moe_router_topk, ep=a.ep,
+                            layer_freq=a.moe_layer_freq)
+    elif a.ep != 1:
+        problems.append(f"--ep {a.ep} needs --num-experts")
     if problems:
         raise ValueError("; ".join(problems))
     ffn = a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu else None)
@@ -184,7 +215,7 @@ def _config(a: argparse.Namespace) -> CommConfig:
                       sequence_parallel=a.sequence_parallel, recompute=a.recompute,
                       distributed_optimizer=a.distributed_optimizer,
                       dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch, cp=a.cp,
-                      cp_comm_type=a.cp_comm_type)
+                      cp_comm_type=a.cp_comm_type, moe=moe)
 
 
 def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:

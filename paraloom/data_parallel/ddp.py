@@ -24,6 +24,12 @@ AVG reduction does; this keeps bf16 sums in range). ``average=False`` gives the 
 result back into the fp32 buffer; the fp32 buffer still accumulates the microbatches, so only the
 cross-rank sum is rounded to bf16.
 
+Expert parameters (attribute ``allreduce=False``, Megatron's mark; see ``paraloom/moe``) live in
+buffers of their own whose buckets are reduced over ``mesh.edp`` (the ranks holding the same
+experts) instead of ``mesh.dp``; both are divided by the full dp size, because an expert's
+gradient already sums the contributions of its ep group's data (the all-to-all brought their
+tokens). ``bucket.axis`` says which.
+
 Parameters that never got a gradient by :meth:`finish_grad_sync` (not used in the loss) raise a
 ``RuntimeError`` naming them; their bucket is never launched, so no rank waits in a collective
 the others never start.
@@ -75,18 +81,22 @@ class DistributedDataParallel(nn.Module):
         self.dp = mesh.dp_cp  # Megatron: non-expert grads reduced over dp x cp, in one reduction
         dp = self.dp.size
         self.bucket_size = default_bucket_size(dp) if bucket_size is None else bucket_size
-        by_dtype: dict[torch.dtype, list] = {}
+        by_dtype: dict[tuple[torch.dtype, bool], list] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
-                by_dtype.setdefault(param.dtype, []).append((name, param))
+                expert = not getattr(param, "allreduce", True)
+                by_dtype.setdefault((param.dtype, expert), []).append((name, param))
         if not by_dtype:
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
         self.buffers_: list[GradBuffer] = []
         self.buckets: list[Bucket] = []
-        for named in by_dtype.values():
+        for (_, expert), named in by_dtype.items():
+            axis = mesh.edp if expert else mesh.dp_cp
             buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
-                             pad_to=dp if use_distributed_optimizer else 1,
+                             pad_to=axis.size if use_distributed_optimizer else 1,
                              hold_params=use_distributed_optimizer)
+            for bucket in buf.buckets:
+                bucket.axis = axis
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         for bucket in self.buckets:
@@ -129,12 +139,14 @@ class DistributedDataParallel(nn.Module):
             self._next += 1
 
     def _launch(self, bucket: Bucket, phase: str) -> None:
-        dp = self.dp
+        dp = bucket.axis
         send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
         if self.average and self.average_in_collective:
-            send.div_(dp.size)  # may be the buffer itself: the reduced result overwrites it
+            send.div_(self.dp.size)  # may be the buffer itself: the result overwrites it
         args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=True,
                     bucket=bucket.index, params=list(bucket.names))
+        if dp is not self.dp:
+            args["expert"] = True  # over mesh.edp
         if bucket.reduce_scatter:
             handle = comm.reduce_scatter(send, dp, split="gradient bucket, 1/dp contiguous shard",
                                          **args)
@@ -147,7 +159,7 @@ class DistributedDataParallel(nn.Module):
         result = handle.wait()
         target = bucket.grad
         if bucket.reduce_scatter:
-            lo, hi = bucket.shard(self.dp.rank, self.dp.size)
+            lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
             target = target[lo:hi]
         if result.data_ptr() != target.data_ptr():
             target.copy_(result)

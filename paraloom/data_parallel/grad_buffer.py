@@ -55,6 +55,9 @@ class Bucket:
     """``id`` of each parameter whose gradient hook fired in the current synchronising backward."""
     pending: object = None
     """``(handle, sent_tensor)`` of the reduction in flight, or ``None``."""
+    axis: object = None
+    """The :class:`~paraloom.mesh.Axis` this bucket is reduced (and sharded) over: ``mesh.dp``,
+    or ``mesh.edp`` for expert parameters (set by the DDP wrapper)."""
 
     @property
     def numel(self) -> int:

@@ -124,10 +124,9 @@ class DistributedOptimizer(_AdamBase):
             raise ValueError("DistributedOptimizer needs DistributedDataParallel(..., "
                              "use_distributed_optimizer=True): its buckets must be padded to a "
                              "multiple of dp, reduce-scattered, and the parameters held flat")
-        dp = ddp.dp  # dp x cp
         self.shards = []  # (bucket, lo, hi, master, exp_avg, exp_avg_sq, is_copy)
-        for bucket in ddp.buckets:
-            lo, hi = bucket.shard(dp.rank, dp.size)
+        for bucket in ddp.buckets:  # expert buckets are sharded over mesh.edp (bucket.axis)
+            lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
             values = bucket.param_data[lo:hi]
             copy = values.dtype != torch.float32
             master = values.float() if copy else values  # fp32 params: update in place
@@ -141,7 +140,6 @@ class DistributedOptimizer(_AdamBase):
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket's parameters."""
         self.step_count += 1
-        dp = self.ddp.dp
         pending = []
         for bucket, lo, hi, master, exp_avg, exp_avg_sq, copy in self.shards:
             adam_update_(master, bucket.grad[lo:hi], exp_avg, exp_avg_sq, self.step_count,
@@ -149,10 +147,11 @@ class DistributedOptimizer(_AdamBase):
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)
-            handle = comm.all_gather(shard, dp, phase="optimizer", kind="dp", async_op=True,
-                                     site="DistributedOptimizer.step:param_shards",
+            expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}
+            handle = comm.all_gather(shard, bucket.axis, phase="optimizer", kind="dp",
+                                     async_op=True, site="DistributedOptimizer.step:param_shards",
                                      split="parameter bucket, 1/dp contiguous shard",
-                                     bucket=bucket.index, params=list(bucket.names))
+                                     bucket=bucket.index, params=list(bucket.names), **expert)
             pending.append((bucket, handle))
         for bucket, handle in pending:  # all launched first: the gathers overlap each other
             full = handle.wait()

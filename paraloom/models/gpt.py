@@ -183,7 +183,9 @@ class TransformerLayer(nn.Module):
         self.ln1 = make_norm(*norm)
         self.attention = SelfAttention(cfg, mesh, f"{name}.attention", opt, init, out_init)
         self.ln2 = make_norm(*norm)
-        self.mlp = MLP(cfg, mesh, f"{name}.mlp", opt, init, out_init)
+        from ..moe import MoELayer, is_moe_layer  # MoE layers route to experts (issue 14)
+        mlp = MoELayer if is_moe_layer(cfg, index) else MLP
+        self.mlp = mlp(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
     def _forward(self, x, rope=None):                        # [s(/tp), b, h]
         x = x + _dropout(self.attention(self.ln1(x), rope), self.dropout, self.training, self.sp)

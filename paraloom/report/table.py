@@ -87,6 +87,11 @@ def _split(event: dict, lang: str) -> str:
     """The event's ``split``; for pp, emb, loss and finalize-sp events recorded without one, a
     description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``); for
     a recorded program's events (which name no split), the dtype and shape of the tensor."""
+    if event["kind"] == "ep" and event["op"] == "all_to_all":  # expert parallelism's words
+        from .moe_rows import ep_split
+        text = ep_split(event, lang)
+        if text is not None:
+            return text
     if event.get("split"):
         return event["split"]
     kind, fill = event["kind"], _FILL[lang]

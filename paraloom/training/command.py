@@ -89,6 +89,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     from .arch_flags import add_architecture_flags
     add_architecture_flags(cmd)
     add_cp_flags(cmd)
+    add_moe_flags(cmd)
     return cmd
 
 
@@ -109,6 +110,32 @@ def check_cp_world(cp: int, world: int, where: str) -> None:
                          f"choose a --cp that divides {world}")
 
 
+def add_moe_flags(cmd) -> None:
+    """Mixture-of-experts flags (Megatron's names; see paraloom/moe)."""
+    a = cmd.add_argument
+    a("--num-experts", type=int, default=None, help="experts per MoE layer (default: dense)")
+    a("--moe-router-topk", type=int, default=2, help="experts per token (default 2)")
+    a("--moe-aux-loss-coeff", type=float, default=1e-2, help="load-balancing loss coefficient")
+    a("--moe-z-loss-coeff", type=float, default=None, help="router z-loss coefficient")
+    a("--moe-expert-capacity-factor", type=float, default=None,
+      help="tokens per expert at most ceil(factor * N * k / E); the rest dropped (default: "
+           "dropless)")
+    a("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    a("--moe-layer-freq", type=int, default=1, help="every N-th layer is MoE (default 1: all)")
+    a("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+      help="expert-parallel size, carved out of --dp (must divide it)")
+
+
+def moe_fields(args) -> dict:
+    """The ModelConfig fields the MoE flags set."""
+    return dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+                moe_z_loss_coeff=args.moe_z_loss_coeff,
+                moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+                moe_token_drop_policy=args.moe_token_drop_policy,
+                moe_layer_freq=args.moe_layer_freq)
+
+
 def config_from_args(args):
     """The validated :class:`TrainConfig` for parsed flags (``ValueError`` names bad values)."""
     from ..config import ModelConfig, ParallelConfig, TrainConfig
@@ -118,13 +145,14 @@ def config_from_args(args):
                               sequence_parallel=args.sequence_parallel,
                               async_grad_allreduce=args.async_grad_allreduce,
                               gradient_accumulation_fusion=args.grad_accum_fusion,
-                              cp=args.cp, cp_comm_type=args.cp_comm_type)
+                              cp=args.cp, cp_comm_type=args.cp_comm_type, ep=args.ep)
     from .arch_flags import architecture_from_args
     given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
     model = _model_config(args) if args.init_from_hf else ModelConfig(
         vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
-        seq_length=given("seq_len"), dropout=args.dropout, **architecture_from_args(args))
+        seq_length=given("seq_len"), dropout=args.dropout, **architecture_from_args(args),
+        **moe_fields(args))
     from .flags import check_layout_flags
     check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
     if model.vocab_size < 256:

@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dp", "--data-parallel-size", type=int, default=1)
     p.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=int, default=None)
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
+                   help="expert-parallel size for an MoE checkpoint (must divide --dp)")
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0)
@@ -77,7 +79,7 @@ def _train_config(args, model, ckpt):
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
                               sequence_parallel=args.sequence_parallel, cp=args.cp,
-                              cp_comm_type=args.cp_comm_type)
+                              cp_comm_type=args.cp_comm_type, ep=args.ep)
     check_layout_flags(model, parallel, shape_from=f"--hf {args.hf!r}" if args.hf else
                        "the checkpoint")
     schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"

@@ -150,5 +150,7 @@ def _write_reports(out: Path, events: list[dict], summary: dict) -> None:
     try:
         from ..report.plots import plot_loss
         plot_loss(out / "metrics.jsonl", out / "loss.png")
+        from ..report.expert_load import plot_expert_load
+        plot_expert_load(out / "metrics.jsonl", out / "expert_load.png")  # MoE runs only
     except ImportError as err:  # matplotlib missing: everything else is written
         print(f"loss.png not written: {err}", file=sys.stderr)

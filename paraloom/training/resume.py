@@ -40,6 +40,9 @@ _FIELDS = {
     "seq_len": "model.seq_length", "layers": "model.num_layers", "hidden": "model.hidden_size",
     "heads": "model.num_attention_heads", "ffn": "model.ffn_hidden_size",
     "vocab": "model.vocab_size", "dropout": "model.dropout",
+    "ep": "parallel.ep", **{f: f"model.{f}" for f in (
+        "num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_layer_freq")},
     **{name: name for name in (
         "global_batch_size", "micro_batch_size", "steps", "lr", "min_lr", "warmup_steps",
         "weight_decay", "clip_grad", "seed", "dtype", "recompute", "schedule",
@@ -84,9 +87,11 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     ckpt, meta = find_checkpoint(args.resume)
     saved, step = meta["config"], int(meta["step"])
     for dest, path in _FIELDS.items():
-        if dest not in explicit and (dest not in _NEWER or path.split(".")[-1] in
-                                     saved["parallel"]):  # a checkpoint from before cp: 1
-            setattr(args, dest, _get(saved, path))
+        if dest not in explicit:
+            try:
+                setattr(args, dest, _get(saved, path))
+            except KeyError:  # a checkpoint from before the setting existed: keep the default
+                pass
     from .arch_flags import flags_of_model
     for dest, value in flags_of_model(saved["model"]).items():  # the architecture
         if dest not in explicit:

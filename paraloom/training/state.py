@@ -66,9 +66,9 @@ def state_entries(run, *, for_save: bool):
 
 def _zero_entries(ddp, opt, entries: dict, for_save: bool):
     """Per-parameter views of whole-bucket moment tensors (gathered over dp for a save)."""
-    dp = ddp.dp  # dp x cp: the group the optimizer is sharded over
     fulls = []
     for bucket, lo, hi, master, exp_avg, exp_avg_sq, copy in opt.shards:
+        dp = bucket.axis  # mesh.dp, or mesh.edp for experts
         states = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
         if copy:
             states["master"] = master

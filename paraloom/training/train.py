@@ -131,6 +131,9 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
                   finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))
     for chunk in run.chunks:
         chunk.train(not forward_only)
+    if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the loss
+        from ..moe import MoEAuxLossAutoScaler
+        MoEAuxLossAutoScaler.set_loss_scale(1.0 / len(mbs))
     return schedule(forward_step, iters if interleaved else iters[0],
                     run.chunks if interleaved else run.chunks[0], len(mbs),
                     cfg.model.seq_length // mesh.cp.size, cfg.micro_batch_size, forward_only,
@@ -148,12 +151,12 @@ def _local_sq_norm(run: Run) -> torch.Tensor:
     """Sum of squared main grads this rank is responsible for (dedup over tp, pp, dp x cp)."""
     mesh, zero = run.mesh, run.cfg.distributed_optimizer
     total = torch.zeros((), dtype=torch.float64, device=run.device)
-    dp = mesh.dp_cp  # gradients are reduced (and ZeRO-sharded) over dp x cp
-    if not zero and dp.rank != 0:
-        return total  # replicated after the all-reduce: dp rank 0 counts it
     for ddp in run.ddps:
         for bucket in ddp.buckets:
-            lo, hi = bucket.shard(dp.rank, dp.size) if zero else (0, bucket.numel)
+            axis = bucket.axis  # mesh.dp, or mesh.edp for experts (distinct over ep)
+            if not zero and axis.rank != 0:
+                continue  # replicated after the all-reduce: its rank 0 counts it
+            lo, hi = bucket.shard(axis.rank, axis.size) if zero else (0, bucket.numel)
             grad = bucket.grad
             for param in bucket.params:
                 if not _counts_once(param, mesh):
@@ -175,6 +178,10 @@ def train_step(run: Run, step: int) -> dict:
     batch = run.corpus.global_batch(step, cfg.global_batch_size)
     for opt in run.optimizers:
         opt.zero_grad()
+    moe = cfg.model.num_experts
+    if moe:
+        from ..moe import moe_step_stats, reset_moe_stats
+        reset_moe_stats(run.chunks)
     losses = _run_schedule(run, batch, forward_only=False)
     zero = torch.zeros((), dtype=torch.float64)
     loss_sum = torch.stack(losses).double().sum() if losses else zero
@@ -182,16 +189,20 @@ def train_step(run: Run, step: int) -> dict:
     # rank holds the mean over the same number of tokens, so their mean is the sequence's
     weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
     scalars = torch.stack([_local_sq_norm(run), loss_sum.to(run.device) * weight])
+    if moe:  # aux/z loss, dropped assignments, tokens per expert: one all-reduce with the rest
+        stats = moe_step_stats(run.chunks, cfg.model.num_layers, moe, run.device)
+        scalars = torch.cat([scalars, stats])
     comm.all_reduce(scalars, mesh.world, phase="optimizer", kind="loss",
                     site="train_step:grad_norm_and_loss", split="per-rank partial sums")
     grad_norm = math.sqrt(scalars[0].item())
     loss = scalars[1].item() / (mesh.dp_cp.size * run.cfg.num_microbatches)
+    extra = _moe_metrics(cfg, scalars[2:], mesh.dp_cp.size * cfg.num_microbatches) if moe else {}
     lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                        total_steps=cfg.steps)
     # One all-reduce carried both numbers, so every rank sees the same NaN/Inf and decides alike.
     if not (math.isfinite(grad_norm) and math.isfinite(loss)):
         run.step, run.tokens = step + 1, run.tokens + cfg.global_batch_size * cfg.model.seq_length
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "skipped": True}
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra, "skipped": True}
     if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad:
         scale = cfg.clip_grad / (grad_norm + 1e-6)
         for ddp in run.ddps:
@@ -202,7 +213,24 @@ def train_step(run: Run, step: int) -> dict:
         opt.step()
     run.step = step + 1
     run.tokens += cfg.global_batch_size * cfg.model.seq_length
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr}
+    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra}
+
+
+def _moe_metrics(cfg: TrainConfig, stats: torch.Tensor, microbatches: int) -> dict:
+    """``aux_loss`` (mean over the step's microbatches of the sum over MoE layers, coefficient
+    included), ``z_loss`` when on, ``tokens_per_expert`` per MoE layer (the step's routed
+    assignments after any drops) and ``dropped_tokens`` with a capacity factor."""
+    from ..moe import is_moe_layer
+    m = cfg.model
+    table = stats[3:].view(m.num_layers, m.num_experts)
+    out = {"aux_loss": stats[0].item() / microbatches}
+    if m.moe_z_loss_coeff:
+        out["z_loss"] = stats[1].item() / microbatches
+    out["tokens_per_expert"] = {str(i): [round(v) for v in table[i].tolist()]
+                                for i in range(m.num_layers) if is_moe_layer(m, i)}
+    if m.moe_expert_capacity_factor is not None:
+        out["dropped_tokens"] = round(stats[2].item())
+    return out
 
 
 @torch.no_grad()

@@ -1,0 +1,155 @@
+"""MoELayer: the MLP of an MoE transformer layer (router, token dispatcher, local experts).
+
+Same constructor and return as ``models/gpt.py``'s ``MLP`` (``[s(/tp), b, h] -> [s(/tp), b, h]``),
+so ``TransformerLayer`` swaps it in for MoE layers. One forward::
+
+    logits = router(x)                 # this rank's tokens (a sequence slice under sp)
+    aux    = load-balancing (+ z) loss of this slice, attached to the output's backward
+    tp:  logits and x gathered over tp (sp: all-gather; else the tp "copy" region), so every tp
+         rank routes all N tokens of the microbatch alike
+    probs, routing_map = topk_routing(logits)       # dropless, or capacity with drops
+    dispatcher: permute -> all-to-all counts -> all-to-all tokens -> local experts (tp shards)
+                -> reverse all-to-all -> unpermute (weighted sum)
+    tp:  the experts' partial sums reduced over tp (sp: reduce-scatter; else all-reduce)
+
+Statistics for the run's metrics (aux and z loss values, tokens per expert after drops, dropped
+assignments) accumulate in :attr:`MoELayer.stats` over a step's microbatches, counted so that a
+sum over every rank gives each microbatch's value once (:func:`moe_step_stats`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from .experts import Expert, local_expert_ids
+from .router import (
+    MoEAuxLossAutoScaler,
+    TopKRouter,
+    switch_load_balancing_loss,
+    topk_routing,
+    z_loss,
+)
+from .token_dispatcher import MoEAlltoAllTokenDispatcher
+
+__all__ = ["MoELayer", "is_moe_layer", "moe_step_stats", "reset_moe_stats"]
+
+
+def is_moe_layer(cfg, index: int) -> bool:
+    """Whether global layer ``index`` is an MoE layer (``moe_layer_freq``: every N-th, from 0)."""
+    return bool(getattr(cfg, "num_experts", None)) and index % cfg.moe_layer_freq == 0
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward (an activation-recomputation re-run of the forward):
+    its statistics were already counted by the first forward."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoELayer(nn.Module):
+    """Top-k routed experts in place of the dense MLP (see the module docstring)."""
+
+    def __init__(self, cfg, mesh, name: str, opt, init, out_init) -> None:
+        super().__init__()
+        self.cfg, self.mesh, self.name = cfg, mesh, name
+        self.sp = opt.sequence_parallel and mesh.tp.size > 1
+        cp = getattr(mesh, "cp", None)
+        if cp is not None and cp.size > 1:  # the router would see only its sequence chunks
+            raise ValueError(f"MoE layers with context parallelism (cp = {cp.size}) are not "
+                             f"supported yet: the routing statistics and the capacity of a "
+                             f"microbatch must first be reduced over cp; use cp = 1")
+        e, dtype = cfg.num_experts, opt.params_dtype
+        self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
+                                 sequence_parallel=opt.sequence_parallel)
+        self.local_ids = local_expert_ids(e, mesh.ep.size, mesh.ep.rank)
+        self.experts = nn.ModuleDict({
+            str(g): Expert(cfg.hidden_size, cfg.ffn, mesh, f"{name}.experts.{g}", init, out_init,
+                           dtype) for g in self.local_ids})
+        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, module=name)
+        self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
+        self.stats: dict = {}
+        reset_moe_stats([self])
+
+    def _tp(self, t: torch.Tensor, what: str, split: str) -> torch.Tensor:
+        """Every tp rank gets all tokens (forward), partial gradients summed (backward)."""
+        tp = self.mesh.tp
+        if tp.size == 1:
+            return t
+        site, kw = f"MoELayer.{what}", dict(module=self.name, split=split)
+        if self.sp:
+            return gather_from_sequence_parallel_region(t, tp, True, site=site, **kw)
+        return copy_to_tensor_model_parallel_region(t, tp, site=site, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [s(/tp), b, h]
+        cfg, tp = self.cfg, self.mesh.tp
+        s_local, b, h = x.shape
+        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch
+        logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
+        logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
+        probs, routing_map, per_expert = topk_routing(
+            logits, cfg.moe_router_topk,
+            cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)
+        aux = switch_load_balancing_loss(torch.softmax(logits_slice, -1), per_expert, n,
+                                         cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
+        zl = z_loss(logits_slice, n, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else None
+        tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
+        rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map)
+        outs = [self.experts[str(g)](chunk) for g, chunk in
+                zip(self.local_ids, torch.split(rows, per_local), strict=True)]
+        y = self.dispatcher.token_unpermutation(torch.cat(outs))   # [N, h] partial over tp
+        y = y.view(-1, b, h)                                # [s, b, h]
+        if tp.size > 1:
+            kw = dict(site="MoELayer.output", module=self.name, split="expert outputs")
+            y = reduce_scatter_to_sequence_parallel_region(y, tp, **kw) if self.sp else \
+                reduce_from_tensor_model_parallel_region(y, tp, **kw)
+        if self.training:
+            y = MoEAuxLossAutoScaler.apply(y, aux if zl is None else aux + zl)
+        if not _in_backward():
+            self._count(aux, zl, routing_map, per_expert)
+        return y
+
+    @torch.no_grad()
+    def _count(self, aux, zl, routing_map, per_expert) -> None:
+        # aux/z of a slice: summed over tp under sp; replicated over tp otherwise (rank 0 counts)
+        part = 1.0 if self.sp or self.mesh.tp.rank == 0 else 0.0
+        whole = 1.0 if self.mesh.tp.rank == 0 else 0.0     # routing is replicated over tp
+        st = self.stats
+        st["aux_loss"] += aux.detach().double() * part
+        if zl is not None:
+            st["z_loss"] += zl.detach().double() * part
+        kept = routing_map.sum(0).double()
+        st["tokens_per_expert"] += kept * whole
+        st["dropped"] += (per_expert.double().sum() - kept.sum()) * whole
+
+
+def reset_moe_stats(modules) -> None:
+    """Zero the step statistics of every :class:`MoELayer` in ``modules`` (any modules)."""
+    for m in modules:
+        for layer in (x for x in m.modules() if isinstance(x, MoELayer)):
+            dev = layer.router.weight.device
+            zero = torch.zeros((), dtype=torch.float64, device=dev)
+            layer.stats = {"aux_loss": zero.clone(), "z_loss": zero.clone(),
+                           "dropped": zero.clone(),
+                           "tokens_per_expert": torch.zeros(layer.cfg.num_experts,
+                                                            dtype=torch.float64, device=dev)}
+
+
+def moe_step_stats(modules, num_layers: int, num_experts: int, device) -> torch.Tensor:
+    """This rank's share of the step's statistics as one flat float64 tensor,
+    ``[aux, z, dropped, tokens_per_expert (num_layers x E)]``, to be summed over every rank."""
+    out = torch.zeros(3 + num_layers * num_experts, dtype=torch.float64, device=device)
+    table = out[3:].view(num_layers, num_experts)
+    for m in modules:
+        for layer in (x for x in m.modules() if isinstance(x, MoELayer)):
+            st = layer.stats
+            out[0] += st["aux_loss"]
+            out[1] += st["z_loss"]
+            out[2] += st["dropped"]
+            table[layer.layer] += st["tokens_per_expert"]
+    return out

@@ -1,0 +1,286 @@
+"""Mixture of experts: the ep/edp grid, routing, the MoE layer under ep/tp/sp against a plain loop
+over experts (outputs and every gradient), and training under five layouts with ep in {2, 4}
+against one process (LM loss, aux and z loss, gradient norm, tokens per expert, dropped tokens),
+all in one warm 4-rank world."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from paraloom.config import ModelConfig, ParallelConfig, TrainConfig, check_layout
+from paraloom.mesh import Axis, expert_rank_groups, rank_groups
+from paraloom.moe import expert_capacity, topk_routing
+
+CFG = ModelConfig(hidden_size=16, num_attention_heads=2, seq_length=8, num_experts=4,
+                  moe_router_topk=2, ffn_hidden_size=24, moe_z_loss_coeff=1e-3)
+
+
+# ------------------------------------------------------------------ pure logic
+def test_expert_groups_are_carved_out_of_data_parallel():
+    g = expert_rank_groups(tp=2, pp=1, dp=4, ep=2)
+    assert g["ep"] == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert g["edp"] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    dp = rank_groups(2, 1, 4)["dp"]
+    for group in g["ep"] + g["edp"]:  # every ep/edp group lies inside one dp group
+        assert any(set(group) <= set(d) for d in dp)
+    assert expert_rank_groups(1, 2, 2, ep=1)["edp"] == rank_groups(1, 2, 2)["dp"]
+    # with context parallelism (cp fastest after tp), ep blocks run over dp x cp
+    assert expert_rank_groups(tp=1, pp=1, dp=2, ep=4, cp=2)["ep"] == [(0, 1, 2, 3)]
+    with pytest.raises(ValueError, match=r"ep = 3 must divide dp \* cp = 4 \* 1 = 4"):
+        expert_rank_groups(1, 1, 4, ep=3)
+
+
+def test_bad_moe_settings_name_the_values():
+    with pytest.raises(ValueError, match="moe_router_topk = 5 is larger than num_experts = 4"):
+        ModelConfig(num_experts=4, moe_router_topk=5)
+    with pytest.raises(ValueError, match="ep = 3 does not divide dp \\* cp = 4"):
+        ParallelConfig(dp=4, ep=3)
+    with pytest.raises(ValueError, match="num_experts = 6 is not divisible by ep = 4"):
+        check_layout(ModelConfig(num_experts=6), ParallelConfig(dp=4, ep=4))
+
+
+def test_capacity_drops_are_deterministic():
+    logits = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    cap = expert_capacity(32, 2, 4, 0.5)
+    assert cap == 8
+    for policy in ("probs", "position"):
+        probs, keep, before = topk_routing(logits, 2, 0.5, policy)
+        assert int(before.sum()) == 64 and (keep.sum(0) <= cap).all()
+        assert torch.equal(probs != 0, keep)
+        again = topk_routing(logits.clone(), 2, 0.5, policy)[1]
+        assert torch.equal(keep, again)
+    # position: each expert keeps its earliest tokens
+    _, keep, _ = topk_routing(logits, 2, 0.5, "position")
+    full = topk_routing(logits, 2)[1]
+    for e in range(4):
+        rows = full[:, e].nonzero().flatten()
+        assert torch.equal(keep[:, e].nonzero().flatten(), rows[:cap])
+
+
+# ------------------------------------------------------------------ the layer, multi-rank
+def _solo(rank):
+    one = lambda n: Axis(n, (rank,), 0)  # noqa: E731
+    return SimpleNamespace(tp=one("tp"), ep=one("ep"), dp=one("dp"))
+
+
+def _data(d, sp_len, b=2):
+    g = torch.Generator().manual_seed(100 + d)
+    return torch.randn(sp_len, b, CFG.hidden_size, generator=g), \
+        torch.randn(sp_len, b, CFG.hidden_size, generator=g)
+
+
+def _reference(layer, x, proj, cfg):
+    """A plain loop over all experts for one microbatch; returns (y, loss)."""
+    s, b, h = x.shape
+    tokens = x.reshape(-1, h)
+    logits = tokens @ layer.router.weight.t()
+    n, e, k = tokens.shape[0], cfg.num_experts, cfg.moe_router_topk
+    top, idx = torch.topk(logits, k, -1)
+    w = torch.softmax(top, -1)
+    chosen = torch.zeros(n, e, dtype=torch.bool).scatter(1, idx, True)
+    weight = torch.zeros(n, e).scatter(1, idx, w)
+    if cfg.moe_expert_capacity_factor is not None:
+        chosen = topk_routing(logits.detach(), k, cfg.moe_expert_capacity_factor,
+                              cfg.moe_token_drop_policy)[1]
+        weight = weight * chosen
+    y = torch.zeros_like(tokens)
+    for g in range(e):
+        ex = layer.experts[str(g)]
+        rows = chosen[:, g].nonzero().flatten()
+        hmid = F.gelu(tokens[rows] @ ex.fc1.weight.t() + ex.fc1.bias, approximate="tanh")
+        out = hmid @ ex.fc2.weight.t() + ex.fc2.bias
+        y = y.index_add(0, rows, out * weight[rows, g:g + 1])
+    p = torch.softmax(logits, -1)
+    before = torch.zeros(n, e).scatter(1, idx, 1.0).sum(0)
+    aux = cfg.moe_aux_loss_coeff * e / (n * n * k) * (p.sum(0) * before).sum()
+    z = cfg.moe_z_loss_coeff * torch.logsumexp(logits, -1).square().mean()
+    y = y.view(s, b, h)
+    return y, (y * proj).sum() + aux + z
+
+
+def layer_vs_loop(tp, ep, sp, capacity):
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import ParallelOptions
+    from paraloom.moe import MoELayer
+    from paraloom.tensor_parallel.init import CounterInit
+    from paraloom.utils import divide
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**CFG.__dict__, "moe_expert_capacity_factor": capacity})
+    world = dist.get_world_size()
+    mesh = ParallelMesh(tp=tp, dp=world // tp, ep=ep)
+    opt = ParallelOptions(sequence_parallel=sp)
+    init, out_init = CounterInit(7, 0.2), CounterInit(7, 0.1)
+    layer = MoELayer(cfg, mesh, "layers.0.mlp", opt, init, out_init).train()
+    ref = MoELayer(cfg, _solo(dist.get_rank()), "layers.0.mlp", ParallelOptions(), init,
+                   out_init).train()
+    d = mesh.dp.rank
+    x_full, proj_full = _data(d, cfg.seq_length)
+    lo, hi = (0, cfg.seq_length)
+    if sp and tp > 1:
+        per = divide(cfg.seq_length, tp)
+        lo, hi = mesh.tp.rank * per, (mesh.tp.rank + 1) * per
+    x = x_full[lo:hi].clone().requires_grad_()
+    y = layer(x)
+    (y * proj_full[lo:hi]).sum().backward()
+    # reference: own microbatch for the output and x grad; every ep peer's for expert grads
+    xr = x_full.clone().requires_grad_()
+    yr, loss = _reference(ref, xr, proj_full, cfg)
+    loss.backward(inputs=[xr])
+    torch.testing.assert_close(y, yr[lo:hi], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, xr.grad[lo:hi], rtol=1e-5, atol=1e-6)
+    ref.zero_grad()
+    peers = [mesh.dp.ranks.index(r) for r in mesh.ep.ranks]
+    for peer in peers:
+        xp, pp_ = _data(peer, cfg.seq_length)
+        _reference(ref, xp, pp_, cfg)[1].backward()
+    router_grad = ref.router.weight.grad.clone()
+    ref.router.weight.grad = None
+    _reference(ref, x_full, proj_full, cfg)[1].backward(inputs=[ref.router.weight])
+    g = layer.router.weight.grad
+    if sp and tp > 1:  # partial over the sequence slices: finalize_model_grads sums it over tp
+        dist.all_reduce(g, group=mesh.tp.group)
+    torch.testing.assert_close(g, ref.router.weight.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(router_grad, ref.router.weight.grad)  # peers' data differs
+    for gid in layer.local_ids:
+        mine, theirs = layer.experts[str(gid)], ref.experts[str(gid)]
+        f = divide(cfg.ffn, tp)
+        r = slice(mesh.tp.rank * f, (mesh.tp.rank + 1) * f)
+        torch.testing.assert_close(mine.fc1.weight.grad, theirs.fc1.weight.grad[r], rtol=1e-5,
+                                   atol=1e-6)
+        torch.testing.assert_close(mine.fc2.weight.grad, theirs.fc2.weight.grad[:, r], rtol=1e-5,
+                                   atol=1e-6)
+        b2 = mine.fc2.bias.grad
+        if tp > 1:
+            dist.all_reduce(b2, group=mesh.tp.group)
+        torch.testing.assert_close(b2, theirs.fc2.bias.grad, rtol=1e-5, atol=1e-6)
+    return {"kept": int(layer.stats["tokens_per_expert"].sum()),
+            "dropped": int(layer.stats["dropped"]), "local": list(layer.local_ids)}
+
+
+@pytest.mark.parametrize("tp,ep,sp,capacity", [
+    (1, 2, False, None), (1, 4, False, None), (2, 2, True, None), (2, 2, False, None),
+    (1, 2, False, 0.5), (2, 2, True, 0.75)])
+def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity):
+    res = world4.run(layer_vs_loop, tp, ep, sp, capacity)
+    n = CFG.seq_length * 2 * CFG.moe_router_topk
+    for r in res:
+        assert r["kept"] + r["dropped"] == (n if r["kept"] else 0) or r["kept"] == 0
+    assert (sum(r["dropped"] for r in res) > 0) == (capacity is not None)
+    assert sorted({g for r in res for g in r["local"]}) == list(range(CFG.num_experts))
+    assert math.isfinite(res[0]["kept"])
+
+
+# ------------------------------------------------------------------ training, every layout
+TRAIN_MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
+                          seq_length=16, num_experts=4, moe_router_topk=2, moe_layer_freq=2,
+                          moe_z_loss_coeff=1e-3)
+TRAIN = TrainConfig(model=TRAIN_MODEL, global_batch_size=4, micro_batch_size=1, steps=4,
+                    lr=3e-3, warmup_steps=1, save_every=0)
+
+
+def train_steps(cfg):
+    """The training loop's steps without its files: ``train_step`` metrics for ``cfg.steps``."""
+    from paraloom.mesh import ParallelMesh
+    from paraloom.training.data import Corpus, load_corpus
+    from paraloom.training.train import build, train_step
+    mesh = ParallelMesh(cfg.parallel)
+    run = build(cfg, mesh, Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed))
+    return [train_step(run, s) for s in range(cfg.steps)]
+
+
+def _cfg(model=TRAIN_MODEL, *, tp=1, pp=1, dp=1, ep=1, sp=False, zero=False):
+    return replace(TRAIN, model=model, parallel=ParallelConfig(
+        tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp), distributed_optimizer=zero,
+        schedule="1f1b" if pp > 1 else "none")
+
+
+def assert_same_training(got, want, rtol=1e-5):
+    """LM loss, aux and z loss, gradient norm at ``rtol``; tokens per expert and drops exactly."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        for key in ("loss", "aux_loss", "z_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=rtol), (key, a, b)
+        assert a["tokens_per_expert"] == b["tokens_per_expert"]
+        assert a.get("dropped_tokens") == b.get("dropped_tokens")
+
+
+@pytest.fixture(scope="module")
+def single():
+    """One process (the pytest process itself, no torch.distributed): the oracle."""
+    return {cf: train_steps(_cfg(replace(TRAIN_MODEL, moe_expert_capacity_factor=cf)))
+            for cf in (None, 1.0)}
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=4), dict(dp=4, ep=2, zero=True), dict(tp=2, dp=2, ep=2, sp=True),
+    dict(tp=2, dp=2, ep=2, zero=True), dict(pp=2, dp=2, ep=2),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_every_expert_layout_trains_the_same_model(world4, single, layout):
+    got = world4.run(train_steps, _cfg(**layout))
+    for rank_metrics in got:  # every rank reports the same numbers
+        assert_same_training(rank_metrics, single[None])
+    first = got[0][0]
+    assert first["aux_loss"] > 0 and got[0][-1]["loss"] < first["loss"]
+    assert set(first["tokens_per_expert"]) == {"0", "2"}  # moe_layer_freq 2
+    assert all(sum(v) == 4 * 16 * 2 for v in first["tokens_per_expert"].values())
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4)],
+                         ids=["tp2-sp-ep2", "dp4-ep4"])
+def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, layout):
+    want = single[1.0]
+    assert all(m["dropped_tokens"] > 0 for m in want)
+    model = replace(TRAIN_MODEL, moe_expert_capacity_factor=1.0)
+    assert_same_training(world4.run(train_steps, _cfg(model, **layout))[0], want)
+    assert all(sum(v) < 4 * 16 * 2 for v in want[0]["tokens_per_expert"].values())
+
+
+def test_plan_and_layout_count_the_real_experts():
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.analysis.layout import chunk_params
+    from paraloom.analysis.moe_formulas import MoECommConfig
+    from paraloom.analysis.plan import plan
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel
+
+    model = GPTModel(TRAIN_MODEL, ParallelMesh())
+    real = {n: p.numel() for n, p in model.named_parameters()}
+    moe = MoECommConfig(num_experts=4, topk=2, ep=1, layer_freq=2)
+    c = CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256, moe=moe)
+    assert plan(c)["parameters"]["total"] == plan(c)["parameters"]["per_gpu"] == sum(real.values())
+    assert {p.name: p.numel for p in chunk_params(c, 0)} == real  # names and sizes, in order
+    assert [p.name for p in chunk_params(c, 0)] == list(real)
+    # ep = 2 over dp = 2: each rank holds half of every MoE layer's experts
+    c2 = replace(c, dp=2, moe=replace(moe, ep=2))
+    experts = sum(n for name, n in real.items() if ".experts." in name)
+    assert plan(c2)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2
+
+
+def empty_all_to_all():
+    from paraloom import comm
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    mesh = ParallelMesh(dp=dist.get_world_size(), ep=4)
+    r = mesh.ep.rank
+    ins = [0, 0, 0, 0] if r == 0 else [1, 1, 1, 1]  # rank 0 sends nothing
+    outs = [0, 1, 1, 1]
+    x = torch.full((sum(ins), 3), float(r))
+    with recording(Ledger(rank=dist.get_rank())) as led:
+        y = comm.all_to_all(x, mesh.ep, input_splits=ins, output_splits=outs, phase="forward",
+                            kind="ep", site="test")
+    e = led.events[0]
+    return y[:, 0].tolist(), e["bytes"], e["recv_bytes"], e["row_bytes"]
+
+
+def test_all_to_all_with_an_empty_send(world4):
+    for r, (got, sent, received, row) in enumerate(world4.run(empty_all_to_all)):
+        assert got == [1.0, 2.0, 3.0] and row == 12 and received == 36
+        assert sent == (0 if r == 0 else 48)

@@ -1,0 +1,80 @@
+"""``paraloom train --num-experts``: the run folder and record of an expert-parallel run, and bad
+MoE flags (exit 2 naming the values, before any rank starts). Layout equivalence is proved in
+test_moe.py (warm world, no files)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from paraloom.cli import main
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dp", "4", "--ep", "4", "--num-experts", "6"],
+     "num_experts = 6 is not divisible by ep = 4"),
+    (["--num-experts", "4", "--moe-router-topk", "5"],
+     "moe_router_topk = 5 is larger than num_experts = 4"),
+    (["--dp", "2", "--ep", "4", "--num-experts", "4"], r"ep = 4 does not divide dp \* cp = 2"),
+    (["--dp", "2", "--ep", "2"], "ep = 2 needs an MoE model"),
+])
+def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, flags, message):
+    out = tmp_path / "bad"
+    code = main(["train", "--tp", "1", "--pp", "1", "--dp", "1", "--out", str(out), *flags])
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
+    """A tp2-sp-dp2-ep2 run: metrics, expert_load.png, the table (en/zh) with the all-to-alls in
+    forward and backward, ``paraloom check`` exact (and a forged split size caught); its
+    checkpoint resumed at dp4-ep4 continues the same model."""
+    import json
+    import shutil
+
+    from paraloom.analysis.check import check_main
+    from paraloom.report.table import table_main
+
+    run = tmp_path / "run"
+    shape = ["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "4", "--hidden", "32",
+             "--heads", "4", "--seq-len", "16", "--global-batch-size", "8",
+             "--micro-batch-size", "1", "--ledger-steps", "1", "--out", str(run)]
+    assert main(["train", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2",
+                 "--sequence-parallel", "--steps", "4", "--save-every", "2", *shape]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["aux_loss"] > 0 and set(m["tokens_per_expert"]) == {"0", "2"} for m in metrics)
+    assert (run / "expert_load.png").stat().st_size > 0
+    capsys.readouterr()
+    assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
+    for lang, words in (("en", "tokens to their experts' ranks"), ("zh", "token 发往所选专家")):
+        capsys.readouterr()
+        assert table_main([str(run), "--lang", lang]) == 0
+        rows = [r for r in capsys.readouterr().out.splitlines() if "| ep |" in r]
+        assert any(words in r and "forward" in r for r in rows)
+        # 2 MoE layers x (combine, dispatch) x 4 microbatches
+        assert sum("all_to_all" in r and "backward" in r for r in rows) == 2 * 2 * 4
+    forged = tmp_path / "forged"
+    shutil.copytree(run, forged, ignore=shutil.ignore_patterns("checkpoints"))
+    lines = (forged / "ledger.jsonl").read_text().splitlines()
+    for i, line in enumerate(lines):
+        event = json.loads(line)
+        if event["kind"] == "ep" and event["site"].endswith(":tokens"):
+            event["output_splits"][0] += 1
+            lines[i] = json.dumps(event)
+            break
+    (forged / "ledger.jsonl").write_text("\n".join(lines) + "\n")
+    assert check_main([str(forged), "--only-diff"]) == 1
+    assert "splits" in capsys.readouterr().out
+    # resume the step-2 checkpoint under another expert layout (experts and their Adam moments
+    # resharded from ep 2 to ep 4, ZeRO on): steps 2 and 3 again, the same numbers
+    again = tmp_path / "again"
+    assert main(["train", "--resume", str(run / "checkpoints" / "step_2"), "--tp", "1",
+                 "--dp", "4", "--ep", "4", "--distributed-optimizer", "--steps", "4",
+                 "--out", str(again)]) == 0
+    resumed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in resumed] == [2, 3]
+    for got, want in zip(resumed, metrics[2:], strict=True):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5)
