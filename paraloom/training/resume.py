@@ -43,7 +43,7 @@ _FIELDS = {
         "global_batch_size", "micro_batch_size", "steps", "lr", "min_lr", "warmup_steps",
         "weight_decay", "clip_grad", "seed", "dtype", "recompute", "schedule",
         "overlap_grad_reduce", "overlap_p2p_comm", "distributed_optimizer", "bucket_size", "data",
-        "save_every",
+        "save_every", "tokenizer", "data_path",
         "ledger_steps", "timeout_s", "max_bad_steps")},
 }
 """argparse destination -> TrainConfig field (dotted into the nested configs)."""
@@ -70,7 +70,7 @@ def explicit_dests(argv: list[str] | None, args: argparse.Namespace) -> set[str]
 
 def _get(config: dict, path: str):
     for key in path.split("."):
-        config = config[key]
+        config = config.get(key)  # None: a field newer than the checkpoint
     return config
 
 
@@ -83,6 +83,9 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     for dest, path in _FIELDS.items():
         if dest not in explicit:
             setattr(args, dest, _get(saved, path))
+    for mine, other in (("data", "data_path"), ("data_path", "data")):
+        if mine in explicit and other not in explicit:
+            setattr(args, other, None)  # the data given replaces the checkpoint's
     if "pp" in explicit and "vpp" not in explicit and args.pp != saved["parallel"]["pp"]:
         args.vpp = None  # the saved virtual stages belong to the saved pipeline depth
     if explicit & {"pp", "vpp"} and "schedule" not in explicit:
