@@ -95,9 +95,12 @@ def read_documents(path: str | Path, key: str = "text", txt_documents: str = "pa
         if isinstance(value, str):
             value = [value]
         if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-            has = ", ".join(list(obj)[:6]) if isinstance(obj, dict) else type(obj).__name__
-            raise ValueError(f"--input {str(path)!r} line {number}: no string field {key!r} "
-                             f"(it has {has or 'nothing'}); --json-keys names the field")
+            if isinstance(obj, dict) and key in obj:
+                why = f"its {key!r} is {type(obj[key]).__name__}, not a string or strings"
+            else:
+                has = ", ".join(list(obj)[:6]) if isinstance(obj, dict) else type(obj).__name__
+                why = f"no field {key!r} (it has {has or 'nothing'}); --json-keys names the field"
+            raise ValueError(f"--input {str(path)!r} line {number}: {why}")
         docs.append(value)
     return docs
 

@@ -1,0 +1,128 @@
+"""A BPE tokenizer trained here with ``tokenizers`` on the bundled corpus goes through
+``paraloom preprocess`` -> ``train --data-path`` -> ``eval --data-path``.
+
+The run's vocabulary is the tokenizer's (300, padded to 384); its config.json records the
+tokenizer and the dataset; ``eval`` of the checkpoint, reading the same dataset into the same
+held-out batches under another layout, gives the held-out loss the run reported after training;
+and the token stream is the tokenizer's own ids of the documents with EOD between them.
+``--tokenizer`` also reads a plain ``--data`` text file; bad tokenizer folders and inputs are
+refused with the value named and exit code 2.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from paraloom import launch
+from paraloom.cli import main
+from paraloom.data.stream import load_tokens
+from paraloom.data.tokenizer import HFTokenizer
+from paraloom.training.data import DEFAULT_CORPUS
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def corpus_docs():
+    """The bundled corpus's first modules, one document each (split at their headers)."""
+    text = gzip.decompress(DEFAULT_CORPUS.read_bytes()).decode()
+    return ["# ===== " + part for part in text.split("# ===== ")[1:7]]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory, corpus_docs):
+    """A byte-level BPE with 300 tokens (``<|endoftext|>`` included), trained on them."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus_docs, trainer)
+    folder = tmp_path_factory.mktemp("bpe")
+    tok.save(str(folder / "tokenizer.json"))
+    return folder, tok
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started for input that should be refused before")
+    monkeypatch.setattr(launch, "spawn", refuse)
+
+
+def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
+    folder, tok = bpe
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in corpus_docs))
+    prefix = str(tmp_path / "docs")
+    assert main(["preprocess", "--input", str(jsonl), "--tokenizer", str(folder),
+                 "--output-prefix", prefix, "--append-eod"]) == 0
+    eod = tok.token_to_id("<|endoftext|>")
+    want = [t for d in corpus_docs for t in tok.encode(d).ids + [eod]]
+    assert load_tokens(data_path=prefix, tokenizer=str(folder)).tolist() == want
+    out = tmp_path / "run"
+    model = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", str(SEQ)]
+    assert main(["train", "--data-path", prefix, "--tokenizer", str(folder), *model,
+                 "--tp", "2", "--pp", "1", "--dp", "1", "--global-batch-size", "4",
+                 "--steps", "3", "--save-every", "3", "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["tokenizer"] == str(folder) and config["data_path"] == prefix
+    assert config["model"]["vocab_size"] == 300
+    summary = json.loads((out / "summary.json").read_text())
+    capfd.readouterr()
+    assert main(["eval", "--resume", str(out), "--data-path", prefix, "--dp", "2",
+                 "--global-batch-size", "4", "--micro-batch-size", "2", "--batches", "2"]) == 0
+    line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("{")][-1]
+    assert json.loads(line)["loss"] == pytest.approx(summary["held_out_loss_after"], rel=1e-5)
+
+
+def test_tokenizer_reads_plain_text(tmp_path, bpe, corpus_docs):
+    folder, tok = bpe
+    path = tmp_path / "one.txt"
+    path.write_text(corpus_docs[1])
+    assert load_tokens(str(path), tokenizer=str(folder)).tolist() == tok.encode(
+        corpus_docs[1]).ids
+    assert HFTokenizer(folder).vocab_size == 300
+
+
+def test_eod_from_tokenizer_config(tmp_path, bpe):
+    folder, tok = bpe
+    assert HFTokenizer(folder).eod == tok.token_to_id("<|endoftext|>")
+    mine = tmp_path / "tok"
+    mine.mkdir()
+    (mine / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    name = tok.id_to_token(260)  # any token of the vocabulary, named as transformers saves it
+    (mine / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": name}}))
+    assert HFTokenizer(mine).eod == 260
+
+
+def test_bad_tokenizers_and_inputs_exit_2(tmp_path, bpe, capsys, no_ranks):
+    folder, _ = bpe
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    for bad, message in (("empty", "has no tokenizer.json"), ("broken", "not a valid tokenizer"),
+                         ("missing", "is not a folder (missing)")):
+        assert main(["train", "--tokenizer", str(tmp_path / bad), "--tp", "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"--tokenizer {str(tmp_path / bad)!r}" in err and message in err, err
+    assert main(["train", "--tokenizer", str(folder), "--vocab", "256", "--tp", "1"]) == 2
+    assert "--vocab 256" in capsys.readouterr().err
+    lines = {"bad.jsonl": ('{"text": 1}\n', "line 1: its 'text' is int"),
+             "nojson.jsonl": ('{"text": "a"}\nnope\n', "line 2 is not JSON"),
+             "blank.txt": ("\n\n", "holds no documents"),
+             "doc.md": ("text", "must end in .jsonl or .txt")}
+    for name, (text, message) in lines.items():
+        (tmp_path / name).write_text(text)
+        assert main(["preprocess", "--input", str(tmp_path / name), "--tokenizer", str(folder),
+                     "--output-prefix", str(tmp_path / "p")]) == 2
+        err = capsys.readouterr().err
+        assert str(tmp_path / name) in err and message in err, err
+    assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer",
+                 str(folder), "--output-prefix", str(tmp_path / "nowhere" / "p")]) == 2
+    assert "does not exist" in capsys.readouterr().err
