@@ -157,8 +157,9 @@ class IndexedDataset:
             raise ValueError(f"{flag} {self.prefix!r}: {binf} has {size} bytes but its index "
                              f"says {int(lengths.sum())} tokens of {self.dtype} "
                              f"({int(lengths.sum()) * self.dtype.itemsize} bytes)")
-        self._tokens = (np.memmap(binf, dtype=self.dtype, mode="r") if size
-                        else np.zeros(0, self.dtype))
+        self.tokens = (np.memmap(binf, dtype=self.dtype, mode="r") if size
+                       else np.zeros(0, self.dtype))
+        """Every token id of ``P.bin`` in order (memory-mapped, read-only)."""
 
     def __len__(self) -> int:
         """Number of sequences."""
@@ -175,7 +176,7 @@ class IndexedDataset:
     def __getitem__(self, i: int) -> np.ndarray:
         """Sequence ``i``'s token ids."""
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize
-        return np.asarray(self._tokens[start:start + int(self.sequence_lengths[i])])
+        return np.asarray(self.tokens[start:start + int(self.sequence_lengths[i])])
 
     def document(self, j: int) -> np.ndarray:
         """Document ``j``'s token ids (its sequences joined)."""
@@ -184,4 +185,4 @@ class IndexedDataset:
             return np.zeros(0, self.dtype)
         start = int(self.sequence_pointers[lo]) // self.dtype.itemsize
         count = int(self.sequence_lengths[lo:hi].astype(np.int64).sum())
-        return np.asarray(self._tokens[start:start + count])
+        return np.asarray(self.tokens[start:start + count])

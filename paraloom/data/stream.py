@@ -30,14 +30,15 @@ def _inner_ends(dataset: IndexedDataset) -> np.ndarray:
 
 
 def join_documents(dataset: IndexedDataset, eod: int) -> np.ndarray:
-    """All documents of ``dataset`` in order, ``eod`` between neighbours (int64)."""
-    tokens = np.asarray(dataset._tokens, dtype=np.int64)
+    """All documents of ``dataset`` in order, ``eod`` between neighbours (int32: check the ids
+    with :func:`check_token_ids` first)."""
+    tokens = np.asarray(dataset.tokens).astype(np.int32)
     inner = _inner_ends(dataset)
     inner = inner[tokens[inner - 1] != eod]
     return np.insert(tokens, inner, eod)
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int, what: str, tokenizer: str) -> None:
+def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str, tokenizer: str) -> None:
     """``ValueError`` if a token id is outside ``[0, vocab_size)`` (a dataset made with
     another tokenizer)."""
     if len(tokens) and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size):
@@ -70,9 +71,8 @@ def load_tokens(data: str | None = None, data_path: str | None = None,
                              f"eos_token in tokenizer_config.json, none of "
                              f"{', '.join(EOD_NAMES)}) to put between the documents of "
                              f"--data-path {data_path!r}")
-        tokens = torch.from_numpy(join_documents(dataset, -1 if tok.eod is None else tok.eod))
-        check_token_ids(tokens, tok.vocab_size, f"--data-path {data_path!r}", tokenizer)
-        return tokens.to(torch.int32)
+        check_token_ids(dataset.tokens, tok.vocab_size, f"--data-path {data_path!r}", tokenizer)
+        return torch.from_numpy(join_documents(dataset, -1 if tok.eod is None else tok.eod))
     raw = load_corpus(data)
     if tokenizer is None:
         return raw
