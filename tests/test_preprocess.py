@@ -11,6 +11,7 @@ refused with the value named and exit code 2.
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 
@@ -19,9 +20,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paraloom import launch
 from paraloom.cli import main
+from paraloom.data.preprocess import read_documents
 from paraloom.data.stream import load_tokens
 from paraloom.data.tokenizer import HFTokenizer
+from paraloom.training.command import add_train_parser, config_from_args
 from paraloom.training.data import DEFAULT_CORPUS
+from paraloom.training.resume import explicit_dests, resume_args
 
 SEQ = 32
 
@@ -79,6 +83,23 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
                  "--global-batch-size", "4", "--micro-batch-size", "2", "--batches", "2"]) == 0
     line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("{")][-1]
     assert json.loads(line)["loss"] == pytest.approx(summary["held_out_loss_after"], rel=1e-5)
+    parser = argparse.ArgumentParser()  # --resume takes the tokenizer back; --data replaces
+    add_train_parser(parser.add_subparsers(dest="command"))  # the saved --data-path
+    for argv, data, data_path in ((["--resume", str(out)], None, prefix),
+                                  (["--resume", str(out), "--data", str(jsonl)], str(jsonl), None)):
+        args = parser.parse_args(["train", *argv])
+        resume_args(args, explicit_dests(argv, args))
+        assert (args.tokenizer, args.data, args.data_path) == (str(folder), data, data_path)
+        assert config_from_args(args).model.vocab_size == 300
+
+
+@pytest.mark.parametrize("split, want", [("paragraph", [["a\nb"], ["c"], ["d"]]),
+                                         ("line", [["a"], ["b"], ["c"], ["d"]]),
+                                         ("file", [["a\nb\n\nc\n \n\nd\n"]])])
+def test_txt_documents(tmp_path, split, want):
+    path = tmp_path / "t.txt"
+    path.write_text("a\nb\n\nc\n \n\nd\n")
+    assert read_documents(path, txt_documents=split) == want
 
 
 def test_tokenizer_reads_plain_text(tmp_path, bpe, corpus_docs):
