@@ -78,6 +78,12 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
     assert config["tokenizer"] == str(folder) and config["data_path"] == prefix
     assert config["model"]["vocab_size"] == 300
     summary = json.loads((out / "summary.json").read_text())
+    assert main(["train", "--data-path", prefix, "--tokenizer", str(folder), *model,
+                 "--tp", "1", "--pp", "2", "--dp", "1", "--global-batch-size", "4",
+                 "--steps", "3", "--save-every", "0", "--out", str(tmp_path / "pp2")]) == 0
+    for name in ("loss", "grad_norm"):  # the same batches under another layout
+        assert [m[name] for m in _metrics(tmp_path / "pp2")] == pytest.approx(
+            [m[name] for m in _metrics(out)], rel=1e-5)
     capfd.readouterr()
     assert main(["eval", "--resume", str(out), "--data-path", prefix, "--dp", "2",
                  "--global-batch-size", "4", "--micro-batch-size", "2", "--batches", "2"]) == 0
@@ -102,6 +108,10 @@ def test_txt_documents(tmp_path, split, want):
     assert read_documents(path, txt_documents=split) == want
 
 
+def _metrics(run) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_tokenizer_reads_plain_text(tmp_path, bpe, corpus_docs):
     folder, tok = bpe
     path = tmp_path / "one.txt"
@@ -111,15 +121,24 @@ def test_tokenizer_reads_plain_text(tmp_path, bpe, corpus_docs):
     assert HFTokenizer(folder).vocab_size == 300
 
 
-def test_eod_from_tokenizer_config(tmp_path, bpe):
+def test_a_transformers_folder_reads_as_megatron_reads_it(tmp_path, bpe, corpus_docs):
+    """Megatron's ``HuggingFaceTokenizer`` is ``AutoTokenizer``: vocabulary ``len(tokenizer)``,
+    EOD its ``eos_token_id``, ids ``tokenizer(text).input_ids``. A folder saved by transformers
+    (another eos_token, an added token, a BOS post-processor) reads the same here."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
     folder, tok = bpe
     assert HFTokenizer(folder).eod == tok.token_to_id("<|endoftext|>")
-    mine = tmp_path / "tok"
-    mine.mkdir()
-    (mine / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
-    name = tok.id_to_token(260)  # any token of the vocabulary, named as transformers saves it
-    (mine / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": name}}))
-    assert HFTokenizer(mine).eod == 260
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", 0)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=tok.id_to_token(260),
+                                 additional_special_tokens=["<|pad|>"])
+    hf.save_pretrained(tmp_path / "hf")
+    mine = HFTokenizer(tmp_path / "hf")
+    assert (mine.vocab_size, mine.eod) == (len(hf), hf.eos_token_id) == (301, 260)
+    assert mine.encode(corpus_docs[2]) == hf(corpus_docs[2]).input_ids
+    assert mine.encode(corpus_docs[2])[0] == 0  # the BOS of the post-processor
 
 
 def test_bad_tokenizers_and_inputs_exit_2(tmp_path, bpe, capsys, no_ranks):
