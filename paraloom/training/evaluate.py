@@ -63,13 +63,15 @@ def _config(args):
         raise ValueError("--seq-len is only for --hf (a checkpoint has its own)")
     ckpt, meta = find_checkpoint(args.resume)
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
-    if args.tokenizer is None:  # the run's own tokenizer: its vocabulary is the model's
-        args.tokenizer = meta["config"].get("tokenizer")
-    _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of")
+    flag = "--tokenizer"
+    if args.tokenizer is None and meta["config"].get("tokenizer"):  # the run's own tokenizer
+        args.tokenizer = meta["config"]["tokenizer"]
+        flag = "the checkpoint's --tokenizer"
+    _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of", flag)
     return _train_config(args, model, ckpt), ckpt
 
 
-def _check_vocab(args, vocab_size: int, what: str) -> None:
+def _check_vocab(args, vocab_size: int, what: str, flag: str = "--tokenizer") -> None:
     """The model's vocabulary must hold the tokenizer's (bytes: 256)."""
     if args.data_path is not None and args.tokenizer is None:
         raise ValueError(f"--data-path {args.data_path!r} needs --tokenizer DIR (the tokenizer "
@@ -80,7 +82,7 @@ def _check_vocab(args, vocab_size: int, what: str) -> None:
                              f"least 256 is needed); give its --tokenizer")
         return
     from ..data.tokenizer import load_tokenizer
-    tokens = load_tokenizer(args.tokenizer).vocab_size
+    tokens = load_tokenizer(args.tokenizer, flag).vocab_size
     if vocab_size < tokens:
         raise ValueError(f"{what} {vocab_size}, but --tokenizer {args.tokenizer!r} has "
                          f"{tokens} tokens")

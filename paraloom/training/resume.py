@@ -83,6 +83,9 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     for dest, path in _FIELDS.items():
         if dest not in explicit:
             setattr(args, dest, _get(saved, path))
+    if "tokenizer" not in explicit and args.tokenizer and not Path(args.tokenizer).is_dir():
+        raise ValueError(f"--resume {str(ckpt)!r} was trained with --tokenizer "
+                         f"{args.tokenizer!r}, which is not a folder here; give --tokenizer DIR")
     for mine, other in (("data", "data_path"), ("data_path", "data")):
         if mine in explicit and other not in explicit:
             setattr(args, other, None)  # the data given replaces the checkpoint's
