@@ -141,6 +141,56 @@ def test_a_transformers_folder_reads_as_megatron_reads_it(tmp_path, bpe, corpus_
     assert mine.encode(corpus_docs[2])[0] == 0  # the BOS of the post-processor
 
 
+def _openai_gpt2_encode(vocab: dict, merges: list, text: str) -> list[int]:
+    """GPT-2's own encoder (OpenAI's encoder.py, which Megatron's GPT2BPETokenizer is): bytes
+    mapped to printable characters, the GPT-2 split pattern, then the lowest-ranked merge
+    first, written out here as an independent reference."""
+    import regex
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    ranks = {tuple(m.split()): i for i, m in enumerate(merges)}
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+                            r"""|\s+(?!\S)|\s+""")
+    ids = []
+    for piece in pattern.findall(text):
+        word = [chars[b] for b in piece.encode("utf-8")]
+        while len(word) > 1:
+            pairs = [(ranks.get((word[i], word[i + 1]), len(ranks)), i)
+                     for i in range(len(word) - 1)]
+            rank, i = min(pairs)
+            if rank == len(ranks):
+                break
+            first, second = word[i], word[i + 1]
+            merged, j = [], 0
+            while j < len(word):  # every occurrence of the pair, left to right
+                if j + 1 < len(word) and (word[j], word[j + 1]) == (first, second):
+                    merged.append(first + second)
+                    j += 2
+                else:
+                    merged.append(word[j])
+                    j += 1
+            word = merged
+        ids += [vocab[w] for w in word]
+    return ids
+
+
+def test_gpt2_vocab_and_merges_read_as_gpt2_encoder(tmp_path, bpe, corpus_docs):
+    """A folder with GPT-2's vocab.json + merges.txt (Megatron's GPT2BPETokenizer files) gives
+    the ids of GPT-2's own encoder; EOD is its <|endoftext|>."""
+    _, tok = bpe
+    tok.model.save(str(tmp_path))
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    merges = [m for m in (tmp_path / "merges.txt").read_text().splitlines()
+              if m and not m.startswith("#version")]
+    mine = HFTokenizer(tmp_path)
+    text = corpus_docs[3][:6000] + " héllo  wörld 12345\n\t<|endoftext|>  x "
+    assert mine.encode(text) == _openai_gpt2_encode(vocab, merges, text)
+    assert (mine.vocab_size, mine.eod) == (len(vocab), vocab["<|endoftext|>"]) == (300, 0)
+
+
 def test_bad_tokenizers_and_inputs_exit_2(tmp_path, bpe, capsys, no_ranks):
     folder, _ = bpe
     (tmp_path / "empty").mkdir()

@@ -1,7 +1,8 @@
 """Tokenizers: bytes (the default, vocabulary 256) or a local Hugging Face tokenizer folder.
 
 ``--tokenizer DIR`` names a folder with a ``tokenizer.json`` (what ``tokenizers`` and
-``transformers`` save; read with the ``tokenizers`` library, never from the network). Its
+``transformers`` save; read with the ``tokenizers`` library, never from the network), or with
+GPT-2's ``vocab.json`` + ``merges.txt`` (Megatron's ``GPT2BPETokenizer`` files). Its
 vocabulary size counts the added tokens, as ``len(tokenizer)`` does in transformers; text is
 encoded with the tokenizer's own post-processing (a Llama tokenizer adds its BOS), as
 Megatron's ``HuggingFaceTokenizer.tokenize`` does. The end-of-document token (EOD) is the
@@ -45,20 +46,23 @@ class HFTokenizer:
             raise ValueError(f"{flag} {self.name!r} is not a folder ({what}); give a local "
                              f"Hugging Face tokenizer folder holding tokenizer.json")
         file = path / "tokenizer.json"
-        if not file.is_file():
+        gpt2 = [path / "vocab.json", path / "merges.txt"]
+        if not file.is_file() and not all(f.is_file() for f in gpt2):
             has = sorted(p.name for p in path.iterdir())[:8]
-            raise ValueError(f"{flag} {self.name!r} has no tokenizer.json (it holds "
-                             f"{', '.join(has) or 'nothing'}); save the tokenizer with "
-                             f"tokenizers' Tokenizer.save or transformers' save_pretrained")
+            raise ValueError(f"{flag} {self.name!r} has no tokenizer.json, nor GPT-2's "
+                             f"vocab.json + merges.txt (it holds {', '.join(has) or 'nothing'}); "
+                             f"save the tokenizer with tokenizers' Tokenizer.save or "
+                             f"transformers' save_pretrained")
         try:
-            from tokenizers import Tokenizer
+            import tokenizers  # noqa: F401
         except ImportError as err:
             raise ValueError(f"{flag} needs the tokenizers library ({err}): pip install "
                              f"'paraloom[tokenizers]'") from None
         try:
-            self._tok = Tokenizer.from_file(str(file))
+            self._tok = _read(file) if file.is_file() else _gpt2(*gpt2)
         except Exception as err:  # tokenizers raises a bare Exception for a bad file
-            raise ValueError(f"{flag} {self.name!r}: {file} is not a valid tokenizer file "
+            bad = file if file.is_file() else " + ".join(str(f) for f in gpt2)
+            raise ValueError(f"{flag} {self.name!r}: {bad} is not a valid tokenizer "
                              f"({str(err).splitlines()[0][:200]})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = self._find_eod(path, flag)
@@ -85,6 +89,22 @@ class HFTokenizer:
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]
+
+
+def _read(file: Path):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(file))
+
+
+def _gpt2(vocab: Path, merges: Path):
+    """GPT-2's byte-level BPE from its ``vocab.json`` + ``merges.txt`` (Megatron's
+    ``GPT2BPETokenizer`` files; transformers' GPT-2 conversion builds the same)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    tok = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
 
 
 def load_tokenizer(folder: str | Path | None, flag: str = "--tokenizer"):
