@@ -118,6 +118,9 @@ def test_tokenizer_reads_plain_text(tmp_path, bpe, corpus_docs):
     path.write_text(corpus_docs[1])
     assert load_tokens(str(path), tokenizer=str(folder)).tolist() == tok.encode(
         corpus_docs[1]).ids
+    path.write_text(corpus_docs[2])  # the stream is cached for forked ranks, never stale
+    assert load_tokens(str(path), tokenizer=str(folder)).tolist() == tok.encode(
+        corpus_docs[2]).ids
     assert HFTokenizer(folder).vocab_size == 300
 
 

@@ -13,6 +13,8 @@ batches cut from it stay layout-independent.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -47,11 +49,40 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, what: str, tokenizer: s
                          f"dataset was made with another tokenizer")
 
 
+_CACHE: dict = {}
+"""The last stream built, keyed by its inputs and their files' sizes and times: the check
+before ranks start builds it, and forked ranks inherit it instead of tokenizing again."""
+
+
+def _signature(*paths) -> tuple:
+    out = []
+    for path in paths:
+        try:
+            st = Path(path).stat()
+            out.append((str(path), st.st_size, st.st_mtime_ns))
+        except (OSError, TypeError):
+            out.append((path, None))
+    return tuple(out)
+
+
 def load_tokens(data: str | None = None, data_path: str | None = None,
                 tokenizer: str | None = None) -> torch.Tensor:
     """The token stream of ``data`` (a file, default the bundled corpus) or ``data_path`` (an
     indexed dataset prefix), tokenized with ``tokenizer`` (a folder; ``None``: bytes).
     ``ValueError`` names the flag and the value for every bad input."""
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+    files = [data, *(Path(tokenizer) / name for name in names if tokenizer)]
+    if data_path is not None:
+        files += [f"{data_path}.idx", f"{data_path}.bin"]
+    key = (data, data_path, tokenizer, _signature(*files))
+    if key not in _CACHE:
+        tokens = _build(data, data_path, tokenizer)
+        _CACHE.clear()
+        _CACHE[key] = tokens
+    return _CACHE[key]
+
+
+def _build(data: str | None, data_path: str | None, tokenizer: str | None) -> torch.Tensor:
     from ..training.data import load_corpus
     if data is not None and data_path is not None:
         raise ValueError(f"--data {data!r} (a text file) and --data-path {data_path!r} (an "
