@@ -105,8 +105,9 @@ class IndexedDatasetWriter:
     def __exit__(self, exc_type, *_) -> None:
         if exc_type is None:
             self.finalize()
-        else:
+        else:  # no half-written dataset left behind
             self._bin.close()
+            bin_path(self.prefix).unlink(missing_ok=True)
 
 
 class IndexedDataset:
