@@ -79,6 +79,7 @@ _FORWARDED = {
     "doctor": ("paraloom.explain", "doctor_main"),
     "diff": ("paraloom.record.diff", "diff_main"),
     "record": ("paraloom.record.command", "record_main"),
+    "preprocess": ("paraloom.data.preprocess", "preprocess_main"),
 }
 """Commands with their own argument parser: ``paraloom table RUN_DIR ...`` etc."""
 
@@ -94,6 +95,7 @@ _HELP = {
     "diff": "do two runs communicate identically? first divergence per rank",
     "record": "run any PyTorch program (DDP, FSDP2, DTensor, Megatron) with its "
               "communication on the record",
+    "preprocess": "tokenize text into a Megatron indexed dataset (P.bin + P.idx)",
 }
 
 

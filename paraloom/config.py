@@ -346,6 +346,12 @@ class TrainConfig:
     init_from_hf: str | None = None
     """A Hugging Face GPT-2 folder whose weights replace the initial ones (recorded here so the
     run folder's config.json says where the model came from)."""
+    tokenizer: str | None = None
+    """A local Hugging Face tokenizer folder (``--tokenizer``); ``None``: tokens are bytes. The
+    vocabulary size comes from it."""
+    data_path: str | None = None
+    """Prefix of a Megatron indexed dataset ``P.bin``/``P.idx`` (``--data-path``), read instead
+    of ``data``; its documents are joined with the tokenizer's end-of-document token between."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):

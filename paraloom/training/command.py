@@ -74,7 +74,13 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
       help="accumulate weight grads straight into fp32 main_grad (default: off, as "
            "Megatron-Core's config; see README, Defaults)")
     a("--bucket-size", type=int, default=None, help="gradient bucket size in elements")
-    a("--data", "--data-path", dest="data", default=None, help="text file (default: bundled)")
+    a("--data", dest="data", default=None, help="text file (default: bundled)")
+    a("--data-path", dest="data_path", metavar="PREFIX", default=None,
+      help="a Megatron indexed dataset PREFIX.bin + PREFIX.idx (paraloom preprocess or "
+           "Megatron's preprocess_data.py); needs --tokenizer")
+    a("--tokenizer", "--tokenizer-model", dest="tokenizer", metavar="DIR", default=None,
+      help="a local Hugging Face tokenizer folder (tokenizer.json); the vocabulary size comes "
+           "from it (default: bytes, vocabulary 256)")
     a("--out", "--save", dest="out", default="runs/latest", help="run folder")
     a("--save-every", "--save-interval", dest="save_every", type=int, default=50,
       help="checkpoint every N steps and at the end (0: never)")
@@ -148,16 +154,22 @@ def config_from_args(args):
                               cp=args.cp, cp_comm_type=args.cp_comm_type, ep=args.ep)
     from .arch_flags import architecture_from_args
     given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+    vocab = _tokenizer_vocab(args)
     model = _model_config(args) if args.init_from_hf else ModelConfig(
-        vocab_size=given("vocab"), hidden_size=given("hidden"), num_layers=given("layers"),
+        vocab_size=vocab if args.vocab is None and vocab else given("vocab"),
+        hidden_size=given("hidden"), num_layers=given("layers"),
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
         seq_length=given("seq_len"), dropout=args.dropout, **architecture_from_args(args),
         **moe_fields(args))
     from .flags import check_layout_flags
     check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
-    if model.vocab_size < 256:
+    if vocab is None and model.vocab_size < 256:
         raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
                          f"least 256")
+    if vocab is not None and model.vocab_size < vocab:
+        src = f"--init-from-hf {args.init_from_hf!r} has" if args.init_from_hf else "--vocab"
+        raise ValueError(f"{src} {model.vocab_size}: --tokenizer {args.tokenizer!r} has a "
+                         f"vocabulary of {vocab}; leave --vocab out to take the tokenizer's")
     return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
                        micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr,
                        min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup_steps,
@@ -170,7 +182,24 @@ def config_from_args(args):
                        save_every=args.save_every, resume=args.resume,
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
                        max_bad_steps=args.max_bad_steps,
-                       init_from_hf=args.init_from_hf)
+                       init_from_hf=args.init_from_hf, tokenizer=args.tokenizer,
+                       data_path=args.data_path)
+
+
+def _tokenizer_vocab(args) -> int | None:
+    """The vocabulary size of ``--tokenizer`` (``None`` for bytes); ``ValueError`` for a bad
+    folder, and for ``--data-path`` without a tokenizer."""
+    if args.data is not None and args.data_path is not None:
+        raise ValueError(f"--data {args.data!r} (a text file) and --data-path "
+                         f"{args.data_path!r} (an indexed dataset) both given: give one")
+    if args.tokenizer is None:
+        if args.data_path is not None:
+            raise ValueError(f"--data-path {args.data_path!r} needs --tokenizer DIR (the "
+                             f"tokenizer that made it: the vocabulary size and end-of-document "
+                             f"token come from it)")
+        return None
+    from ..data.tokenizer import load_tokenizer
+    return load_tokenizer(args.tokenizer).vocab_size
 
 
 def _model_config(args):
@@ -206,7 +235,8 @@ def _model_config(args):
 def _check_inputs(cfg) -> None:
     from .checkpoint import find_checkpoint
     from .data import check_data
-    for note in check_data(cfg.data, cfg.model.seq_length, "train"):  # not in 8 ranks later
+    for note in check_data(cfg.data, cfg.model.seq_length, "train", data_path=cfg.data_path,
+                           tokenizer=cfg.tokenizer):  # not in 8 ranks later
         print(f"paraloom train: note: {note}", file=sys.stderr)
     if cfg.resume is not None:
         ckpt, meta = find_checkpoint(cfg.resume)

@@ -1,10 +1,13 @@
 """The bundled corpus and a dataset that gives every parallel layout the same global batches.
 
-Tokens are bytes (vocabulary 256). Global batch ``step`` is ``global_batch_size`` windows of
-``seq_len + 1`` bytes at offsets drawn from a generator seeded by ``(seed, step)``, so it depends on
-nothing about the layout. A data-parallel rank takes a contiguous slice of the rows and cuts it
-into microbatches; the union over ranks and microbatches is always the whole global batch, so the
-mean loss (every microbatch has the same number of tokens) is layout-independent.
+Tokens are bytes (vocabulary 256) by default; with ``--tokenizer`` or ``--data-path`` (a
+Megatron indexed dataset) they are the ids of :func:`paraloom.data.stream.load_tokens`, and
+everything below is the same with "token" for "byte". Global batch ``step`` is
+``global_batch_size`` windows of ``seq_len + 1`` bytes at offsets drawn from a generator seeded
+by ``(seed, step)``, so it depends on nothing about the layout. A data-parallel rank takes a
+contiguous slice of the rows and cuts it into microbatches; the union over ranks and
+microbatches is always the whole global batch, so the mean loss (every microbatch has the same
+number of tokens) is layout-independent.
 
 The last ``holdout`` fraction of the bytes is never sampled for training: :func:`eval_batches`
 reads it for held-out loss.
@@ -22,8 +25,8 @@ import torch
 
 from ..utils import divide
 
-__all__ = ["DEFAULT_CORPUS", "HOLDOUT", "load_corpus", "check_data", "min_bytes", "Corpus",
-           "microbatches", "eval_batches"]
+__all__ = ["DEFAULT_CORPUS", "HOLDOUT", "load_corpus", "load_tokens", "check_data", "min_bytes",
+           "Corpus", "microbatches", "eval_batches"]
 
 DEFAULT_CORPUS = Path(__file__).with_name("corpus") / "python_stdlib.txt.gz"
 HOLDOUT = 0.05
@@ -76,10 +79,22 @@ def min_bytes(seq_len: int, use: str, holdout: float = HOLDOUT) -> int:
     return n
 
 
-def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--data"
-               ) -> list[str]:
+def load_tokens(path: str | Path | None = None, data_path: str | None = None,
+                tokenizer: str | None = None) -> torch.Tensor:
+    """The token stream of ``--data path`` / ``--data-path data_path`` with ``--tokenizer``
+    (:func:`paraloom.data.stream.load_tokens`); the bytes of ``path`` without either."""
+    if data_path is None and tokenizer is None:
+        return load_corpus(path)
+    from ..data.stream import load_tokens as tokens_of
+    return tokens_of(None if path is None else str(path), data_path, tokenizer)
+
+
+def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--data", *,
+               data_path: str | None = None, tokenizer: str | None = None) -> list[str]:
     """Load ``path`` and check that it is long enough for ``use``; ``ValueError`` names the
     file, its size and the size needed. Returns notes worth printing (e.g. not UTF-8 text).
+    With ``data_path`` (an indexed dataset prefix) or ``tokenizer`` (a folder) the same check
+    counts tokens (:func:`load_tokens`).
 
     A window is ``seq_len + 1`` bytes (``seq_len`` inputs, each next byte its label).
 
@@ -89,6 +104,8 @@ def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--d
       offsets below ``split - seq_len - 1``) and the last 5 % at least one window (the held-out
       loss before and after training).
     """
+    if data_path is not None or tokenizer is not None:
+        return _check_tokens(path, seq_len, use, data_path, tokenizer)
     data = load_corpus(path, flag)
     n, need = len(data), min_bytes(seq_len, use)
     if n < need:
@@ -107,6 +124,26 @@ def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--d
         return []
     return [f"{flag} {str(path)!r} is not UTF-8 text (byte {bad[0]} is 0x{bad[1]:02x}); its raw "
             f"bytes are the tokens all the same"]
+
+
+def _check_tokens(path, seq_len: int, use: str, data_path: str | None, tokenizer: str | None
+                  ) -> list[str]:
+    tokens = load_tokens(path, data_path, tokenizer)
+    n, need = len(tokens), min_bytes(seq_len, use)
+    if n >= need:
+        return []
+    name = (f"--data-path {data_path!r} ({'its documents joined, ' * (n > 0)}EOD between them)"
+            if data_path is not None else "the bundled corpus" if path is None
+            else f"--data {str(path)!r}")
+    how = f"tokenized with --tokenizer {tokenizer!r}" if tokenizer else "bytes"
+    split = {"all": f"one window of seq_len + 1 = {seq_len + 1} tokens",
+             "heldout": f"its last {HOLDOUT:.0%} (held out) to hold one window of seq_len + 1 "
+                        f"= {seq_len + 1} tokens; --split all needs only {seq_len + 1}",
+             "train": f"its first {1 - HOLDOUT:.0%} (training) to hold at least seq_len + 2 = "
+                      f"{seq_len + 2} tokens and its last {HOLDOUT:.0%} (held-out loss) one "
+                      f"window of seq_len + 1 = {seq_len + 1}"}[use]
+    raise ValueError(f"{name} has {n} tokens ({how}); --seq-len {seq_len} needs at least "
+                     f"{need}: {split}. Use more data or a shorter --seq-len")
 
 
 def _first_non_utf8(raw: bytes, chunk: int = 1 << 20) -> tuple[int, int] | None:

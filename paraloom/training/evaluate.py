@@ -28,10 +28,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="a local Hugging Face GPT-2 or Llama checkpoint folder")
     p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None,
                    help="with --hf: tokens per sample (default: its n_positions)")
-    p.add_argument("--data", "--data-path", dest="data", default=None,
+    p.add_argument("--data", dest="data", default=None,
                    help="text file (default: the bundled corpus)")
+    p.add_argument("--data-path", dest="data_path", metavar="PREFIX", default=None,
+                   help="a Megatron indexed dataset PREFIX.bin + PREFIX.idx; needs a tokenizer")
+    p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", metavar="DIR",
+                   default=None, help="a local Hugging Face tokenizer folder (default: the "
+                   "checkpoint's run's, else bytes)")
     p.add_argument("--split", choices=["heldout", "all"], default="heldout",
-                   help="heldout: the last 5%% of the bytes (never trained on); all: the file")
+                   help="heldout: the last 5%% of the tokens (never trained on); all: the file")
     p.add_argument("--batches", type=int, default=8, help="global batches to evaluate")
     p.add_argument("--tp", "--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pp", "--pipeline-model-parallel-size", type=int, default=1)
@@ -59,9 +64,7 @@ def _config(args):
     if args.hf is not None:
         from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_config
         model = model_config_from_hf(read_hf_config(args.hf), seq_length=args.seq_len)
-        if model.vocab_size < 256:
-            raise ValueError(f"--hf {args.hf!r}: vocab_size = {model.vocab_size}, but the data "
-                             f"are bytes (a vocabulary of at least 256 is needed)")
+        _check_vocab(args, model.vocab_size, f"--hf {args.hf!r}: vocab_size =")
         check_hf_checkpoint(args.hf, model)
         return _train_config(args, apply_architecture(model, args, f"--hf {args.hf!r}"),
                              None), None
@@ -70,7 +73,29 @@ def _config(args):
     ckpt, meta = find_checkpoint(args.resume)
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
     model = apply_architecture(model, args, "the checkpoint")
+    flag = "--tokenizer"
+    if args.tokenizer is None and meta["config"].get("tokenizer"):  # the run's own tokenizer
+        args.tokenizer = meta["config"]["tokenizer"]
+        flag = "the checkpoint's --tokenizer"
+    _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of", flag)
     return _train_config(args, model, ckpt), ckpt
+
+
+def _check_vocab(args, vocab_size: int, what: str, flag: str = "--tokenizer") -> None:
+    """The model's vocabulary must hold the tokenizer's (bytes: 256)."""
+    if args.data_path is not None and args.tokenizer is None:
+        raise ValueError(f"--data-path {args.data_path!r} needs --tokenizer DIR (the tokenizer "
+                         f"that made it)")
+    if args.tokenizer is None:
+        if vocab_size < 256:
+            raise ValueError(f"{what} {vocab_size}, but the data are bytes (a vocabulary of at "
+                             f"least 256 is needed); give its --tokenizer")
+        return
+    from ..data.tokenizer import load_tokenizer
+    tokens = load_tokenizer(args.tokenizer, flag).vocab_size
+    if vocab_size < tokens:
+        raise ValueError(f"{what} {vocab_size}, but --tokenizer {args.tokenizer!r} has "
+                         f"{tokens} tokens")
 
 
 def _train_config(args, model, ckpt):
@@ -85,7 +110,8 @@ def _train_config(args, model, ckpt):
     schedule = "none" if args.pp == 1 else "interleaved" if vpp else "1f1b"
     return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
                        micro_batch_size=args.micro_batch_size, schedule=schedule, data=args.data,
-                       resume=None if ckpt is None else str(ckpt), timeout_s=args.timeout_s)
+                       resume=None if ckpt is None else str(ckpt), timeout_s=args.timeout_s,
+                       tokenizer=args.tokenizer, data_path=args.data_path)
 
 
 def _rank(rank, world, cfg, ckpt, split, batches, hf=None) -> None:
@@ -93,11 +119,12 @@ def _rank(rank, world, cfg, ckpt, split, batches, hf=None) -> None:
 
     from ..mesh import ParallelMesh
     from .checkpoint import load_checkpoint
-    from .data import Corpus, eval_batches, load_corpus
+    from .data import Corpus, eval_batches, load_tokens
     from .state import state_entries
     from .train import build, evaluate
     mesh = ParallelMesh(cfg.parallel)
-    corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
+    corpus = Corpus(load_tokens(cfg.data, cfg.data_path, cfg.tokenizer), cfg.model.seq_length,
+                    cfg.seed)
     run = build(cfg, mesh, corpus, init_from_hf=hf)
     meta = {"step": 0}
     if hf is None:
@@ -123,7 +150,8 @@ def eval_main(argv) -> int:
     try:
         cfg, ckpt = _config(args)
         from .data import check_data
-        for note in check_data(cfg.data, cfg.model.seq_length, args.split):
+        for note in check_data(cfg.data, cfg.model.seq_length, args.split,
+                               data_path=cfg.data_path, tokenizer=cfg.tokenizer):
             print(f"paraloom eval: note: {note}", file=sys.stderr)
     except ImportError as err:
         print(f"paraloom eval: error: --hf needs safetensors ({err}): pip install "

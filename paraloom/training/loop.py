@@ -25,7 +25,7 @@ from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from ..tensor_parallel.random import rng_state_dict
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
-from .data import Corpus, eval_batches, load_corpus
+from .data import Corpus, eval_batches, load_tokens
 from .nodes import needs_shared_folder, prepare_run_folder
 from .progress import show_progress
 from .resume import continue_folder, continue_ledger, restore_rng, same_layout, same_run
@@ -73,7 +73,8 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     mesh = ParallelMesh(cfg.parallel)
     folder = prepare_run_folder(out, mesh.world)  # on every node; who sees rank 0's folder
     needs_shared_folder(folder, cfg.save_every)
-    corpus = Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed)
+    corpus = Corpus(load_tokens(cfg.data, cfg.data_path, cfg.tokenizer), cfg.model.seq_length,
+                    cfg.seed)
     run = build(cfg, mesh, corpus, init_from_hf=init_from_hf or cfg.init_from_hf)
     start, ckpt, meta = _resume(run, cfg.resume) if cfg.resume else (0, None, None)
     # continuing in the run's own folder with the same layout keeps its ledger of earlier steps

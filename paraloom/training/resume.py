@@ -47,7 +47,7 @@ _FIELDS = {
         "global_batch_size", "micro_batch_size", "steps", "lr", "min_lr", "warmup_steps",
         "weight_decay", "clip_grad", "seed", "dtype", "recompute", "schedule",
         "overlap_grad_reduce", "overlap_p2p_comm", "distributed_optimizer", "bucket_size", "data",
-        "save_every",
+        "save_every", "tokenizer", "data_path",
         "ledger_steps", "timeout_s", "max_bad_steps")},
 }
 """argparse destination -> TrainConfig field (dotted into the nested configs)."""
@@ -76,7 +76,7 @@ def explicit_dests(argv: list[str] | None, args: argparse.Namespace) -> set[str]
 
 def _get(config: dict, path: str):
     for key in path.split("."):
-        config = config[key]
+        config = config.get(key)  # None: a field newer than the checkpoint
     return config
 
 
@@ -96,6 +96,12 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     for dest, value in flags_of_model(saved["model"]).items():  # the architecture
         if dest not in explicit:
             setattr(args, dest, value)
+    if "tokenizer" not in explicit and args.tokenizer and not Path(args.tokenizer).is_dir():
+        raise ValueError(f"--resume {str(ckpt)!r} was trained with --tokenizer "
+                         f"{args.tokenizer!r}, which is not a folder here; give --tokenizer DIR")
+    for mine, other in (("data", "data_path"), ("data_path", "data")):
+        if mine in explicit and other not in explicit:
+            setattr(args, other, None)  # the data given replaces the checkpoint's
     if "pp" in explicit and "vpp" not in explicit and args.pp != saved["parallel"]["pp"]:
         args.vpp = None  # the saved virtual stages belong to the saved pipeline depth
     if explicit & {"pp", "vpp"} and "schedule" not in explicit:
