@@ -212,6 +212,10 @@ class TrainConfig:
     init_from_hf: str | None = None
     """A Hugging Face GPT-2 folder whose weights replace the initial ones (recorded here so the
     run folder's config.json says where the model came from)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (rank 0; Megatron's ``--tensorboard-dir``)."""
+    log_interval: int = 1
+    """TensorBoard scalars every N steps (and at the last; Megatron's ``--log-interval``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):

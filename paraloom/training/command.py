@@ -86,6 +86,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
       help="stop after this many consecutive NaN/Inf steps (each is skipped)")
     a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
       help="local ranks to start (must equal tp*pp*dp; default: tp*pp*dp)")
+    # TensorBoard (optional extra: paraloom[tensorboard])
+    a("--tensorboard-dir", default=None, metavar="DIR",
+      help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
+    a("--log-interval", type=int, default=1, help="TensorBoard scalars every N steps")
     return cmd
 
 
@@ -120,7 +124,8 @@ def config_from_args(args):
                        save_every=args.save_every, resume=args.resume,
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
                        max_bad_steps=args.max_bad_steps,
-                       init_from_hf=args.init_from_hf)
+                       init_from_hf=args.init_from_hf,
+                       tensorboard_dir=args.tensorboard_dir, log_interval=args.log_interval)
 
 
 def _model_config(args):
@@ -175,6 +180,11 @@ def _check_inputs(cfg) -> None:
             raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
                              f"--steps {cfg.steps}: nothing left to train; give --steps larger "
                              f"than {meta['step']} to extend it")
+    if cfg.log_interval < 1:
+        raise ValueError(f"--log-interval must be a positive integer, got {cfg.log_interval}")
+    if cfg.tensorboard_dir is not None:
+        from .tensorboard import check_tensorboard
+        check_tensorboard()
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         print("paraloom train: note: --sequence-parallel has no effect with tp = 1 (nothing is "
               "split); running without it", file=sys.stderr)
@@ -203,8 +213,8 @@ def _report(cfg, summary: dict) -> None:
               "table is comm_table.md):\n" + render_table(load(ledger), rank=0, group=True))
     print(f"held-out loss: {summary['held_out_loss_before']:.4f} before -> "
           f"{summary['held_out_loss_after']:.4f} after {summary['steps']} steps")
-    print(f"run folder: {out.resolve()}  (metrics.jsonl, ledger.jsonl, trace.json, "
-          f"comm_table.md, loss.png, config.json, checkpoints/)")
+    print(f"run folder: {out.resolve()}  (report.html, metrics.jsonl, ledger.jsonl, "
+          f"trace.json, comm_table.md, loss.png, config.json, checkpoints/)")
 
 
 def train_main(args, argv: list[str] | None = None) -> int:
