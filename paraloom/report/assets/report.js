@@ -78,7 +78,7 @@
       if (e[3] < view[0] || e[2] > view[1]) { return; }
       var l = byRank[e[0]], x0 = Math.max(x(e[2]), LABEL), x1 = Math.min(x(e[3]), WIDTH);
       var w = Math.max(x1 - x0, 0.6);
-      if (e[5]) {  // async: drawn over the compute it overlaps, and on its own lane
+      if (e[5] && laneY[e[0]][0] !== undefined) {  // async: over the compute it overlaps too
         el("rect", { x: x0, y: laneY[e[0]][0], width: w, height: ROW - 2, "class": "ov" }, l.g);
       }
       var r = el("rect", { x: x0, y: laneY[e[0]][e[1]] + 1, width: w, height: ROW - 3,
