@@ -197,3 +197,24 @@ def test_cli_errors_and_options(runs, tmp_path, monkeypatch, capsys):
                  str(tmp_path / "y")]) == 2
     assert "pip install 'paraloom[tensorboard]'" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_source_sites_and_expert_load(runs, tmp_path):
+    from paraloom.report.html import render_report
+    from paraloom.report.sources import resolve_site, site_facts
+    place = resolve_site("finalize_model_grads:embedding_grads")  # a label written in source
+    assert place["file"] == "paraloom/data_parallel/finalize.py" and place["how"] == "label"
+    line = Path(place["path"]).read_text().splitlines()[place["line"] - 1]
+    assert "finalize_model_grads:embedding_grads" in line
+    assert [f["op"] for f in site_facts(place, "all_reduce", "optimizer")] == ["all_reduce"]
+    gone = resolve_site("/nowhere/train.py:12 step")  # a recorded program's file, not here
+    assert (gone["file"], gone["line"]) == ("/nowhere/train.py", 12)
+    assert site_facts(gone, "all_reduce", "backward") is None
+    assert resolve_site("no_such_thing:x") is None
+    run = tmp_path / "moe"
+    shutil.copytree(runs["train"], run)
+    png = runs["train"] / "loss.png"  # any PNG stands for the MoE engineer's picture
+    shutil.copy(png, run / "expert_load.png")
+    page = render_report(run)
+    assert 'data-en="Expert load"' in page and "data:image/png;base64," in page
+    assert 'data-en="Expert load"' not in render_report(runs["train"])

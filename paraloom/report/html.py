@@ -115,7 +115,9 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     if comms:
         rank = 0 if 0 in {e["rank"] for e in comms} else min(e["rank"] for e in comms)
         step = min(e["step"] for e in comms if e["rank"] == rank)
-        parts.append(f"<p>rank {rank}, step {step} (layers folded: ▸ expands)</p>")
+        parts.append(f'<p data-en="rank {rank}, step {step} (layers folded: ▸ expands)" '
+                     f'data-zh="rank {rank}，第 {step} 步（层已折叠：▸ 展开）">rank {rank}, step '
+                     f'{step} (layers folded: ▸ expands)</p>')
         parts += [table_html(events, rank=rank, step=step, lang=code) for code in ("en", "zh")]
     else:
         parts.append("<p class='note'>no communication recorded</p>")

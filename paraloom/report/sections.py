@@ -75,9 +75,11 @@ def metric_charts(metrics: list[dict], tokens_per_step: int | None) -> list[str]
                        else tokens_per_step)
         before = done
         tok_s.append(step_tokens / m["time_s"] if step_tokens and m.get("time_s") else None)
-    charts = [("loss", "training loss"), ("grad_norm", "gradient norm"), ("lr", "learning rate")]
-    out = [line_chart(steps, [m.get(key) for m in metrics], title=title) for key, title in charts]
-    out.append(line_chart(steps, tok_s, title="throughput (tokens/s)"))
+    charts = [("loss", "training loss", "训练损失"), ("grad_norm", "gradient norm", "梯度范数"),
+              ("lr", "learning rate", "学习率")]
+    out = [line_chart(steps, [m.get(key) for m in metrics], title=title, title_zh=zh)
+           for key, title, zh in charts]
+    out.append(line_chart(steps, tok_s, title="throughput (tokens/s)", title_zh="吞吐（词元/秒）"))
     return out
 
 

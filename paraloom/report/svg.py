@@ -27,12 +27,14 @@ def _fmt(v: float) -> str:
 
 
 def line_chart(xs: list[float], ys: list[float], *, title: str, x_label: str = "step",
-               css_class: str = "chart") -> str:
-    """A line chart of ``ys`` over ``xs`` with min/max ticks; a point per value (tooltip)."""
+               css_class: str = "chart", title_zh: str | None = None) -> str:
+    """A line chart of ``ys`` over ``xs`` with min/max ticks; a point per value (tooltip).
+    ``title_zh``: the title in Chinese (the page's language switch shows one or the other)."""
     pts = [(x, y) for x, y in zip(xs, ys, strict=True) if y is not None and y == y
            and abs(y) != float("inf")]
+    langs = f' data-en="{escape(title)}" data-zh="{escape(title_zh)}"' if title_zh else ""
     head = (f'<svg class="{css_class}" viewBox="0 0 {_W} {_H}" role="img" '
-            f'aria-label="{escape(title)}"><text x="{_W / 2}" y="14" class="ct">'
+            f'aria-label="{escape(title)}"><text x="{_W / 2}" y="14" class="ct"{langs}>'
             f'{escape(title)}</text>')
     if not pts:
         return head + f'<text x="{_W / 2}" y="{_H / 2}" class="ct">no finite values</text></svg>'
