@@ -218,3 +218,9 @@ def test_source_sites_and_expert_load(runs, tmp_path):
     page = render_report(run)
     assert 'data-en="Expert load"' in page and "data:image/png;base64," in page
     assert 'data-en="Expert load"' not in render_report(runs["train"])
+    from paraloom.ledger import load
+    from paraloom.report.sections import timeline_data
+    events = load(runs["train"] / "ledger.jsonl")
+    one = timeline_data(events, max_steps=1)  # a long ledger: the first steps are drawn
+    assert (one["steps"], one["of"]) == ([0], 2)
+    assert len(one["ev"]) == sum(e["step"] == 0 for e in events) and len(one["ev"]) > 0

@@ -129,9 +129,18 @@ def table_html(events: list[dict], *, rank: int, step: int | None, lang: str) ->
             + "".join(body) + "</tbody></table>")
 
 
-def timeline_data(events: list[dict]) -> dict:
+TIMELINE_STEPS = 4
+"""Recorded steps drawn on the timeline (the first ones): a ledger of every step of a long run
+(``--ledger-steps -1``) would make a page too heavy to draw."""
+
+
+def timeline_data(events: list[dict], max_steps: int = TIMELINE_STEPS) -> dict:
     """Spans per rank for the timeline: ``ev`` rows are ``[rank, lane, start_us, end_us, name,
-    async, step]`` (``lane`` and ``name`` index ``lanes`` and ``names``); lane 0 is compute."""
+    async, step]`` (``lane`` and ``name`` index ``lanes`` and ``names``); lane 0 is compute.
+    Only the first ``max_steps`` recorded steps; ``steps`` lists them, ``of`` counts all."""
+    recorded = sorted({e["step"] for e in events})
+    shown = set(recorded[:max_steps])
+    events = [e for e in events if e["step"] in shown]
     kinds = sorted({e["kind"] for e in events if e["op"] != "compute"},
                    key=lambda k: (KIND_ORDER.index(k) if k in KIND_ORDER else 99, k))
     lanes = ["compute", *kinds]
@@ -147,4 +156,4 @@ def timeline_data(events: list[dict]) -> dict:
                      names.setdefault(name, len(names)), int(bool(e["async"]) and not compute),
                      e["step"]])
     return {"ranks": sorted({e["rank"] for e in events}), "lanes": lanes, "names": list(names),
-            "ev": rows}
+            "ev": rows, "steps": sorted(shown), "of": len(recorded)}

@@ -90,7 +90,9 @@
       (view[0] / 1e6).toFixed(4) + " s";
     el("text", { x: WIDTH - 10, y: height + 14, "class": "kl", "text-anchor": "end" }, svg)
       .textContent = (view[1] / 1e6).toFixed(4) + " s";
-    document.getElementById("tl-info").textContent = "showing " +
+    var which = data.steps.length < data.of ? "steps " + data.steps[0] + ".." +
+      data.steps[data.steps.length - 1] + " of " + data.of + " recorded; " : "";
+    document.getElementById("tl-info").textContent = which + "showing " +
       ((view[1] - view[0]) / 1000).toFixed(2) + " ms of " + ((tMax - tMin) / 1000).toFixed(2) +
       " ms; wheel zooms, drag pans";
   }
