@@ -125,13 +125,17 @@ def test_report_in_chromium_table_switch_and_lanes(runs):
     assert 'class="schedule"' in dom and dom.count('<g class="blk B">') == 4 * 4
     assert 'id="verdict">paraloom check: all' in dom and "verdict ok" in dom
     # the zh button, pressed: headings and the table's columns change language
-    zh_dom, console = _browse(page, runs["tmp"], hash_="#click=zh")
+    zh_dom, console = _browse(page, runs["tmp"], hash_="#click=zh&open=2")
     assert not [line for line in console if re.search(r"Uncaught|Error", line)], console
     assert '<h2 data-en="Communication order" data-zh="通信顺序">通信顺序</h2>' in zh_dom
     assert '>Communication order</h2>' in dom
     zh = _table(zh_dom, "zh")
     assert "hidden" not in zh.split(">")[0] and "<th>并行类型</th>" in zh
     assert "hidden" in _table(zh_dom, "en").split(">")[0]
+    # row 2 (a folded layer row), expanded by its button: its layers' rows are shown
+    opened = re.findall(r'<tr class="member" data-parent="2"( hidden="")?>', zh)
+    assert len(opened) == 2 and opened == ["", ""]  # 2 layers per stage, none hidden
+    assert re.findall(r'<tr class="member" data-parent="3"( hidden="")?>', zh) == [' hidden=""'] * 2
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "report.png"
     shot.unlink(missing_ok=True)

@@ -136,6 +136,12 @@
   // ``#click=zh`` (tests, links): press the language button as a user would
   var m = /click=(en|zh)/.exec(location.hash);
   if (m) { document.getElementById("lang-" + m[1]).click(); }
+  // ``#open=N``: press row N's fold button in the shown table (expands its layers)
+  var o = /open=(\d+)/.exec(location.hash);
+  if (o) {
+    document.querySelectorAll('table.comm:not([hidden]) button.fold[data-row="' + o[1] + '"]')
+      .forEach(function (b) { b.click(); });
+  }
   var shown = document.createElement("pre");
   shown.id = "load-errors";
   shown.hidden = true;
