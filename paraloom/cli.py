@@ -71,6 +71,7 @@ def _schedule(args) -> int:
 _FORWARDED = {
     "table": ("paraloom.report.table", "table_main"),
     "trace": ("paraloom.report.trace", "trace_main"),
+    "report": ("paraloom.report.html", "report_main"),
     "plan": ("paraloom.analysis.plan", "plan_main"),
     "check": ("paraloom.analysis.check", "check_main"),
     "eval": ("paraloom.training.evaluate", "eval_main"),
@@ -86,6 +87,7 @@ _FORWARDED = {
 _HELP = {
     "table": "the communication order table of a run (en/zh, md/csv/json)",
     "trace": "(re)build a run's Perfetto trace.json from its ledger",
+    "report": "one self-contained HTML page of a run (config, check, curves, table, timeline)",
     "plan": "extrapolate memory, communication, bubble and FLOPs to any model and cluster",
     "check": "compare a run's recorded communication with the analytical model",
     "eval": "loss of a checkpoint on held-out text, under any layout",

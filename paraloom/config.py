@@ -352,6 +352,10 @@ class TrainConfig:
     data_path: str | None = None
     """Prefix of a Megatron indexed dataset ``P.bin``/``P.idx`` (``--data-path``), read instead
     of ``data``; its documents are joined with the tokenizer's end-of-document token between."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (rank 0; Megatron's ``--tensorboard-dir``)."""
+    log_interval: int = 1
+    """TensorBoard scalars every N steps (and at the last; Megatron's ``--log-interval``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps", "seed"):

@@ -8,7 +8,8 @@ With ``--nproc N`` the launcher starts N fresh interpreters with torchrun's vari
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); the
 program calls ``init_process_group`` itself. Without it, this process is one rank of the world
 its environment describes. The output folder is a run folder (``ledger.jsonl`` of all ranks,
-``comm_table.md`` in English and Chinese, ``trace.json``; ``ledger/rank{R}.jsonl`` per rank), so
+``comm_table.md`` in English and Chinese, ``trace.json``, ``report.html``; ``ledger/rank{R}.jsonl``
+per rank), so
 ``paraloom table | trace | schedule | diff`` read it. A program that raises, exits non-zero or is
 killed keeps its partial ledger; ``record`` exits with the program's code and names the rank.
 """
@@ -171,8 +172,8 @@ def _launch(args, target: list[str], out: Path) -> tuple[dict[int, int], set[int
 
 
 def finish(out: Path) -> list[dict]:
-    """Merge ``out/ledger/rank*.jsonl`` into ``out/ledger.jsonl`` and write the table (en, zh)
-    and the trace; returns the merged events."""
+    """Merge ``out/ledger/rank*.jsonl`` into ``out/ledger.jsonl`` and write the table (en, zh),
+    the trace and the HTML report; returns the merged events."""
     from ..report.table import render_table
     from ..report.trace import write_trace
 
@@ -186,6 +187,11 @@ def finish(out: Path) -> list[dict]:
         parts = [render_table(events, rank=rank, lang=lang) for lang in ("en", "zh")]
         (out / "comm_table.md").write_text("\n".join(parts))
         write_trace(events, out / "trace.json")
+        from ..report.html import write_report
+        try:
+            write_report(out)
+        except (ValueError, KeyError, TypeError, OSError) as err:  # the record itself is done
+            print(f"paraloom record: report.html not written: {err}", file=sys.stderr)
     return events
 
 
@@ -258,7 +264,7 @@ def record_main(argv: list[str] | None = None) -> int:
               f"communication: {out}/ledger.jsonl is empty (no table or trace)")
     elif code == 0:
         print(f"paraloom record: {len(events)} events from {args.nproc} ranks -> {out} "
-              f"(ledger.jsonl, comm_table.md, trace.json)")
+              f"(report.html, ledger.jsonl, comm_table.md, trace.json)")
     return code
 
 

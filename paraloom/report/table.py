@@ -167,8 +167,9 @@ def _shape(row: dict) -> tuple:
     return tuple(_LAYER.sub("layers.*", str(row[k])) for k in KEYS[1:])
 
 
-def _group(rows: list[dict], lang: str) -> list[dict]:
-    """Fold runs of consecutive layer blocks identical up to the layer index."""
+def _group(rows: list[dict], lang: str, members: bool = False) -> list[dict]:
+    """Fold runs of consecutive layer blocks identical up to the layer index; ``members``:
+    each folded row also lists the rows it stands for (``members``, one per layer)."""
     blocks: list[list[dict]] = []
     for row in rows:  # a block: consecutive rows of one layer (or one row outside layers)
         layer = _layer_of(row)
@@ -186,8 +187,10 @@ def _group(rows: list[dict], lang: str) -> list[dict]:
                     and [_shape(r) for r in blocks[j]] == shape:
                 j += 1
         n = j - i
-        for row in blocks[i]:
+        for pos, row in enumerate(blocks[i]):
             row = dict(row)
+            if members:
+                row["members"] = [blocks[k][pos] for k in range(i, j)]
             if n > 1:
                 row["count"] = n
                 for k in ("trigger_location", "async"):

@@ -92,6 +92,10 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
       help="stop after this many consecutive NaN/Inf steps (each is skipped)")
     a("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
       help="local ranks to start (must equal tp*cp*pp*dp; default: tp*cp*pp*dp)")
+    # TensorBoard (optional extra: paraloom[tensorboard])
+    a("--tensorboard-dir", default=None, metavar="DIR",
+      help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
+    a("--log-interval", type=int, default=1, help="TensorBoard scalars every N steps")
     from .arch_flags import add_architecture_flags
     add_architecture_flags(cmd)
     add_cp_flags(cmd)
@@ -183,7 +187,8 @@ def config_from_args(args):
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
                        max_bad_steps=args.max_bad_steps,
                        init_from_hf=args.init_from_hf, tokenizer=args.tokenizer,
-                       data_path=args.data_path)
+                       data_path=args.data_path,
+                       tensorboard_dir=args.tensorboard_dir, log_interval=args.log_interval)
 
 
 def _tokenizer_vocab(args) -> int | None:
@@ -257,6 +262,11 @@ def _check_inputs(cfg) -> None:
             raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
                              f"--steps {cfg.steps}: nothing left to train; give --steps larger "
                              f"than {meta['step']} to extend it")
+    if cfg.log_interval < 1:
+        raise ValueError(f"--log-interval must be a positive integer, got {cfg.log_interval}")
+    if cfg.tensorboard_dir is not None:
+        from .tensorboard import check_tensorboard
+        check_tensorboard()
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         print("paraloom train: note: --sequence-parallel has no effect with tp = 1 (nothing is "
               "split); running without it", file=sys.stderr)
@@ -285,8 +295,8 @@ def _report(cfg, summary: dict) -> None:
               "table is comm_table.md):\n" + render_table(load(ledger), rank=0, group=True))
     print(f"held-out loss: {summary['held_out_loss_before']:.4f} before -> "
           f"{summary['held_out_loss_after']:.4f} after {summary['steps']} steps")
-    print(f"run folder: {out.resolve()}  (metrics.jsonl, ledger.jsonl, trace.json, "
-          f"comm_table.md, loss.png, config.json, checkpoints/)")
+    print(f"run folder: {out.resolve()}  (report.html, metrics.jsonl, ledger.jsonl, "
+          f"trace.json, comm_table.md, loss.png, config.json, checkpoints/)")
 
 
 def train_main(args, argv: list[str] | None = None) -> int:

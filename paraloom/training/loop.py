@@ -4,8 +4,10 @@ Rank 0 writes ``config.json`` and ``metrics.jsonl`` (one flushed line per step);
 appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step, so a
 crash keeps what was done (on each node, local rank 0 creates the folder: ``nodes.py``). At the
 end rank 0 merges them into ``ledger.jsonl`` and writes ``trace.json``, ``comm_table.md``,
-``loss.png`` and ``summary.json`` (held-out loss before and after). Checkpoints go to
-``checkpoints/step_N/`` (atomically, see ``checkpoint.py``).
+``loss.png``, ``summary.json`` (held-out loss before and after) and ``report.html`` (all of it on
+one page). With ``--tensorboard-dir``, rank 0 also writes TensorBoard scalars
+(``tensorboard.py``). Checkpoints go to ``checkpoints/step_N/`` (atomically, see
+``checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -98,6 +100,10 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     ledger.next_seq = next_seq
     first_recorded = 0 if keep_ledger else start
     bad = 0
+    scalars = None
+    if rank == 0 and cfg.tensorboard_dir:
+        from .tensorboard import ScalarLog
+        scalars = ScalarLog(cfg.tensorboard_dir, cfg.log_interval, cfg.steps)
     for step in range(start, cfg.steps):
         record = cfg.ledger_steps < 0 or step - first_recorded < cfg.ledger_steps
         ledger.events.clear()
@@ -113,6 +119,9 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
                 f.write(json.dumps(line) + "\n")
             tokens = cfg.global_batch_size * cfg.model.seq_length
             show_progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+            if scalars is not None:
+                scalars.step(step, metrics, tokens / max(elapsed, 1e-9),
+                             ledger.events if record else None)
             if metrics.get("skipped"):
                 print(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
                       f"({metrics['grad_norm']}): update skipped", file=sys.stderr, flush=True)
@@ -124,6 +133,8 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
                 f"or resume from the last checkpoint")
         if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
             _save(run, out, step + 1)
+    if scalars is not None:
+        scalars.close()
     val_after = evaluate(run, held_out)
     summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
                "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
@@ -155,3 +166,8 @@ def _write_reports(out: Path, events: list[dict], summary: dict) -> None:
         plot_expert_load(out / "metrics.jsonl", out / "expert_load.png")  # MoE runs only
     except ImportError as err:  # matplotlib missing: everything else is written
         print(f"loss.png not written: {err}", file=sys.stderr)
+    from ..report.html import write_report
+    try:
+        write_report(out)
+    except (ValueError, KeyError, TypeError, OSError) as err:  # the run itself is done
+        print(f"report.html not written: {err}", file=sys.stderr)

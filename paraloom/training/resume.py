@@ -112,12 +112,16 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
     return _notes(args, saved, ckpt, step, home)
 
 
+_NOT_SETTINGS = ("out", "resume", "init_from_hf", "tensorboard_dir", "log_interval")
+"""Where a run writes or starts from, not how it trains: never a "changed" setting."""
+
+
 def _notes(args, saved: dict, ckpt: Path, step: int, home: Path | None) -> list[str]:
     from .command import config_from_args
     now = dataclasses.asdict(config_from_args(args))
     before, after = _flat(saved), _flat(now)
     changed = [f"{key} {before.get(key)} -> {value}" for key, value in after.items()
-               if key not in ("out", "resume", "init_from_hf") and before.get(key) != value]
+               if key not in _NOT_SETTINGS and before.get(key) != value]
     where = Path(args.out)
     if home is not None and where.resolve() == home.resolve():
         notes = [f"resuming {str(home)!r} at step {step} of {args.steps}, in the same folder "

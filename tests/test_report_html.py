@@ -1,0 +1,230 @@
+"""The HTML run report in a real browser, and TensorBoard scalars read back by tensorboard.
+
+One small real run (``paraloom train``, tp=2 pp=2, 2 steps, with ``--tensorboard-dir``) and one
+``paraloom record`` of an unmodified torch DDP program are started together; their
+``report.html`` pages are opened in headless Chromium (Debian's ``chromium``; the README's test
+command installs it, and these tests fail without it). What the page must show is derived from
+the formulas (:func:`paraloom.analysis.formulas.expected_comm`) and the run's own files, never
+from a previous report. The screenshot is kept in ``tmp/test-artifacts/`` (not committed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "tmp" / "test-artifacts"
+TRAIN = ["--tp", "2", "--pp", "2", "--dp", "1", "--layers", "4", "--hidden", "32", "--heads", "4",
+         "--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
+         "--save-every", "0", "--log-interval", "1"]
+DDP = textwrap.dedent('''
+    import torch, torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dist.destroy_process_group()
+''')
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """``{"train": folder, "tb": folder, "record": folder}``, both runs started together."""
+    tmp = tmp_path_factory.mktemp("report")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    (tmp / "ddp.py").write_text(DDP)
+    procs = {
+        "train": subprocess.Popen([sys.executable, "-m", "paraloom", "train", *TRAIN, "--out",
+                                   str(tmp / "train"), "--tensorboard-dir", str(tmp / "tb")],
+                                  env=env, cwd=tmp, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True),
+        "record": subprocess.Popen([sys.executable, "-m", "paraloom", "record", "--nproc", "2",
+                                    "--out", str(tmp / "record"), "--", str(tmp / "ddp.py")],
+                                   env=env, cwd=tmp, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)}
+    for name, proc in procs.items():
+        out, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{name}: {out}"
+    return {"train": tmp / "train", "tb": tmp / "tb", "record": tmp / "record", "tmp": tmp}
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.fail("chromium is not installed: the browser test needs Debian's chromium "
+                    "package (apt-get install -y chromium; the README's test command does it)")
+    return path
+
+
+def _browse(page: Path, tmp: Path, *, hash_: str = "", shot: Path | None = None) -> tuple:
+    """Open ``page`` headless; returns (DOM after the scripts ran, console lines)."""
+    profile = tmp / f"profile-{os.getpid()}-{len(list(tmp.iterdir()))}"
+    what = [f"--screenshot={shot}", "--window-size=1400,2600"] if shot else ["--dump-dom"]
+    proc = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                           "--no-first-run", f"--user-data-dir={profile}",
+                           "--enable-logging=stderr", "--v=0", "--virtual-time-budget=8000",
+                           *what, page.resolve().as_uri() + hash_],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    console = [line for line in proc.stderr.splitlines() if ":CONSOLE" in line]
+    return proc.stdout, console
+
+
+def _expected_rows(run: Path) -> int:
+    """Communications of rank 0 in one step, by the formulas (pipeline stage 0)."""
+    from paraloom.analysis.check import config_from_run
+    from paraloom.analysis.formulas import expected_comm
+    config = config_from_run(json.loads((run / "config.json").read_text()))
+    return sum(v["count"] for (kind, op, phase), v in expected_comm(config, 0).items()
+               if phase != "setup")
+
+
+def _table(dom: str, lang: str) -> str:
+    m = re.search(rf'<table class="comm" data-lang="{lang}"[^>]*>(.*?)</table>', dom, re.S)
+    assert m, f"no {lang} communication table"
+    return m.group(0)
+
+
+def test_report_in_chromium_table_switch_and_lanes(runs):
+    page = runs["train"] / "report.html"
+    html = page.read_text()
+    assert len(html.encode()) < 3_000_000
+    assert not re.search(r'(src|href)="(https?:)?//|<link ', html)  # nothing from the network
+    dom, console = _browse(page, runs["tmp"])
+    errors = re.search(r'<pre id="load-errors"[^>]*>(.*?)</pre>', dom, re.S)
+    assert errors and json.loads(errors.group(1)) == [], errors
+    assert 'data-ready="1"' in dom
+    assert not [line for line in console if re.search(r"Uncaught|Error", line)], console
+    en = _table(dom, "en")
+    assert "hidden" not in en.split(">")[0] and "<th>Parallel type</th>" in en
+    rows, members = en.count('<tr class="row"'), en.count('<tr class="member"')
+    folded = en.count('class="fold"')
+    assert folded > 0 and rows - folded + members == _expected_rows(runs["train"])
+    first = re.search(r'<tr class="row" data-row="1">(.*?)</tr>', en, re.S).group(1)
+    assert "<td>tp</td>" in first and "<td>all_reduce</td>" in first
+    assert "paraloom/tensor_parallel/layers.py:" in first  # its source, with explain's facts
+    assert re.search(r"<li>line \d+ [\w.]+: all_reduce \(tp, forward, async False\)", first)
+    lanes = re.findall(r'<g class="lane" data-rank="(\d+)"', dom)
+    assert sorted(map(int, lanes)) == [0, 1, 2, 3]
+    # the schedule: one row per rank, a backward block per microbatch (4 = 4 / (1 * dp 1))
+    assert 'class="schedule"' in dom and dom.count('<g class="blk B">') == 4 * 4
+    assert 'id="verdict">paraloom check: all' in dom and "verdict ok" in dom
+    # the zh button, pressed: headings and the table's columns change language
+    zh_dom, console = _browse(page, runs["tmp"], hash_="#click=zh&open=2")
+    assert not [line for line in console if re.search(r"Uncaught|Error", line)], console
+    assert '<h2 data-en="Communication order" data-zh="通信顺序">通信顺序</h2>' in zh_dom
+    assert '>Communication order</h2>' in dom
+    zh = _table(zh_dom, "zh")
+    assert "hidden" not in zh.split(">")[0] and "<th>并行类型</th>" in zh
+    assert "hidden" in _table(zh_dom, "en").split(">")[0]
+    # row 2 (a folded layer row), expanded by its button: its layers' rows are shown
+    opened = re.findall(r'<tr class="member" data-parent="2"( hidden="")?>', zh)
+    assert len(opened) == 2 and opened == ["", ""]  # 2 layers per stage, none hidden
+    assert re.findall(r'<tr class="member" data-parent="3"( hidden="")?>', zh) == [' hidden=""'] * 2
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / "report.png"
+    shot.unlink(missing_ok=True)
+    _browse(page, runs["tmp"], shot=shot)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
+
+
+def test_report_of_a_recorded_torch_ddp_run(runs):
+    page = runs["record"] / "report.html"
+    assert page.is_file()
+    dom, console = _browse(page, runs["tmp"])
+    assert not [line for line in console if re.search(r"Uncaught|Error", line)], console
+    assert json.loads(re.search(r'<pre id="load-errors"[^>]*>(.*?)</pre>', dom, re.S)
+                      .group(1)) == []
+    assert sorted(map(int, re.findall(r'<g class="lane" data-rank="(\d+)"', dom))) == [0, 1]
+    en = _table(dom, "en")
+    from paraloom.ledger import load
+    events = [e for e in load(runs["record"] / "ledger.jsonl")
+              if e["rank"] == 0 and e["step"] == 0 and e["op"] != "compute"]
+    assert events and en.count('<tr class="row"') == len(events)
+    assert "<td>all_reduce</td>" in en and "ddp.py:" in en  # the program's own file:line
+    assert "no formula check" in dom
+
+
+def test_tensorboard_scalars_read_back(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from paraloom.analysis.check import config_from_run
+    from paraloom.analysis.formulas import expected_comm
+    from paraloom.training.tensorboard import TAGS
+    acc = EventAccumulator(str(runs["tb"]))
+    acc.Reload()
+    metrics = [json.loads(line) for line in
+               (runs["train"] / "metrics.jsonl").read_text().splitlines()]
+    config = config_from_run(json.loads((runs["train"] / "config.json").read_text()))
+    per_kind: dict[str, int] = {}
+    for (kind, _, phase), v in expected_comm(config, 0).items():
+        if phase != "setup" and v["bytes"]:
+            per_kind[kind] = per_kind.get(kind, 0) + v["bytes"]
+    tags = set(acc.Tags()["scalars"])
+    assert tags == set(TAGS) | {f"comm-bytes/{k}" for k in per_kind}
+    for tag, key in zip(TAGS[:3], ("loss", "lr", "grad_norm"), strict=True):
+        got = acc.Scalars(tag)  # float32 values
+        assert [s.step for s in got] == [m["step"] + 1 for m in metrics]
+        assert [s.value for s in got] == pytest.approx([m[key] for m in metrics], rel=1e-6)
+    assert all(s.value > 0 for s in acc.Scalars(TAGS[3]))
+    for kind, nbytes in per_kind.items():
+        assert [(s.step, s.value) for s in acc.Scalars(f"comm-bytes/{kind}")] == [
+            (1, nbytes), (2, nbytes)]
+
+
+def test_cli_errors_and_options(runs, tmp_path, monkeypatch, capsys):
+    from paraloom.cli import main
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no ledger" in capsys.readouterr().err
+    out = tmp_path / "r.html"
+    assert main(["report", str(runs["train"]), "--out", str(out), "--lang", "zh"]) == 0
+    assert '<body data-lang="zh">' in out.read_text()
+    assert main(["train", *TRAIN, "--log-interval", "0", "--out", str(tmp_path / "x")]) == 2
+    assert "--log-interval must be a positive integer, got 0" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    assert main(["train", *TRAIN, "--tensorboard-dir", str(tmp_path / "tb"), "--out",
+                 str(tmp_path / "y")]) == 2
+    assert "pip install 'paraloom[tensorboard]'" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+
+
+def test_source_sites_and_expert_load(runs, tmp_path):
+    from paraloom.report.html import render_report
+    from paraloom.report.sources import resolve_site, site_facts
+    place = resolve_site("finalize_model_grads:embedding_grads")  # a label written in source
+    assert place["file"] == "paraloom/data_parallel/finalize.py" and place["how"] == "label"
+    line = Path(place["path"]).read_text().splitlines()[place["line"] - 1]
+    assert "finalize_model_grads:embedding_grads" in line
+    assert [f["op"] for f in site_facts(place, "all_reduce", "optimizer")] == ["all_reduce"]
+    gone = resolve_site("/nowhere/train.py:12 step")  # a recorded program's file, not here
+    assert (gone["file"], gone["line"]) == ("/nowhere/train.py", 12)
+    assert site_facts(gone, "all_reduce", "backward") is None
+    assert resolve_site("no_such_thing:x") is None
+    run = tmp_path / "moe"
+    shutil.copytree(runs["train"], run)
+    png = runs["train"] / "loss.png"  # any PNG stands for the MoE engineer's picture
+    shutil.copy(png, run / "expert_load.png")
+    page = render_report(run)
+    assert 'data-en="Expert load"' in page and "data:image/png;base64," in page
+    assert 'data-en="Expert load"' not in render_report(runs["train"])
+    from paraloom.ledger import load
+    from paraloom.report.sections import timeline_data
+    events = load(runs["train"] / "ledger.jsonl")
+    one = timeline_data(events, max_steps=1)  # a long ledger: the first steps are drawn
+    assert (one["steps"], one["of"]) == ([0], 2)
+    assert len(one["ev"]) == sum(e["step"] == 0 for e in events) and len(one["ev"]) > 0
