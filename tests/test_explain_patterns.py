@@ -99,6 +99,13 @@ def test_line_range_resolves_names_from_the_whole_file(tmp_path):
                       "def f(t):\n    dist.all_reduce(t)\n"})
     f = explain(f"{tmp_path / 'a.py'}:4-5")
     assert [(s["line"], s["op"]) for s in f["sites"]] == [(5, "all_reduce")]
+    # a range that starts in the tail of one method and holds the next one whole
+    _write(tmp_path, {"b.py": "import torch.distributed as dist\nclass C:\n    def a(self):\n"
+                      "        # tail\n        x = 1\n\n    def forward(self, t):\n"
+                      "        dist.all_reduce(t)\n"})
+    f = explain(f"{tmp_path / 'b.py'}:4-8")
+    assert [(s["line"], s["op"], s["phase"]) for s in f["sites"]] == [(8, "all_reduce",
+                                                                       "forward")]
     one = explain("-", stdin=io.StringIO("def f(t): dist.all_reduce(t)\n"))
     [s] = one["sites"]
     assert s["op"] == "all_reduce" and "not imported" in s["assumed"]

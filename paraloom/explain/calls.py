@@ -12,7 +12,9 @@ import ast
 from .module import Module, src
 from .names import (
     COLLECTIVES,
+    DISTRIBUTE,
     DTENSOR_METHODS,
+    FSDP_METHODS,
     FUNCOL,
     FUNCOL_MODULES,
     PARALOOM_COMM,
@@ -40,6 +42,13 @@ def _root(node):
     while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
         node = node.func if isinstance(node, ast.Call) else node.value
     return node
+
+
+def _plain(node) -> bool:
+    """A dotted name (``a.b.c``), nothing computed on the way."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
 
 
 def _local(mod: Module, name: str, head: str, fn) -> list[ast.FunctionDef]:
@@ -70,10 +79,14 @@ def _followed(mod: Module, name: str, call: ast.Call, fn) -> list[tuple]:
     """Calls into another module, or methods of an object whose class the code shows."""
     root = _root(call.func)
     text = src(call.func)
+    element = isinstance(call.func, ast.Attribute) and isinstance(
+        call.func.value, ast.Subscript) and _plain(call.func.value.value)
+    if not (_plain(call.func) or element):
+        return []  # f().g(): the object's class is not in the code
     if isinstance(root, ast.Name) and root.id in mod.imports:
         found = mod.lookup(name)
-    elif isinstance(call.func, ast.Attribute) and isinstance(call.func.value,
-                                                           (ast.Name, ast.Attribute)):
+    elif isinstance(call.func, ast.Attribute) and isinstance(
+            call.func.value, (ast.Name, ast.Attribute, ast.Subscript)):
         cls = mod.instance_class(call.func.value, fn)
         if cls is None:
             return []
@@ -125,12 +138,16 @@ def classify(mod: Module, call: ast.Call, fn) -> tuple[list[tuple], str | None]:
             out.append(("comm", last, mod))
         elif last == "parallelize_module":
             out.append(("plan", last, mod))
+        elif last in DISTRIBUTE and "tensor" in head.split("."):
+            out.append(("distribute", last, mod))
         elif last in mod.funcs and (head in ("", "self", "cls") or head in mod.classes):
             out += [("helper", f, f.pl_module) for f in _local(mod, last, head, fn)]
         elif last == "apply" and head in mod.classes:
             out += _of_class(mod, mod.classes[head], ["apply"])
         elif region_semantics(last) and last not in mod.funcs:
             out.append(("region", last, mod))
+        elif isinstance(call.func, ast.Attribute) and last in FSDP_METHODS:
+            out.append(("fsdp", last, mod))
         elif isinstance(call.func, ast.Attribute) and last in DTENSOR_METHODS:
             out.append(("dtensor", last, mod))
         else:

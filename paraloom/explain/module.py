@@ -160,18 +160,48 @@ class Module:
     def instance_class(self, node, fn) -> str | None:
         """The dotted class of ``v`` / ``self.attr`` when the code shows it: ``v = C(...)`` in
         the function, a parameter annotated ``v: C``, or ``self.attr = C(...)`` in the class."""
-        scope = fn
+        scopes = []
+        if isinstance(node, ast.Subscript):
+            return self._element_class(src(node.value), fn)
         if isinstance(node, ast.Attribute) and src(node.value) == "self" and fn is not None:
-            scope = self.enclosing(fn)[0]
-        elif not isinstance(node, ast.Name) or fn is None:
-            return None
+            scopes = [self.enclosing(fn)[0]]
+        elif isinstance(node, ast.Name) and fn is not None:
+            up = fn  # the function and the ones it is nested in (closures)
+            while up is not None:
+                if isinstance(up, _FUNCS):
+                    scopes.append(up)
+                up = self.parent.get(up)
         name = src(node)
-        for sub in ast.walk(scope) if scope is not None else ():
-            if isinstance(sub, ast.arg) and sub.arg == name and sub.annotation is not None:
-                return self.dotted(sub.annotation)
+        for sub in (n for scope in scopes if scope is not None for n in ast.walk(scope)):
+            if isinstance(sub, ast.arg) and sub.arg == name and isinstance(
+                    sub.annotation, (ast.Name, ast.Attribute)):
+                cls = self.dotted(sub.annotation)
+                if cls.rpartition(".")[2][:1].isupper():
+                    return cls
             if isinstance(sub, ast.Assign) and any(src(t) == name for t in sub.targets) \
                     and isinstance(sub.value, ast.Call):
                 cls = self.dotted(sub.value.func)
                 if cls.rpartition(".")[2][:1].isupper():
                     return cls
+        return None
+
+    def _element_class(self, container: str, fn) -> str | None:
+        """The class of ``self.xs[i]`` when the class fills ``self.xs`` with ``C(...)``
+        (``self.xs.append(C(...))`` or ``self.xs = [C(...) for ...]``)."""
+        cls = self.enclosing(fn)[0] if fn is not None else None
+        if cls is None or not container.startswith("self."):
+            return None
+        for sub in ast.walk(cls):
+            made = None
+            if isinstance(sub, ast.Call) and src(sub.func) == container + ".append" \
+                    and sub.args:
+                made = sub.args[0]
+            elif isinstance(sub, ast.Assign) and any(src(t) == container for t in sub.targets) \
+                    and isinstance(sub.value, (ast.ListComp, ast.List)):
+                made = sub.value.elt if isinstance(sub.value, ast.ListComp) else (
+                    sub.value.elts[0] if sub.value.elts else None)
+            if isinstance(made, ast.Call):
+                name = self.dotted(made.func)
+                if name.rpartition(".")[2][:1].isupper():
+                    return name
         return None

@@ -10,7 +10,9 @@ import re
 
 __all__ = ["COLLECTIVES", "PARALOOM_COMM", "REGIONS", "PHASES", "KINDS", "ASYNC_BY_NATURE",
            "WORLD_SIZE_CALL", "HOOK_REGISTRARS", "FORWARD_HOOKS", "FUNCOL", "FUNCOL_MODULES",
-           "SYMM_MEM", "SYMM_MEM_MODULES", "DTENSOR_METHODS", "PLAN_STYLES", "region_semantics"]
+           "SYMM_MEM", "SYMM_MEM_MODULES", "DTENSOR_METHODS", "FSDP_METHODS",
+           "DISTRIBUTE", "PLAN_STYLES",
+           "region_semantics"]
 
 COLLECTIVES = {
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce",
@@ -93,6 +95,14 @@ SYMM_MEM_MODULES = ("torch.ops.symm_mem", "torch.distributed._symmetric_memory")
 
 DTENSOR_METHODS = {"redistribute", "full_tensor"}
 """DTensor methods that change placements (which collective depends on the placements)."""
+
+DISTRIBUTE = {"distribute_module": "broadcast", "distribute_tensor": "scatter"}
+"""DTensor's ``torch.distributed.tensor`` constructors: ``distribute_module`` replicates the
+parameters its partition_fn leaves (a broadcast from rank 0); ``distribute_tensor`` sends each
+rank its shard (a scatter; a broadcast for Replicate placements)."""
+
+FSDP_METHODS = {"unshard": "all_gather"}
+"""FSDP2 (``fully_shard``) module methods that communicate when called explicitly."""
 
 PLAN_STYLES = {
     # style -> [(phase, op)] with default layouts; Shard output / input layouts change them

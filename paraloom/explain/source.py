@@ -79,9 +79,13 @@ def _try_parse(lines: list[str]) -> tuple[ast.Module | None, SyntaxError | None]
     error = None
     for keep in range(len(text), max(len(text) - 21, 0), -1):
         try:
-            return ast.parse("\n".join(text[:keep]) + "\n"), None
+            tree = ast.parse("\n".join(text[:keep]) + "\n")
         except SyntaxError as err:
             error = error or err
+            continue
+        if tree.body or not any(line.strip() and not line.strip().startswith("#")
+                                for line in text[keep:]):
+            return tree, None  # not a comment line left alone after dropping the code
     return None, error
 
 

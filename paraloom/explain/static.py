@@ -25,7 +25,9 @@ from .calls import classify, label
 from .module import Module, src
 from .names import (
     COLLECTIVES,
+    DISTRIBUTE,
     FORWARD_HOOKS,
+    FSDP_METHODS,
     FUNCOL,
     HOOK_REGISTRARS,
     KINDS,
@@ -166,12 +168,14 @@ class _Walker:
             base["assumed"] = assumed
         out = []
         for what, target, owner in targets:
-            if what in ("dist", "comm", "funcol", "symm", "dtensor"):
+            if what in ("dist", "comm", "funcol", "symm", "dtensor", "fsdp", "distribute"):
                 table = {"dist": COLLECTIVES, "comm": PARALOOM_COMM, "funcol": FUNCOL,
-                         "symm": SYMM_MEM}.get(what, {})
+                         "symm": SYMM_MEM, "fsdp": FSDP_METHODS,
+                         "distribute": DISTRIBUTE}.get(what, {})
                 directions = (p2p_directions(mod, call) if target == "P2POp"
                               else [(table.get(target, "redistribute"), None)])
-                flag = (async_of(mod, call, target, fn) if what in ("dist", "comm", "dtensor")
+                flag = (async_of(mod, call, target, fn) if what in ("dist", "comm", "dtensor",
+                                                                     "fsdp")
                         else what == "funcol")
                 for op, cond in directions:
                     out.append(dict(base, op=op, asynchronous=flag,
