@@ -77,8 +77,11 @@ def render(facts: dict, lang: str = "en") -> str:
                    + (f" | through {', '.join(s['through'])}" if s.get("through") else "")
                    + (f" | assumed: {s['assumed']}" if s.get("assumed") else "")
                    + (" | helper" if s["helper"] else ""))
+    grouped: dict[str, dict] = {}  # one line per callee, with every line that calls it
     for u in facts.get("unresolved", []):
-        out.append(f"- line {u['line']} {u['function'] or 'module'}: {u['call']}(...) | "
+        grouped.setdefault(u["call"], dict(u, lines=[]))["lines"].append(str(u["line"]))
+    for call, u in grouped.items():
+        out.append(f"- line {', '.join(u['lines'])}: {call}(...) | "
                    + (u["why"] if lang == "en" else u["why"].replace(UNKNOWN, _NMC_ZH)))
     if not facts["sites"] and not facts.get("unresolved"):
         out.append(f"- {h[6]}")

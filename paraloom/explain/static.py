@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from .calls import classify, label
 from .module import Module, src
@@ -51,6 +52,14 @@ def _autograd_method(mod: Module, fn) -> bool:
     cls, _ = mod.enclosing(fn)
     return fn.name in ("forward", "backward") and cls is not None and bool(
         re.search(r"\bFunction\b", " ".join(src(b) for b in cls.bases)))
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def _kind(site: dict, text: str) -> str | None:
@@ -219,7 +228,8 @@ class _Walker:
         out = []
         for inner in self.function(target, stack, nograd):
             rel = inner["rel"] if inner["rel"] != _SAME else base["rel"]
-            through = ([f"{owner.path}:{inner['line']}"] if elsewhere else []) + inner["through"]
+            through = ([f"{_shown(owner.path)}:{inner['line']}"] if elsewhere else []) \
+                + inner["through"]
             out.append(dict(inner, line=base["line"], conds=list(conds), rel=rel,
                             via=[name] + inner["via"], call=base["call"], arg=base["arg"],
                             through=through, inner_line=inner.get("inner_line", inner["line"]),
