@@ -171,6 +171,28 @@ def test_p2p_direction_async_and_kind():
     assert b8["async"] is True
 
 
+PIPE = '''\
+import torch.distributed as dist
+
+
+def communicate(operation, tensor, peer):
+    is_send = operation.startswith("send")
+    op = dist.P2POp(dist.isend if is_send else dist.irecv, tensor, peer)
+    [r.wait() for r in dist.batch_isend_irecv([op])]
+
+
+def step(x, g, peer):
+    communicate("recv_forward", x, peer)
+    communicate(operation="send_backward", tensor=g, peer=peer)
+'''
+
+
+def test_constant_arguments_decide_direction_and_phase():
+    f = explain("-", stdin=io.StringIO(PIPE))
+    assert _ops(f, 11) == [("batch_p2p", "forward"), ("recv", "forward")]
+    assert _ops(f, 12) == [("batch_p2p", "backward"), ("send", "backward")]
+
+
 # ---------------------------------------------------------------- 5. nested autograd Functions
 NESTED = '''\
 import torch

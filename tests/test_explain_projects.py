@@ -4,8 +4,9 @@ no invented site, against a ground truth written here by reading each file.
 Fixtures (copied unchanged, with their licences, under tests/fixtures/):
   picotron   huggingface/picotron @ 59714b1bf25541dbeb6f5a721ed15f6d0768e786 (Apache-2.0):
              picotron/{tensor_parallel/tp_communications.py, tensor_parallel/tensor_parallel.py,
-             pipeline_parallel/pp_communications.py, context_parallel/cp_communications.py,
-             context_parallel/context_parallel.py, data_parallel/data_parallel.py,
+             pipeline_parallel/pp_communications.py, pipeline_parallel/pipeline_parallel.py,
+             context_parallel/cp_communications.py, context_parallel/context_parallel.py,
+             data_parallel/data_parallel.py,
              data_parallel/bucket.py}
   torchtitan pytorch/torchtitan @ b5bcd76c66d0acb1a08b176d9639425bc55e0b2a (BSD-3-Clause):
              torchtitan/{distributed/linear.py, models/common/dist_gemm.py,
@@ -43,6 +44,15 @@ TRUTH = {
         | _at(270, (AR, F)),  # through tp_communications.py
     "picotron/picotron/pipeline_parallel/pp_communications.py":
         _at(27, *P2P) | _at(29, ("batch_p2p", U)) | _at(41, *P2P, ("batch_p2p", U)),
+    "picotron/picotron/pipeline_parallel/pipeline_parallel.py":  # the constant operation
+        # decides the direction and the phase (activations forward, gradients backward)
+        {(n, op, ph) for n, d, ph in [(96, "recv", F), (103, "send", F), (119, "recv", B),
+                                      (125, "send", B), (167, "recv", F), (169, "send", F),
+                                      (183, "recv", F), (207, "send", B), (218, "recv", B),
+                                      (220, "send", B)]
+         for op in (d, "batch_p2p")}
+        | _at(192, ("send", F), ("recv", B), ("batch_p2p", "forward+backward"))
+        | _at(209, ("send", B), ("recv", F), ("batch_p2p", "forward+backward")),
     "picotron/picotron/context_parallel/cp_communications.py":
         _at(28, ("send", U)) | _at(29, ("recv", U)) | _at(40, ("batch_p2p", U)),
     "picotron/picotron/context_parallel/context_parallel.py":  # ring exchange in both passes

@@ -31,7 +31,8 @@ COLLECTIVES = {
 
 PARALOOM_COMM = {"all_reduce": "all_reduce", "all_gather": "all_gather",
                  "reduce_scatter": "reduce_scatter", "broadcast": "broadcast",
-                 "batch_p2p": "batch_p2p", "barrier": "barrier"}
+                 "batch_p2p": "batch_p2p", "barrier": "barrier", "gather_objects": "gather",
+                 "all_to_all": "all_to_all"}
 """``paraloom.comm`` function -> primitive (paraloom's only door to torch.distributed)."""
 
 ASYNC_BY_NATURE = {"isend", "irecv", "batch_isend_irecv", "P2POp"}

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 
 from .calls import classify, label
+from .constants import bindings, excluded, pipeline_phases
 from .module import Module, src
 from .names import (
     COLLECTIVES,
@@ -212,7 +213,7 @@ class _Walker:
             elif what == "unresolved":
                 self._unresolved(mod, call, fn, f"{UNKNOWN}: {target}")
             elif not (what == "apply_backward" and nograd):
-                out += self._inner(mod, target, owner, base, conds, stack, nograd)
+                out += self._inner(mod, target, owner, base, conds, stack, nograd, call)
         unique: dict[tuple, dict] = {}
         for s in out:  # aliases bound to several equivalent functions give one site per op
             key = (s["line"], s["op"], s["rel"], str(s["asynchronous"]), s["kind"],
@@ -222,12 +223,15 @@ class _Walker:
             unique.setdefault(key, s)
         return list(unique.values())
 
-    def _inner(self, mod, target, owner, base, conds, stack, nograd) -> list[dict]:
+    def _inner(self, mod, target, owner, base, conds, stack, nograd, call) -> list[dict]:
         name = label(mod, owner, target)
         elsewhere = owner.path != mod.path and owner.path is not None
-        out = []
+        out, env, pipe = [], bindings(target, call), pipeline_phases(call)
         for inner in self.function(target, stack, nograd):
-            rel = inner["rel"] if inner["rel"] != _SAME else base["rel"]
+            if excluded(inner["conds"], env):
+                continue  # a guard the constant arguments decide against
+            rel = inner["rel"] if inner["rel"] != _SAME else (
+                pipe.get(inner["op"], base["rel"]) if base["rel"] == _SAME else base["rel"])
             through = ([f"{_shown(owner.path)}:{inner['line']}"] if elsewhere else []) \
                 + inner["through"]
             out.append(dict(inner, line=base["line"], conds=list(conds), rel=rel,
