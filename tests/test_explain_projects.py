@@ -11,6 +11,8 @@ Fixtures (copied unchanged, with their licences, under tests/fixtures/):
   torchtitan pytorch/torchtitan @ b5bcd76c66d0acb1a08b176d9639425bc55e0b2a (BSD-3-Clause):
              torchtitan/{distributed/linear.py, models/common/dist_gemm.py,
              distributed/tensor_parallel.py, components/loss.py}
+  nanotron   huggingface/nanotron @ 2411b022a75fb7f7561a1bb4166706da5e1b76de (Apache-2.0):
+             src/nanotron/parallel/tensor_parallel/distributed_differentiable_primitives.py
 
 A site is (line, primitive, phase) with phase "?" where the file does not decide it (a helper
 with no caller in the file). A call that leads to communication in another file counts at the
@@ -80,6 +82,11 @@ TRUTH = {
         _at(42, (AR, U)) | _at(50, (AR, U)) | _at(96, (AR, U)) | _at(147, (AR, F))
         | _at(154, (AR, F)) | _at(170, (AR, F)) | _at(349, ("redistribute", U))
         | _at(359, ("redistribute", U)) | _at(673, (AG, U)),  # 673: FSDP unshard()
+    # held out: truth written from the code before explain was run on it (nested Functions)
+    "nanotron/src/nanotron/parallel/tensor_parallel/distributed_differentiable_primitives.py":
+        _at(35, (AR, B)) | _at(46, (AR, F)) | _at(82, (AG, F)) | _at(88, (RS, B))
+        | _at(119, (RS, F)) | _at(125, (AG, B)) | _at(134, (AR, B)) | _at(138, (AR, U))
+        | _at(142, (AG, U), (RS, B)) | _at(146, (RS, U), (AG, B)),
 }
 MISSES: set = set()
 
@@ -90,7 +97,7 @@ def _found(path: str) -> set:
             for s in f["sites"]}
 
 
-def test_recall_and_no_invented_site_on_picotron_and_torchtitan():
+def test_recall_and_no_invented_site_on_other_projects():
     total = hit = 0
     invented, missed = [], set()
     for path, truth in TRUTH.items():
@@ -101,6 +108,6 @@ def test_recall_and_no_invented_site_on_picotron_and_torchtitan():
     assert not invented, invented
     assert missed <= MISSES, sorted(missed - MISSES)
     assert hit / total >= 0.9, (hit, total)
-    assert {p.split("/")[0] for p in TRUTH} == {"picotron", "torchtitan"}
-    for project in ("picotron", "torchtitan"):
+    assert {p.split("/")[0] for p in TRUTH} == {"picotron", "torchtitan", "nanotron"}
+    for project in ("picotron", "torchtitan", "nanotron"):
         assert (ROOT / project / "LICENSE").is_file()
