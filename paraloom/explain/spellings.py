@@ -12,7 +12,7 @@ from .module import Module, src
 from .names import COLLECTIVES, PLAN_STYLES
 from .rules import async_flag
 
-__all__ = ["p2p_directions", "async_of", "group_kind", "plan_sites"]
+__all__ = ["p2p_directions", "async_of", "group_kind", "batch_kind", "plan_sites"]
 
 _GROUP_ARGS = ("group", "process_group", "pg", "mesh", "device_mesh", "group_name")
 _TOKENS = [("dp", {"dp", "data"}), ("ep", {"ep", "expert"}), ("cp", {"cp", "context"}),
@@ -72,6 +72,17 @@ def group_kind(call: ast.Call) -> str | None:
             if tokens & names:
                 return kind
     return None
+
+
+def batch_kind(mod: Module, fn) -> str | None:
+    """The kind of the ``P2POp`` groups in the function (or its class) that a
+    ``batch_isend_irecv`` runs, when they agree."""
+    if fn is None:
+        return None
+    cls, _ = mod.enclosing(fn)
+    kinds = {group_kind(n) for n in ast.walk(cls or fn) if isinstance(n, ast.Call)
+             and src(n.func).endswith("P2POp")}
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def _styles(mod: Module, call: ast.Call, fn) -> list[tuple[str, ast.Call | ast.AST]]:

@@ -39,7 +39,7 @@ from .names import (
     region_semantics,
 )
 from .rules import UNKNOWN, context_phase, kind_of, region_condition
-from .spellings import async_of, group_kind, p2p_directions, plan_sites
+from .spellings import async_of, batch_kind, group_kind, p2p_directions, plan_sites
 
 __all__ = ["UNKNOWN", "Module", "find_sites", "src"]
 
@@ -69,17 +69,6 @@ def _kind(site: dict, text: str) -> str | None:
     if group == "tp":
         return "sp" if named == "sp" else "tp"
     return named or group
-
-
-def _batch_kind(mod: Module, fn) -> str | None:
-    """The kind of the ``P2POp`` groups in the function (or its class) that a
-    ``batch_isend_irecv`` runs, when they agree."""
-    if fn is None:
-        return None
-    cls, _ = mod.enclosing(fn)
-    kinds = {group_kind(n) for n in ast.walk(cls or fn) if isinstance(n, ast.Call)
-             and src(n.func).endswith("P2POp")}
-    return kinds.pop() if len(kinds) == 1 else None
 
 
 class _Walker:
@@ -170,7 +159,7 @@ class _Walker:
         named_kind = next((s for s in strings if s in KINDS), None)
         base["group_kind"] = group_kind(call)  # Megatron's sp runs on the tp group: context wins
         if base["group_kind"] is None and src(call.func).endswith("batch_isend_irecv"):
-            base["group_kind"] = _batch_kind(mod, fn)
+            base["group_kind"] = batch_kind(mod, fn)
         if named_kind is None and base["group_kind"] not in (None, "tp"):
             named_kind = base["group_kind"]
         targets, assumed = classify(mod, call, fn)
