@@ -169,6 +169,10 @@ def test_p2p_direction_async_and_kind():
     assert [s["op"] for s in f["sites"] if s["line"] == 7] == ["send"]
     [b8] = [s for s in f["sites"] if s["line"] == 8]
     assert b8["async"] is True
+    plain = explain("-", stdin=io.StringIO("import torch.distributed as dist\n"
+                                           "def f(t, g):\n    dist.isend(t, 1, group=g)\n"
+                                           "    dist.irecv(t, 1)\n"))
+    assert [s["kind"] for s in plain["sites"]] == ["group", UNKNOWN]
 
 
 PIPE = '''\

@@ -62,8 +62,9 @@ def async_of(mod: Module, call: ast.Call, name: str, fn):
 
 
 def group_kind(call: ast.Call) -> str | None:
-    """tp/cp/pp/dp/ep/sp from the names in the group (or mesh) argument, None if it names none
-    (``cp_dp_group`` is data-parallel: Megatron's data-parallel group with context parallel)."""
+    """tp/cp/pp/dp/ep/sp from the names in the group (or mesh) argument, "group" if it names
+    none, None without one (``cp_dp_group`` is data-parallel: Megatron's data-parallel group
+    with context parallel)."""
     exprs = [k.value for k in call.keywords if k.arg in _GROUP_ARGS]
     exprs += [a for a in call.args if re.search(r"group|mesh|\bpg\b|_pg\b", src(a))]
     for expr in exprs:
@@ -71,7 +72,7 @@ def group_kind(call: ast.Call) -> str | None:
         for kind, names in _TOKENS:
             if tokens & names:
                 return kind
-    return None
+    return "group" if exprs else None
 
 
 def batch_kind(mod: Module, fn) -> str | None:

@@ -63,12 +63,13 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-def _kind(site: dict, text: str) -> str | None:
-    """The kind the names around a site give; a tp group stays tp unless they say sp."""
+def _kind(site: dict, text: str, final: bool = True) -> str | None:
+    """The kind the names around a site give; a tp group stays tp unless they say sp; a group
+    that names no kind gives "group" when nothing around it does."""
     named, group = kind_of(text), site.get("group_kind")
     if group == "tp":
         return "sp" if named == "sp" else "tp"
-    return named or group
+    return named or (group if final or group != "group" else None)  # callers may name it
 
 
 class _Walker:
@@ -93,7 +94,7 @@ class _Walker:
             if s["kind"] is None:
                 s["kind"] = _kind(s, " ".join([cls.name if cls else "", fn.name, *s["via"],
                                                *s["conds"], *s.get("inner_conds", []),
-                                               s["call"]]))
+                                               s["call"]]), final=False)
         absolute = phase == "backward" or (phase == "forward" and fn.name != "forward")
         for s in sites:
             if s["rel"] == _SAME and absolute:
@@ -160,7 +161,7 @@ class _Walker:
         base["group_kind"] = group_kind(call)  # Megatron's sp runs on the tp group: context wins
         if base["group_kind"] is None and src(call.func).endswith("batch_isend_irecv"):
             base["group_kind"] = batch_kind(mod, fn)
-        if named_kind is None and base["group_kind"] not in (None, "tp"):
+        if named_kind is None and base["group_kind"] not in (None, "tp", "group"):
             named_kind = base["group_kind"]
         targets, assumed = classify(mod, call, fn)
         if assumed:
