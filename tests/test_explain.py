@@ -198,7 +198,8 @@ def test_snippets_with_missing_context():
     [s] = f["sites"]
     assert (s["line"], s["op"], s["phase"]) == (6, "all_reduce", UNKNOWN)
     assert s["async"].startswith(UNKNOWN) and "async_op=flag" in s["async"]
-    assert s["kind"] == UNKNOWN and s["condition"] == "not (self.world_size == 1)"
+    # issue 19: a group expression that names no parallel type gives kind "group"
+    assert s["kind"] == "group" and s["condition"] == "not (self.world_size == 1)"
     assert [a["text"] for a in f["answers"].values()][:2] == [UNKNOWN, UNKNOWN]
     assert f["answers"]["sp_forbids_async"]["text"] == UNKNOWN
     assert "all_reduce in needs more context" in f["answers"]["all_reduce_phase"]["text"]

@@ -17,10 +17,12 @@ import sys
 
 from .answers import answer_all, order_rows
 from .facts import extract
+from .rules import UNKNOWN
 from .source import SourceError, load_snippet
 
 __all__ = ["explain", "render", "to_json", "explain_main", "doctor_main"]
 
+_NMC_ZH = "需要更多上下文"
 _HEAD = {
     "en": ("World sizes", "Partitions (divide)", "Local weights", "Communication sites",
            "Communication order (static: forward in source order, then backward)",
@@ -41,9 +43,10 @@ def explain(spec: str, lang: str = "en", stdin=None) -> dict:
 def to_json(facts: dict) -> dict:
     """The ``--json`` document (issue 8's shape plus weights, table and file)."""
     keys = ("line", "class", "function", "phase", "op", "kind", "async", "condition", "via",
-            "helper", "phase_basis")
+            "helper", "phase_basis", "through", "assumed")
     return {"file": facts["file"], "lines": facts["lines"],
             "sites": [{k: s[k] for k in keys} for s in facts["sites"]],
+            "unresolved": facts["unresolved"],
             "partitions": facts["partitions"], "world_sizes": facts["world_sizes"],
             "weights": facts["weights"], "table": facts["table"], "answers": facts["answers"]}
 
@@ -71,8 +74,16 @@ def render(facts: dict, lang: str = "en") -> str:
                    f"({s['phase_basis']}) | kind {s['kind']} | async {s['async']}"
                    + (f" | if {s['condition']}" if s["condition"] else "")
                    + (f" | via {' -> '.join(s['via'])}" if s["via"] else "")
+                   + (f" | through {', '.join(s['through'])}" if s.get("through") else "")
+                   + (f" | assumed: {s['assumed']}" if s.get("assumed") else "")
                    + (" | helper" if s["helper"] else ""))
-    if not facts["sites"]:
+    grouped: dict[str, dict] = {}  # one line per callee, with every line that calls it
+    for u in facts.get("unresolved", []):
+        grouped.setdefault(u["call"], dict(u, lines=[]))["lines"].append(str(u["line"]))
+    for call, u in grouped.items():
+        out.append(f"- line {', '.join(u['lines'])}: {call}(...) | "
+                   + (u["why"] if lang == "en" else u["why"].replace(UNKNOWN, _NMC_ZH)))
+    if not facts["sites"] and not facts.get("unresolved"):
         out.append(f"- {h[6]}")
     heads = HEADINGS[lang]
     out += ["", f"## {h[4]}", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]

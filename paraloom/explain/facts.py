@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
+from .module import Module
 from .names import WORLD_SIZE_CALL
 from .source import Snippet, parse_snippet
-from .static import Module, find_sites, src
+from .static import find_sites, src
 
 __all__ = ["extract", "world_sizes", "partitions", "weights", "sp_async_guards"]
 
-_FACTORY = {"empty", "zeros", "ones", "randn", "rand", "full"}
+_FACTORY = {"empty", "zeros", "ones", "randn", "rand", "full", "Tensor", "FloatTensor",
+            "HalfTensor", "BFloat16Tensor"}
+_WORLD_ATTR = re.compile(r"(^|_)world_size$")
 
 
 def _where(mod: Module, node) -> dict:
@@ -30,14 +34,28 @@ def _where(mod: Module, node) -> dict:
 
 
 def _assigns(mod: Module):
+    """(statement, target, value) of every assignment; ``a, b = x, y`` gives one per pair, and
+    ``a, b = f()`` gives ``(a, f()[0])``, ``(b, f()[1])``."""
     for node in ast.walk(mod.tree):
         if isinstance(node, ast.Assign) and len(node.targets) == 1:
-            yield node, node.targets[0], node.value
+            target, value = node.targets[0], node.value
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple) \
+                    and len(target.elts) == len(value.elts):
+                yield from ((node, t, v) for t, v in zip(target.elts, value.elts, strict=True))
+            elif isinstance(target, ast.Tuple) and isinstance(value, ast.Call):
+                yield from ((node, t, ast.Subscript(value=value, slice=ast.Constant(i)))
+                            for i, t in enumerate(target.elts))
+            else:
+                yield node, target, value
         elif isinstance(node, ast.AnnAssign) and node.value is not None:
             yield node, node.target, node.value
 
 
 def _is_world_size(call) -> bool:
+    if isinstance(call, ast.Attribute) and _WORLD_ATTR.search(call.attr):
+        return True  # pgm.process_group_manager.tp_world_size
+    if isinstance(call, ast.Subscript) and isinstance(call.value, ast.Call):
+        return False  # an element of a returned tuple: only by the name it is bound to
     if not isinstance(call, ast.Call):
         return False
     name = src(call.func).rpartition(".")[2]
@@ -51,10 +69,17 @@ def world_sizes(mod: Module) -> list[dict]:
     for node, target, value in _assigns(mod):
         call = value.args[0] if isinstance(value, ast.Call) and src(value.func) == "int" \
             and value.args else value
-        if not _is_world_size(call) or not isinstance(target, (ast.Name, ast.Attribute)):
+        unpacked = isinstance(call, ast.Subscript) and isinstance(call.value, ast.Call) \
+            and _WORLD_ATTR.search(src(target))
+        if not (_is_world_size(call) or unpacked) \
+                or not isinstance(target, (ast.Name, ast.Attribute)):
             continue
-        group = (src(call.func.value) if src(call.func).endswith(".size")
-                 else ", ".join(src(a) for a in [*call.args, *call.keywords]) or None)
+        if isinstance(call, (ast.Attribute, ast.Subscript)):
+            group = f"the one {src(call)} names" if isinstance(call, ast.Attribute) \
+                else f"needs more context (unpacked from {src(call.value)})"
+        else:
+            group = (src(call.func.value) if src(call.func).endswith(".size")
+                     else ", ".join(src(a) for a in [*call.args, *call.keywords]) or None)
         out.append(dict(_where(mod, node), name=src(target), source=src(value),
                         group=group or "default (the getter's own group)"))
     return out
@@ -130,14 +155,15 @@ def weights(mod: Module, parts: list[dict]) -> list[dict]:
             continue
         for call in ast.walk(value):
             if isinstance(call, ast.Call) and src(call.func).rpartition(".")[2] in _FACTORY \
-                    and src(call.func).startswith("torch.") and call.args:
+                    and mod.dotted(call.func).startswith("torch.") and call.args:
                 shape = [src(a) for a in call.args]
                 dims = [i for i, s in enumerate(shape) if "per_partition" in s
                         or s.rpartition(".")[2] in split_names]
                 dim = dims[0] if dims else None
                 meaning = _dim_meaning(shape[dim], dim, len(shape)) if dim is not None else None
                 out.append(dict(_where(mod, call), name=name, shape=shape, partition_dim=dim,
-                                meaning=meaning, basis="per-partition size in the shape",
+                                meaning=meaning, basis="per-partition size in the shape"
+                                if dim is not None else "no per-partition size in the shape",
                                 layout=_LAYOUT.get((meaning or "").split(" (")[0],
                                                    "full (not partitioned)" if dim is None
                                                    else f"split on dim {dim}")))
@@ -188,9 +214,18 @@ def sp_async_guards(mod: Module) -> list[int]:
 def extract(snippet: Snippet) -> dict:
     """All facts of a snippet: ``sites``, ``world_sizes``, ``partitions``, ``weights``,
     ``guards`` (see :func:`sp_async_guards`)."""
-    mod = Module(parse_snippet(snippet))
+    path = Path(snippet.name).resolve() if snippet.name != "-" else None
+    context = None
+    if snippet.full is not None:
+        try:
+            context = Module(ast.parse(snippet.full), path=path)
+        except (SyntaxError, ValueError):
+            context = None  # the range parses on its own; the rest of the file does not
+    mod = Module(parse_snippet(snippet), path=path,
+                 project=context.project if context else None, context=context)
     parts = partitions(mod)
+    sites, unresolved = find_sites(mod)
     return {"file": snippet.name, "lines": [snippet.first, snippet.last],
             "world_sizes": world_sizes(mod), "partitions": parts,
-            "weights": weights(mod, parts), "sites": find_sites(mod),
+            "weights": weights(mod, parts), "sites": sites, "unresolved": unresolved,
             "guards": sp_async_guards(mod)}

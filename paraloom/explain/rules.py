@@ -21,7 +21,7 @@ _GROUP_KINDS = [
     (r"sequence_parallel|SequenceParallel|\bsp\b", "sp"),
     (r"tensor_model|tensor_parallel|TensorParallel|ModelParallel|model_parallel|\btp(_group)?\b",
      "tp"),
-    (r"pipeline|Pipeline|\bpp(_group)?\b|p2p", "pp"),
+    (r"pipeline|Pipeline|\bpp(_group)?\b|p2p|P2P", "pp"),
     (r"data_parallel|DataParallel|\bdp(_group)?\b", "dp"), (r"embedding_group|\bemb\b", "emb"),
     (r"context_parallel|\bcp(_group)?\b", "cp"), (r"expert|\bep(_group)?\b", "ep")]
 
@@ -41,6 +41,10 @@ def context_phase(mod, fn) -> tuple[str, str]:
         if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)) and outer.name in mod.hooks:
             return "backward", f"{outer.name} is registered as a gradient hook"
         outer = mod.parent[outer]
+    if fn.name in mod.hooks:
+        return "backward", f"{fn.name} is registered as a gradient hook"
+    if fn.name in getattr(mod, "fwd_hooks", ()):
+        return "forward", f"{fn.name} runs as a forward hook (module or DTensor input/output)"
     is_function = cls is not None and re.search(r"\bFunction\b", bases)
     if fn.name == "forward":
         return "forward", "inside a forward method"

@@ -31,6 +31,8 @@ class Snippet:
     text: str
     first: int
     last: int
+    full: str | None = None
+    """The whole file when ``text`` is a range of it: names resolve from all of it."""
 
     def numbered(self) -> str:
         """The snippet with its original line numbers, as sent to a language model."""
@@ -68,7 +70,7 @@ def load_snippet(spec: str, stdin=None) -> Snippet:
     if not 1 <= first <= last <= len(lines):
         raise SourceError(f"line range {first}-{last} is outside {path!r}, which has "
                           f"{len(lines)} lines (need 1 <= START <= END <= {len(lines)})")
-    return Snippet(path, "\n".join(lines[first - 1:last]) + "\n", first, last)
+    return Snippet(path, "\n".join(lines[first - 1:last]) + "\n", first, last, full=text)
 
 
 def _try_parse(lines: list[str]) -> tuple[ast.Module | None, SyntaxError | None]:
@@ -77,9 +79,13 @@ def _try_parse(lines: list[str]) -> tuple[ast.Module | None, SyntaxError | None]
     error = None
     for keep in range(len(text), max(len(text) - 21, 0), -1):
         try:
-            return ast.parse("\n".join(text[:keep]) + "\n"), None
+            tree = ast.parse("\n".join(text[:keep]) + "\n")
         except SyntaxError as err:
             error = error or err
+            continue
+        if tree.body or not any(line.strip() and not line.strip().startswith("#")
+                                for line in text[keep:]):
+            return tree, None  # not a comment line left alone after dropping the code
     return None, error
 
 

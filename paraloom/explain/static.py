@@ -1,10 +1,15 @@
 """Every communication site in a Python snippet, read with ``ast`` (nothing is imported or run).
 
-A site is a call of a ``torch.distributed`` collective or point-to-point function (also through
-an alias such as ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``), of
-``paraloom.comm``, or of a known region helper ("forward: X / backward: Y"), or a call of a
-function defined in the same snippet that leads to one (``_reduce`` calling ``all_reduce``;
-``_Region.apply`` running the autograd function's forward, and its backward in backward).
+A site is a call of a collective or point-to-point function (``torch.distributed``, also through
+an alias such as ``dist_all_gather_func = torch.distributed.all_gather_into_tensor``; functional
+collectives; symmetric-memory fused ops; DTensor ``redistribute`` / ``full_tensor``; the styles
+of a ``parallelize_module`` plan; ``paraloom.comm``), of a known region helper ("forward: X /
+backward: Y"), or a call that leads to one: a function of the snippet (``_reduce`` calling
+``all_reduce``), ``_Region.apply`` (the Function's forward, and its backward in backward — unless
+the ``apply`` itself runs inside another Function, where autograd records nothing), a method of
+an object whose class the code shows, or a function / Function in another module whose source
+can be found (the site says which file and line it came ``through``). A call into a module whose
+source is not found is listed in ``unresolved`` as "needs more context", never dropped.
 
 For each site: line, enclosing class and function, phase, primitive, parallel type, async flag and
 the guarding conditions (enclosing ``if``s, and ``if ...: return`` guards before it). Whatever the
@@ -14,145 +19,99 @@ snippet does not decide is reported as :data:`UNKNOWN`.
 from __future__ import annotations
 
 import ast
+import re
+from pathlib import Path
 
-from .names import COLLECTIVES, HOOK_REGISTRARS, KINDS, PARALOOM_COMM, PHASES, region_semantics
-from .rules import UNKNOWN, async_flag, context_phase, kind_of, region_condition
+from .calls import classify, label
+from .constants import bindings, excluded, pipeline_phases
+from .module import Module, src
+from .names import (
+    COLLECTIVES,
+    DISTRIBUTE,
+    FORWARD_HOOKS,
+    FSDP_METHODS,
+    FUNCOL,
+    HOOK_REGISTRARS,
+    KINDS,
+    PARALOOM_COMM,
+    PHASES,
+    SYMM_MEM,
+    region_semantics,
+)
+from .rules import UNKNOWN, context_phase, kind_of, region_condition
+from .spellings import async_of, batch_kind, group_kind, p2p_directions, plan_sites
 
 __all__ = ["UNKNOWN", "Module", "find_sites", "src"]
 
-_DIST = "torch.distributed"
 _SAME = "same"  # a helper's site runs in the phase of its caller
+_P2P = ("send", "recv", "batch_p2p", "send_recv")
 
 
-def src(node) -> str:
-    """The source text of ``node`` ("" for None)."""
-    return ast.unparse(node) if node is not None else ""
+def _autograd_method(mod: Module, fn) -> bool:
+    """``fn`` is the forward or backward of an autograd.Function (autograd records nothing
+    inside it, so an ``apply`` there runs only its forward)."""
+    cls, _ = mod.enclosing(fn)
+    return fn.name in ("forward", "backward") and cls is not None and bool(
+        re.search(r"\bFunction\b", " ".join(src(b) for b in cls.bases)))
 
 
-class Module:
-    """Imports, aliases, functions and classes of a parsed snippet."""
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it is under it."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
-    def __init__(self, tree: ast.Module) -> None:
-        self.tree = tree
-        self.imports: dict[str, str] = {}  # local name -> dotted origin
-        self.aliases: dict[str, set[str]] = {}  # name -> dotted targets it was assigned
-        self.parent: dict[ast.AST, ast.AST] = {}
-        self.funcs: dict[str, list[ast.FunctionDef]] = {}  # simple name -> defs
-        self.classes: dict[str, ast.ClassDef] = {}
-        self.hooks: set[str] = set()  # names of functions registered as gradient hooks
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parent[child] = node
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                for a in node.names:
-                    self.imports[a.asname or a.name.split(".")[0]] = (
-                        a.name if a.asname else a.name.split(".")[0])
-            elif isinstance(node, ast.ImportFrom):
-                base = "." * node.level + (node.module or "")
-                for a in node.names:
-                    self.imports[a.asname or a.name] = f"{base}.{a.name}".lstrip(".") \
-                        if node.level == 0 else f"{base}.{a.name}"
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.funcs.setdefault(node.name, []).append(node)
-            elif isinstance(node, ast.ClassDef):
-                self.classes[node.name] = node
-            elif isinstance(node, ast.Assign) and len(node.targets) == 1 \
-                    and isinstance(node.targets[0], ast.Name) \
-                    and isinstance(node.value, (ast.Name, ast.Attribute)):
-                self.aliases.setdefault(node.targets[0].id, set()).add(self.dotted(node.value))
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-                    and HOOK_REGISTRARS.search(node.func.attr):
-                self.hooks.update(a.id for a in node.args if isinstance(a, ast.Name))
 
-    def dotted(self, node) -> str:
-        """``dist.all_reduce`` -> ``torch.distributed.all_reduce`` (through imports)."""
-        if isinstance(node, ast.Name):
-            return self.imports.get(node.id, node.id)
-        if isinstance(node, ast.Attribute):
-            return f"{self.dotted(node.value)}.{node.attr}"
-        return src(node)
-
-    def enclosing(self, node) -> tuple[ast.ClassDef | None, ast.FunctionDef | None]:
-        cls = fn = None
-        while node in self.parent:
-            node = self.parent[node]
-            if fn is None and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                fn = node
-            if isinstance(node, ast.ClassDef):
-                cls = node
-                break
-        return cls, fn
-
-    def targets(self, call: ast.Call, fn) -> list[tuple[str, object]]:
-        """What a call is: [("dist", name)], [("comm", name)], [("region", name)],
-        [("helper", FunctionDef) ...] or []."""
-        names = {self.dotted(call.func)}
-        if isinstance(call.func, ast.Name):
-            names |= self.aliases.get(call.func.id, set())
-        out: list[tuple[str, object]] = []
-        for name in names:
-            head, _, last = name.rpartition(".")
-            if (head == _DIST or head.endswith(".distributed")) and last in COLLECTIVES:
-                out.append(("dist", last))
-            elif (head.split(".")[-1] == "comm" or head.endswith("paraloom.comm")) \
-                    and last in PARALOOM_COMM:
-                out.append(("comm", last))
-            elif last in self.funcs and (head in ("", "self", "cls") or head in self.classes):
-                out += [("helper", f) for f in self._resolve(last, head, fn)]
-            elif last == "apply" and head in self.classes:
-                out += [("helper", f) for f in self.classes[head].body
-                        if isinstance(f, ast.FunctionDef) and f.name in ("forward", "backward")]
-            elif region_semantics(last) and last not in self.funcs:
-                out.append(("region", last))
-        return out
-
-    def _resolve(self, name: str, head: str, fn) -> list[ast.FunctionDef]:
-        defs = self.funcs[name]
-        if head in ("self", "cls") and fn is not None:
-            cls, _ = self.enclosing(fn)
-            return [d for d in defs if self.enclosing(d)[0] is cls] or defs
-        if head in self.classes:
-            return [d for d in defs if self.enclosing(d)[0] is self.classes[head]]
-        return [d for d in defs if self.enclosing(d)[0] is None] or defs
+def _kind(site: dict, text: str, final: bool = True) -> str | None:
+    """The kind the names around a site give; a tp group stays tp unless they say sp; a group
+    that names no kind gives "group" when nothing around it does."""
+    named, group = kind_of(text), site.get("group_kind")
+    if group == "tp":
+        return "sp" if named == "sp" else "tp"
+    return named or (group if final or group != "group" else None)  # callers may name it
 
 
 class _Walker:
     """Raw sites of one function body: dicts with line, op, kind, async, conds, via, rel."""
 
-    def __init__(self, mod: Module, memo: dict) -> None:
-        self.mod, self.memo = mod, memo
+    def __init__(self, root: Module) -> None:
+        self.root, self.memo, self.unresolved = root, {}, {}
 
-    def function(self, fn, stack: tuple = ()) -> list[dict]:
-        if fn in self.memo:
-            return self.memo[fn]
+    def function(self, fn, stack: tuple = (), nograd: bool = False) -> list[dict]:
+        mod = fn.pl_module
+        nograd = nograd or _autograd_method(mod, fn)
+        key = (fn, nograd)
+        if key in self.memo:
+            return self.memo[key]
         if fn in stack:
             return []
-        self.memo[fn] = []  # recursion guard while walking
-        sites = self.stmts(fn.body, [], fn, stack + (fn,))
-        phase, _ = context_phase(self.mod, fn)
-        cls, _ = self.mod.enclosing(fn)
+        self.memo[key] = []  # recursion guard while walking
+        sites = self.stmts(fn.body, [], (mod, fn, stack + (fn,), nograd))
+        phase, _ = context_phase(mod, fn)
+        cls, _ = mod.enclosing(fn)
         for s in sites:
             if s["kind"] is None:
-                s["kind"] = kind_of(" ".join([cls.name if cls else "", fn.name, *s["via"],
-                                            *s["conds"], *s.get("inner_conds", []), s["call"]]))
+                s["kind"] = _kind(s, " ".join([cls.name if cls else "", fn.name, *s["via"],
+                                               *s["conds"], *s.get("inner_conds", []),
+                                               s["call"]]), final=False)
         absolute = phase == "backward" or (phase == "forward" and fn.name != "forward")
         for s in sites:
             if s["rel"] == _SAME and absolute:
                 s["rel"] = phase
-        self.memo[fn] = sites
+        self.memo[key] = sites
         return sites
 
-    def stmts(self, body, conds, fn, stack) -> list[dict]:
+    def stmts(self, body, conds, ctx) -> list[dict]:
         out, conds = [], list(conds)
         for stmt in body:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 continue
             if isinstance(stmt, ast.If):
                 test = src(stmt.test)
-                out += self.exprs(stmt.test, conds, fn, stack)
-                out += self.stmts(stmt.body, conds + [test], fn, stack)
-                out += self.stmts(stmt.orelse, conds + [f"not ({test})"], fn, stack)
+                out += self.exprs(stmt.test, conds, ctx)
+                out += self.stmts(stmt.body, conds + [test], ctx)
+                out += self.stmts(stmt.orelse, conds + [f"not ({test})"], ctx)
                 if not stmt.orelse and stmt.body and \
                         isinstance(stmt.body[-1], (ast.Return, ast.Raise)):
                     conds.append(f"not ({test})")  # an early-return guard covers what follows
@@ -164,77 +123,119 @@ class _Walker:
                 heads += [item.context_expr for item in getattr(stmt, "items", [])]
                 for sub in heads:
                     if sub is not None:
-                        out += self.exprs(sub, conds, fn, stack)
+                        out += self.exprs(sub, conds, ctx)
                 for block in [b for b in blocks if b] + [h.body for h in handlers]:
-                    out += self.stmts(block, conds, fn, stack)
+                    out += self.stmts(block, conds, ctx)
                 continue
-            out += self.exprs(stmt, conds, fn, stack)
+            out += self.exprs(stmt, conds, ctx)
         return out
 
-    def exprs(self, node, conds, fn, stack, hook=False) -> list[dict]:
+    def exprs(self, node, conds, ctx, hook=False) -> list[dict]:
         out = []
         if isinstance(node, ast.IfExp):
             test = src(node.test)
-            return (self.exprs(node.test, conds, fn, stack, hook)
-                    + self.exprs(node.body, conds + [test], fn, stack, hook)
-                    + self.exprs(node.orelse, conds + [f"not ({test})"], fn, stack, hook))
+            return (self.exprs(node.test, conds, ctx, hook)
+                    + self.exprs(node.body, conds + [test], ctx, hook)
+                    + self.exprs(node.orelse, conds + [f"not ({test})"], ctx, hook))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             return out
         if isinstance(node, ast.Call):
-            out += self.call(node, conds, fn, stack, hook)
-            hook = hook or (isinstance(node.func, ast.Attribute)
-                            and bool(HOOK_REGISTRARS.search(node.func.attr)))
+            out += self.call(node, conds, ctx, hook)
+            name = src(node.func).rpartition(".")[2] if isinstance(node.func, ast.Attribute) \
+                else ""
+            hook = hook or (bool(HOOK_REGISTRARS.search(name))
+                            and not FORWARD_HOOKS.search(name))
         for child in ast.iter_child_nodes(node):
-            out += self.exprs(child, conds, fn, stack, hook)
+            out += self.exprs(child, conds, ctx, hook)
         return out
 
-    def call(self, call, conds, fn, stack, hook) -> list[dict]:
-        mod = self.mod
-        out = []
+    def call(self, call, conds, ctx, hook) -> list[dict]:
+        mod, fn, stack, nograd = ctx
         base = {"line": call.lineno, "conds": list(conds), "via": [], "call": src(call)[:120],
-                "arg": src(call.args[0]) if call.args else None,
-                "rel": "backward" if hook else _SAME, "kind": None}
+                "arg": src(call.args[0]) if call.args else None, "through": [],
+                "rel": "backward" if hook else _SAME, "kind": None, "explicit": False}
         strings = [n.value for n in ast.walk(call) if isinstance(n, ast.Constant)
                    and isinstance(n.value, str)]
         explicit_phase = next((s for s in strings if s in PHASES), None)
-        explicit_kind = next((s for s in strings if s in KINDS), None)
-        for what, target in mod.targets(call, fn):
-            if what in ("dist", "comm"):
-                op = (COLLECTIVES if what == "dist" else PARALOOM_COMM)[target]
-                if target == "P2POp" and call.args:
-                    op = COLLECTIVES.get(mod.dotted(call.args[0]).rpartition(".")[2], "p2p_op")
-                out.append(dict(base, op=op, asynchronous=async_flag(call, target),
-                                kind=explicit_kind or (
-                                    "pp" if op in ("send", "recv", "batch_p2p", "send_recv")
-                                    else None),
-                                rel=explicit_phase or base["rel"], explicit=bool(explicit_phase)))
+        named_kind = next((s for s in strings if s in KINDS), None)
+        base["group_kind"] = group_kind(call)  # Megatron's sp runs on the tp group: context wins
+        if base["group_kind"] is None and src(call.func).endswith("batch_isend_irecv"):
+            base["group_kind"] = batch_kind(mod, fn)
+        if named_kind is None and base["group_kind"] not in (None, "tp", "group"):
+            named_kind = base["group_kind"]
+        targets, assumed = classify(mod, call, fn)
+        if assumed:
+            base["assumed"] = assumed
+        out = []
+        for what, target, owner in targets:
+            if what in ("dist", "comm", "funcol", "symm", "dtensor", "fsdp", "distribute"):
+                table = {"dist": COLLECTIVES, "comm": PARALOOM_COMM, "funcol": FUNCOL,
+                         "symm": SYMM_MEM, "fsdp": FSDP_METHODS,
+                         "distribute": DISTRIBUTE}.get(what, {})
+                directions = (p2p_directions(mod, call) if target == "P2POp"
+                              else [(table.get(target, "redistribute"), None)])
+                flag = (async_of(mod, call, target, fn) if what in ("dist", "comm", "dtensor",
+                                                                     "fsdp")
+                        else what == "funcol")
+                for op, cond in directions:
+                    out.append(dict(base, op=op, asynchronous=flag,
+                                    kind=named_kind, conds=base["conds"] + ([cond] if cond
+                                                                            else []),
+                                    rel=explicit_phase or base["rel"],
+                                    explicit=bool(explicit_phase),
+                                    moved=src(call.keywords[0].value) if what == "dtensor"
+                                    and call.keywords else None))
+            elif what == "plan":
+                sites, unknown = plan_sites(mod, call, fn)
+                out += [dict(base, asynchronous=False, kind=named_kind or "tp", **s)
+                        for s in sites]
+                for u in unknown:
+                    self._unresolved(mod, call, fn, f"{u}: {UNKNOWN}")
             elif what == "region":
                 fwd, bwd, kind, moved = region_semantics(target)
                 cond = region_condition(target, call)
-                for op, rel in ((fwd, base["rel"]), (bwd, "backward")):
+                for op, rel in ((fwd, base["rel"]), (None if nograd else bwd, "backward")):
                     if op:
                         out.append(dict(base, op=op, asynchronous=False, kind=kind,
-                                        rel=rel, via=[target], moved=moved, explicit=False,
+                                        rel=rel, via=[target], moved=moved,
                                         conds=base["conds"] + ([cond] if cond and
                                                                rel == "backward" else [])))
-            else:
-                name = target.name if mod.enclosing(target)[0] is None \
-                    else f"{mod.enclosing(target)[0].name}.{target.name}"
-                for inner in self.function(target, stack):
-                    rel = inner["rel"] if inner["rel"] != _SAME else base["rel"]
-                    out.append(dict(inner, line=call.lineno, conds=list(conds), rel=rel,
-                                    via=[name] + inner["via"], call=base["call"],
-                                    arg=base["arg"],
-                                    inner_line=inner.get("inner_line", inner["line"]),
-                                    inner_conds=[f"in {name}: {c}" for c in inner["conds"]]
-                                    + inner.get("inner_conds", [])))
+            elif what == "unresolved":
+                self._unresolved(mod, call, fn, f"{UNKNOWN}: {target}")
+            elif not (what == "apply_backward" and nograd):
+                out += self._inner(mod, target, owner, base, conds, stack, nograd, call)
         unique: dict[tuple, dict] = {}
         for s in out:  # aliases bound to several equivalent functions give one site per op
-            key = (s["op"], s["rel"], str(s["asynchronous"]), s["kind"])
+            key = (s["line"], s["op"], s["rel"], str(s["asynchronous"]), s["kind"],
+                   tuple(s["conds"]))
             if key in unique and unique[key].get("inner_conds") != s.get("inner_conds"):
                 unique[key].update(inner_conds=[], via=s["via"][:1])  # several paths: no guard
             unique.setdefault(key, s)
         return list(unique.values())
+
+    def _inner(self, mod, target, owner, base, conds, stack, nograd, call) -> list[dict]:
+        name = label(mod, owner, target)
+        elsewhere = owner.path != mod.path and owner.path is not None
+        out, env, pipe = [], bindings(target, call), pipeline_phases(call)
+        for inner in self.function(target, stack, nograd):
+            if excluded(inner["conds"], env):
+                continue  # a guard the constant arguments decide against
+            rel = inner["rel"] if inner["rel"] != _SAME else (
+                pipe.get(inner["op"], base["rel"]) if base["rel"] == _SAME else base["rel"])
+            through = ([f"{_shown(owner.path)}:{inner['line']}"] if elsewhere else []) \
+                + inner["through"]
+            out.append(dict(inner, line=base["line"], conds=list(conds), rel=rel,
+                            via=[name] + inner["via"], call=base["call"], arg=base["arg"],
+                            through=through, inner_line=inner.get("inner_line", inner["line"]),
+                            inner_conds=[f"in {name}: {c}" for c in inner["conds"]]
+                            + inner.get("inner_conds", [])))
+        return out
+
+    def _unresolved(self, mod, call, fn, why: str) -> None:
+        if mod is self.root:
+            key = (call.lineno, src(call.func))
+            self.unresolved.setdefault(key, {"line": call.lineno, "call": src(call.func),
+                                             "function": fn.name if fn else None, "why": why})
 
 
 def _basis(site: dict, phase: str, context: str, why: str) -> str:
@@ -247,19 +248,22 @@ def _basis(site: dict, phase: str, context: str, why: str) -> str:
     return "via " + " -> ".join(site["via"]) if site["via"] else why
 
 
-def find_sites(mod: Module) -> list[dict]:
-    """Every communication site of the snippet, in source order (see the module docstring)."""
-    walker = _Walker(mod, {})
+def find_sites(mod: Module) -> tuple[list[dict], list[dict]]:
+    """Every communication site of the snippet, in source order (see the module docstring),
+    and the calls whose source was not found (``{"line", "call", "function", "why"}``)."""
+    walker = _Walker(mod)
     called = set()
     for node in ast.walk(mod.tree):
         if isinstance(node, ast.Call):
             _, fn = mod.enclosing(node)
-            called.update(id(t) for w, t in mod.targets(node, fn) if w == "helper")
+            called.update(id(t) for w, t, _o in classify(mod, node, fn)[0]
+                          if w in ("helper", "apply_forward", "apply_backward"))
     sites = []
     bodies = [(None, mod.tree.body)] + [
-        (fn, None) for defs in mod.funcs.values() for fn in defs]
+        (fn, None) for defs in mod.funcs.values() for fn in defs if fn.pl_module is mod]
     for fn, body in bodies:
-        raw = walker.stmts(body, [], None, ()) if fn is None else walker.function(fn)
+        raw = walker.stmts(body, [], (mod, None, (), False)) if fn is None \
+            else walker.function(fn)
         cls, _ = mod.enclosing(fn) if fn is not None else (None, None)
         phase, why = context_phase(mod, fn)
         helper = fn is not None and id(fn) in called
@@ -269,7 +273,7 @@ def find_sites(mod: Module) -> list[dict]:
             p = s["rel"] if s["rel"] != _SAME else phase
             text = " ".join([src(cls.bases[0]) if cls and cls.bases else "", cls.name if cls
                              else "", fn.name if fn else "", *s["via"], *s["conds"], s["call"]])
-            kind = s["kind"] or kind_of(text) or UNKNOWN
+            kind = s["kind"] or _kind(s, text) or UNKNOWN
             conds = s["conds"] + s.get("inner_conds", [])
             sites.append({
                 "line": s["line"], "class": cls.name if cls else None,
@@ -280,6 +284,8 @@ def find_sites(mod: Module) -> list[dict]:
                                           for c in conds) or None, "via": s["via"],
                 "helper": helper, "call": s["call"], "arg": s["arg"],
                 "inner_line": s.get("inner_line"), "moved": s.get("moved"),
+                "through": s["through"], "assumed": s.get("assumed"),
                 "fn_line": fn.lineno if fn else None})
     sites.sort(key=lambda s: (s["line"], s["op"]))
-    return sites
+    unresolved = sorted(walker.unresolved.values(), key=lambda u: (u["line"], u["call"]))
+    return sites, unresolved
