@@ -37,11 +37,16 @@ class _Gateway(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _trickle(self):
-        """Headers at once, then one byte every 50 ms of a body that never completes."""
+        """One byte every 50 ms of a body (or, ``trickle == "headers"``, of a header) that never
+        completes."""
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", "100000")
-        self.end_headers()
+        if self.server.trickle == "headers":
+            self.flush_headers()
+            self.wfile.write(b"X-Padding: ")
+        else:
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
         end = time.monotonic() + 20
         try:
             while time.monotonic() < end and not self.server.stopping:
@@ -241,8 +246,9 @@ def test_placeholder_model_lists_served_models(gw, tmp_path):
     _fixed(cfg, dict(ENV), steps=1)
 
 
-def test_trickling_server_is_cut_at_one_deadline(gw, tmp_path):
-    gw.trickle = True
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_trickling_server_is_cut_at_one_deadline(gw, tmp_path, where):
+    gw.trickle = where
     cfg = _config(tmp_path / "c.toml", gw.url + "/api")
     t0 = time.monotonic()
     bad = _problems(diagnose(cfg, dict(ENV), timeout=1.0))
@@ -255,6 +261,14 @@ def test_trickling_server_is_cut_at_one_deadline(gw, tmp_path):
     assert time.monotonic() - t0 < 3
     gw.trickle = False
     assert all(f["ok"] for f in diagnose(cfg, dict(ENV), timeout=5))
+
+
+def test_base_url_without_scheme(gw, tmp_path):
+    cfg = _config(tmp_path / "c.toml", gw.url.removeprefix("http://") + "/api")
+    bad = _problems(diagnose(cfg, dict(ENV), timeout=5))
+    assert [f["check"] for f in bad] == ["base_url"] and "scheme" in bad[0]["problem"]
+    assert gw.seen == []
+    _fixed(cfg, dict(ENV), steps=1)
 
 
 def test_missing_key_sends_no_request(gw, tmp_path):

@@ -45,6 +45,13 @@ def _why(clean: str, cand: str) -> str:
 
 def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Probe | None:
     """The probe of the base URL that answers (recording what is wrong), or None."""
+    if not p.base_url.lower().startswith(("http://", "https://")):
+        local = p.base_url.startswith(("localhost", "127.", "[::1]"))
+        found.append(dict(check="base_url", ok=False,
+                          problem=f"base_url {p.base_url} has no http:// or https:// scheme",
+                          fix=f'set base_url = "{"http" if local else "https"}://'
+                              f'{p.base_url}" {_where(p)}'))
+        return None
     clean, dropped = split_base(p.base_url)
     first = probe(clean, p, key, timeout)
     if first.auth:

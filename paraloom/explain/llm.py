@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 import re
 
-from .provider import PATHS, Provider, ProviderError, http, load_provider
+from .gateway import is_page, page_title
+from .provider import PATHS, Provider, ProviderError, http, is_placeholder, load_provider
 
 __all__ = ["Provider", "ProviderError", "load_provider", "http", "complete", "ask",
            "contradictions"]
@@ -21,6 +22,8 @@ _SYSTEM = ("You explain Megatron-style parallel-training code. Answer only from 
 
 
 def _error_text(text: str) -> str:
+    if is_page("", text):
+        return f"a web page: {page_title(text) or text.strip()[:80]}"
     try:
         err = json.loads(text).get("error", {})
         return err.get("message", "") if isinstance(err, dict) else str(err)
@@ -31,9 +34,10 @@ def _error_text(text: str) -> str:
 def complete(p: Provider, system: str, user: str, env=None, timeout: float = 60.0) -> str:
     """One answer from the provider, over its ``wire_api``."""
     key = p.key(env)
-    if key is None:
+    if key is None or is_placeholder(key):
+        state = "missing or empty" if key is None else "a placeholder"
         raise ProviderError(f"environment variable {p.env_key} (env_key of provider {p.name!r})"
-                            f" is missing or empty: export {p.env_key}=<your key>")
+                            f" is {state}: export {p.env_key}=<your key>")
     if p.wire_api == "chat":
         body = {"model": p.model, "messages": [{"role": "system", "content": system},
                                                {"role": "user", "content": user}]}
@@ -42,7 +46,10 @@ def complete(p: Provider, system: str, user: str, env=None, timeout: float = 60.
     status, _, text = http("POST", p.base_url + PATHS[p.wire_api], key, body, timeout)
     if status != 200:
         hint = {401: f"the key in {p.env_key} was rejected",
-                404: "wrong base_url path, wire_api or model id"}.get(status, "")
+                404: f"model = {p.model!r} is a placeholder" if is_placeholder(p.model)
+                else "wrong base_url path, wire_api or model id"}.get(status, "")
+        if status >= 500:
+            hint = "the server failed (not a wrong URL): retry later"
         raise ProviderError(f"HTTP {status} from {p.base_url + PATHS[p.wire_api]}"
                             f"{': ' + hint if hint else ''} ({_error_text(text)})")
     try:
