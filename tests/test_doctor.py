@@ -190,7 +190,7 @@ def test_landing_page_with_utm_query_is_stripped_and_probed(gw, tmp_path):
     _fixed(cfg, dict(ENV), steps=1)
 
 
-def test_gateway_without_models_endpoint(gw, tmp_path, capsys):
+def test_gateway_without_models_endpoint(gw, tmp_path, monkeypatch, capsys):
     gw.no_models = True
     good = _config(tmp_path / "good.toml", gw.url + "/api")
     found = diagnose(good, dict(ENV))
@@ -200,13 +200,9 @@ def test_gateway_without_models_endpoint(gw, tmp_path, capsys):
     # the same config works for explain --ask, and doctor agrees (exit 0)
     src = tmp_path / "f.py"
     src.write_text("import torch.distributed as dist\n\ndef f(t):\n    dist.all_reduce(t)\n")
-    import os
-    os.environ["GW_KEY"] = KEY
-    try:
-        assert doctor_main(["--config", good]) == 0
-        assert explain_main(["--ask", "what?", str(src), "--config", good]) == 0
-    finally:
-        del os.environ["GW_KEY"]
+    monkeypatch.setenv("GW_KEY", KEY)
+    assert doctor_main(["--config", good]) == 0
+    assert explain_main(["--ask", "what?", str(src), "--config", good]) == 0
     assert "pong" in capsys.readouterr().out
     # a wrong base_url is found through the chat endpoint, a wrong model through its error
     cfg = _config(tmp_path / "c.toml", gw.url, model="alpha-7")

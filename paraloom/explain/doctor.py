@@ -209,12 +209,12 @@ def _scrub(found: list[dict], key: str) -> list[dict]:
 def doctor_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="paraloom doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the findings as JSON")
     ap.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS",
                     help="deadline of each request, whole answer included (default 15)")
     args = ap.parse_args(argv)
-    if not args.timeout > 0:
-        ap.error(f"--timeout {args.timeout:g}: must be > 0 seconds")
+    if not 0 < args.timeout < 3600:
+        ap.error(f"--timeout {args.timeout:g}: expected seconds in (0, 3600)")
     found = diagnose(args.config, timeout=args.timeout)
     if args.json:
         print(json.dumps(found, indent=1))

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 from .provider import PATHS, Provider, http
 
-__all__ = ["Probe", "split_base", "candidates", "probe", "is_page", "page_title", "models_of"]
+__all__ = ["Probe", "split_base", "candidates", "probe", "body_for", "is_page", "page_title",
+           "models_of"]
 
 
 @dataclass
