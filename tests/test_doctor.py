@@ -212,6 +212,12 @@ def test_gateway_without_models_endpoint(gw, tmp_path, monkeypatch, capsys):
     bad = _problems(diagnose(cfg, dict(ENV), timeout=5))
     assert [f["check"] for f in bad] == ["model"] and "alpha-7" in bad[0]["problem"]
     assert "no model list" in bad[0]["problem"]
+    # wire_api the gateway does not speak, found without a model list too
+    gw.wires = {"chat"}
+    cfg = _config(tmp_path / "c.toml", gw.url + "/api", wire="responses")
+    bad = _problems(diagnose(cfg, dict(ENV), timeout=5))
+    assert [f["check"] for f in bad] == ["wire_api"] and 'wire_api = "chat"' in bad[0]["fix"]
+    _fixed(cfg, dict(ENV), steps=1)
 
 
 def test_502_page_is_a_server_error_not_a_wrong_url(gw, tmp_path):
@@ -265,6 +271,10 @@ def test_base_url_without_scheme(gw, tmp_path):
     assert [f["check"] for f in bad] == ["base_url"] and "scheme" in bad[0]["problem"]
     assert gw.seen == []
     _fixed(cfg, dict(ENV), steps=1)
+    for placeholder in ("https://YOUR_GATEWAY_HOST/v1", "https://api.example.com/v1"):
+        cfg = _config(tmp_path / "c.toml", placeholder)
+        bad = _problems(diagnose(cfg, dict(ENV), timeout=5))
+        assert [f["check"] for f in bad] == ["base_url"] and "placeholder" in bad[0]["problem"]
 
 
 def test_missing_key_sends_no_request(gw, tmp_path):

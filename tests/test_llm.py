@@ -213,7 +213,8 @@ def test_contradiction_check_flags_a_wrong_line_inside_the_snippet():
     for right in ("The all-reduce of the gradient is at line 10.",
                   "Lines 9-11 hold the all-reduce.", "The all-reduce (lines 4 and 10) syncs.",
                   "The all-gather on line 6 and the all-reduce on line 10.",
-                  "Line 5 returns x; no broadcast happens.", "第 10 行做 all-reduce。"):
+                  "Line 5 returns x; no broadcast happens.", "第 10 行做 all-reduce。",
+                  "Line 3 defines the class; the all-reduce syncs the gradient."):
         assert contradictions(right, facts) == [], right
 
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
+import urllib.parse
 
 from .gateway import Probe, body_for, candidates, probe, split_base
 from .provider import (
@@ -51,6 +53,14 @@ def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Prob
                           problem=f"base_url {p.base_url} has no http:// or https:// scheme",
                           fix=f'set base_url = "{"http" if local else "https"}://'
                               f'{p.base_url}" {_where(p)}'))
+        return None
+    host = urllib.parse.urlsplit(p.base_url).hostname or ""
+    if is_placeholder(host) or re.search(r"(^|\.)example\.(com|org|net)$", host):
+        found.append(dict(check="base_url", ok=False,
+                          problem=f"base_url {p.base_url} holds a placeholder host from a "
+                                  f"template ({host}); nothing was sent",
+                          fix=f"set base_url to the API URL in your provider's docs "
+                              f"{_where(p)}"))
         return None
     clean, dropped = split_base(p.base_url)
     first = probe(clean, p, key, timeout)

@@ -61,7 +61,9 @@ def complete(p: Provider, system: str, user: str, env=None, timeout: float = 60.
         return "".join(c.get("text", "") for item in data.get("output", [])
                        for c in item.get("content", []) or [] if isinstance(c, dict))
     except (ValueError, KeyError, IndexError, TypeError):
-        raise ProviderError(f"unexpected {p.wire_api} reply: {text[:200]}") from None
+        site = " (base_url is a web site, not the API)" if is_page("", text) else ""
+        raise ProviderError(f"unexpected {p.wire_api} reply: {_error_text(text)[:200]}{site}"
+                            ) from None
 
 
 def _facts_brief(facts: dict) -> str:
@@ -76,7 +78,8 @@ def _facts_brief(facts: dict) -> str:
 
 
 _OPS = {"all_reduce": r"all[-_ ]?reduce|allreduce", "all_gather": r"all[-_ ]?gather",
-        "reduce_scatter": r"reduce[-_ ]?scatter"}
+        "reduce_scatter": r"reduce[-_ ]?scatter", "all_to_all": r"all[-_ ]?to[-_ ]?all",
+        "broadcast": r"\bbroadcast"}
 _PHASE_WORDS = {"forward": r"\bforward\b|前向", "backward": r"\bbackward\b|反向"}
 
 
@@ -109,7 +112,8 @@ def contradictions(answer: str, facts: dict) -> list[str]:
     first, last = facts["lines"]
     for sentence in re.split(r"(?<=[.!?\u3002\uff01\uff1f])\s*|\n+", answer):
         cited = _cited(sentence)
-        inside = [(a, b) for a, b in cited if first <= a <= b <= last]
+        clauses = [(c, [(a, b) for a, b in _cited(c) if first <= a <= b <= last])
+                   for c in re.split(r";|\uff1b|\bwhile\b|\bwhereas\b", sentence)]
         for op, pattern in _OPS.items():
             if not re.search(pattern, sentence, re.IGNORECASE):
                 continue
@@ -122,8 +126,10 @@ def contradictions(answer: str, facts: dict) -> list[str]:
                 flags.append(f"contradicts the facts: {sentence.strip()!r} puts {op} in "
                              f"{said[0]}, but the snippet's {op} is in "
                              f"{' / '.join(sorted(phases))} (lines {lines})")
-            if lines and inside and not any(a - 1 <= n <= b + 1 for a, b in inside
-                                             for n in lines):
+            for clause, inside in clauses:  # the lines a clause cites next to the op
+                if not (lines and inside and re.search(pattern, clause, re.I)) or any(
+                        a - 1 <= n <= b + 1 for a, b in inside for n in lines):
+                    continue
                 where = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in inside)
                 flags.append(f"contradicts the facts: {sentence.strip()!r} places {op} at "
                              f"line {where}, but the snippet's {op} is at lines {lines}")
