@@ -230,6 +230,13 @@ def test_502_page_is_a_server_error_not_a_wrong_url(gw, tmp_path):
     gw.fail = 0  # the gateway recovers: the fix is to retry, not to change the config
     assert "retry" in bad[0]["fix"]
     assert all(f["ok"] for f in diagnose(cfg, dict(ENV), timeout=5))
+    # failing behind a base_url that also lacks /api: the 502 is named, with where it came from
+    gw.fail = 502
+    cfg = _config(tmp_path / "c.toml", gw.url)
+    bad = _problems(diagnose(cfg, dict(ENV), timeout=5))
+    assert [f["check"] for f in bad] == ["server"] and f"{gw.url}/api" in bad[0]["problem"]
+    gw.fail = 0
+    _fixed(cfg, dict(ENV), steps=1)
 
 
 def test_placeholder_model_lists_served_models(gw, tmp_path):

@@ -45,15 +45,15 @@ def _why(clean: str, cand: str) -> str:
     return f"the API is not at {clean}"  # e.g. a gateway under /api
 
 
-def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Probe | None:
-    """The probe of the base URL that answers (recording what is wrong), or None."""
+def _static_base(p: Provider, found: list[dict]) -> bool:
+    """False after recording a base_url that needs no request to be wrong."""
     if not p.base_url.lower().startswith(("http://", "https://")):
         local = p.base_url.startswith(("localhost", "127.", "[::1]"))
         found.append(dict(check="base_url", ok=False,
                           problem=f"base_url {p.base_url} has no http:// or https:// scheme",
                           fix=f'set base_url = "{"http" if local else "https"}://'
                               f'{p.base_url}" {_where(p)}'))
-        return None
+        return False
     host = urllib.parse.urlsplit(p.base_url).hostname or ""
     if is_placeholder(host) or re.search(r"(^|\.)example\.(com|org|net)$", host):
         found.append(dict(check="base_url", ok=False,
@@ -61,6 +61,13 @@ def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Prob
                                   f"template ({host}); nothing was sent",
                           fix=f"set base_url to the API URL in your provider's docs "
                               f"{_where(p)}"))
+        return False
+    return True
+
+
+def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Probe | None:
+    """The probe of the base URL that answers (recording what is wrong), or None."""
+    if not _static_base(p, found):
         return None
     clean, dropped = split_base(p.base_url)
     first = probe(clean, p, key, timeout)
@@ -70,15 +77,21 @@ def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Prob
                                   f"{p.env_key} ({first.via})",
                           fix=f"export a valid key: export {p.env_key}=<key for {clean}>"))
         return None
-    ans = first if first.answers else next(
-        (pr for pr in (probe(c, p, key, timeout) for c in candidates(clean)[1:])
-         if pr.answers or pr.auth), None)
-    if ans is None and first.server_error:
+    tried = [first]
+    ans = first if first.answers else None
+    for cand in candidates(clean)[1:] if ans is None else []:
+        tried.append(probe(cand, p, key, timeout))
+        if tried[-1].answers or tried[-1].auth:
+            ans = tried[-1]
+            break
+    failing = next((pr for pr in tried if pr.server_error), None)
+    if ans is None and failing is not None:
+        at = "base_url" if failing is first else f"{failing.base} (not base_url as written)"
         found.append(dict(check="server", ok=False,
-                          problem=f"{first.server_error}: the server's own error page, so the "
-                                  f"service behind base_url is failing (not a wrong URL)",
+                          problem=f"{failing.server_error}: the server's own error page, so "
+                                  f"the service at {at} is failing; that is not a wrong URL",
                           fix="retry later; if it persists, ask the provider (status page, "
-                              "support) - the config needs no change for this"))
+                              "support); rerun paraloom doctor once it answers"))
         return None
     if ans is None:
         tried = ", ".join(candidates(clean))
