@@ -113,7 +113,8 @@ def test_ask_sends_snippet_and_facts_and_flags_contradictions(server, tmp_path, 
     src = tmp_path / "region.py"
     src.write_text(SNIPPET)
     cfg = _config(tmp_path, server.url + "/v1", wire=wire)
-    assert explain_main(["--ask", "where is the all-reduce?", str(src), "--config", cfg]) == 0
+    # the answer contradicts the facts: the flags are printed and the exit status says so
+    assert explain_main(["--ask", "where is the all-reduce?", str(src), "--config", cfg]) == 1
     out = capsys.readouterr().out
     assert out.startswith("The all-reduce runs in the forward pass.")
     assert "!! contradicts the facts" in out and "in backward" in out
@@ -199,3 +200,35 @@ def test_doctor_cli_reads_codex_home_and_never_prints_the_key(server, tmp_path, 
     _config(home, server.url + "/v1")
     assert doctor_main([]) == 0
     assert KEY not in capsys.readouterr().out
+
+
+def test_contradiction_check_flags_a_wrong_line_inside_the_snippet():
+    facts = {"lines": [1, 11], "sites": [{"op": "all_reduce", "phase": "backward", "line": 10},
+                                         {"op": "all_gather", "phase": "forward", "line": 6}]}
+    flags = contradictions("The all-reduce of the gradient is at line 5.", facts)
+    assert len(flags) == 1 and "line 5" in flags[0] and "all_reduce" in flags[0] \
+        and "[10]" in flags[0]
+    assert contradictions("第 5 行做 all-reduce。", facts)
+    assert contradictions("The all-gather (line 10) collects the output.", facts)
+    for right in ("The all-reduce of the gradient is at line 10.",
+                  "Lines 9-11 hold the all-reduce.", "The all-reduce (lines 4 and 10) syncs.",
+                  "The all-gather on line 6 and the all-reduce on line 10.",
+                  "Line 5 returns x; no broadcast happens.", "第 10 行做 all-reduce。",
+                  "Line 3 defines the class; the all-reduce syncs the gradient."):
+        assert contradictions(right, facts) == [], right
+
+
+def test_ask_exit_status_follows_the_flags(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PARALOOM_TEST_KEY", KEY)
+    src = tmp_path / "region.py"
+    src.write_text(SNIPPET)
+    cfg = _config(tmp_path, server.url + "/v1")
+    server.answer = "The all-reduce runs in backward (line 10)."
+    assert explain_main(["--ask", "q", str(src), "--config", cfg]) == 0
+    assert "!!" not in capsys.readouterr().out
+    server.answer = "The all-reduce runs in backward (line 3)."
+    assert explain_main(["--ask", "q", str(src), "--config", cfg, "--json"]) == 1
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert len(doc["ask"]["flags"]) == 1 and "line 3" in doc["ask"]["flags"][0]
+    assert "contradict" in captured.err

@@ -5,8 +5,8 @@
     paraloom explain PATH --run DIR [--rank R|all]                  # next to a recorded run
     paraloom doctor [--config ~/.codex/config.toml]                 # diagnose the provider setup
 
-Exit codes: 0 ok, 1 the provider failed (``--ask``) or doctor found problems, 2 bad input (the
-message names the value).
+Exit codes: 0 ok, 1 the provider failed or its answer contradicts the facts (``--ask``) or
+doctor found problems, 2 bad input (the message names the value).
 """
 
 from __future__ import annotations
@@ -126,9 +126,12 @@ def explain_main(argv: list[str] | None = None) -> int:
             print(f"paraloom explain: provider error: {err}\n(run `paraloom doctor`)",
                   file=sys.stderr)
             return 1
+        if reply["flags"]:
+            print(f"paraloom explain: the answer contradicts the extracted facts in "
+                  f"{len(reply['flags'])} place(s) (marked !!); exit status 1", file=sys.stderr)
         if args.json:
             print(json.dumps(dict(to_json(facts), ask=reply), ensure_ascii=False, indent=1))
-            return 0
+            return 1 if reply["flags"] else 0
         print(reply["answer"].rstrip() + "\n")
         for flag in reply["flags"]:
             print(f"!! {flag}")
@@ -141,7 +144,7 @@ def explain_main(argv: list[str] | None = None) -> int:
         if "run" in facts:
             from .run import render_run
             sys.stdout.write(render_run(facts, facts["run"], args.lang))
-    return 0
+    return 1 if args.ask and reply["flags"] else 0
 
 
 def _rank(text: str) -> int | None:
@@ -154,6 +157,6 @@ def _rank(text: str) -> int | None:
 
 
 def doctor_main(argv: list[str] | None = None) -> int:
-    from . import llm
-    return llm.doctor_main(argv)
+    from .doctor import doctor_main as main
+    return main(argv)
 

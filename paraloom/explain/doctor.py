@@ -1,10 +1,13 @@
 """``paraloom doctor``: why the provider in config.toml does not answer, and the fix.
 
 Checks, in order: the config and its provider table; the key variable named by ``env_key``
-(missing or empty: the usual 401); the base URL (a web page, a missing ``/v1``, or an extra one:
-the usual 404) by asking for the model list; the model id against that list; and the
-``wire_api`` by a one-word request on both protocols. The key is sent only in the Authorization
-header and never printed.
+(missing, empty or a template placeholder: nothing is sent then); the base URL (a query string
+or fragment is dropped; the path as given, it +/- ``/v1``, origin + ``/v1``, ``/api``,
+``/api/v1`` are tried and the one that answers is named; a gateway without ``GET /models`` is
+recognised by its chat or responses endpoint; a 5xx page or a stalled answer is the server's
+failure, not a wrong URL); the model id against the served list (a placeholder gets the whole
+list); and the ``wire_api`` by a one-word request on both protocols. Each request has one
+deadline (``--timeout``). The key is sent only in the Authorization header and never printed.
 """
 
 from __future__ import annotations
@@ -12,92 +15,166 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import sys
+import urllib.parse
 
-from .llm import _PATHS, Provider, ProviderError, http, load_provider
+from .gateway import Probe, body_for, candidates, probe, split_base
+from .provider import (
+    PATHS,
+    DeadlineError,
+    Provider,
+    ProviderError,
+    http,
+    is_placeholder,
+    load_provider,
+)
 
 __all__ = ["diagnose", "doctor_main"]
 
 
-def _models(text: str) -> list[str] | None:
-    try:
-        data = json.loads(text)
-    except ValueError:
+def _where(p: Provider) -> str:
+    return f"in [model_providers.{p.name}] of {p.config}"
+
+
+def _why(clean: str, cand: str) -> str:
+    if clean.endswith("/v1") and cand == clean[:-3]:
+        return "base_url ends in an extra /v1: the API lives one level up"
+    if cand == clean + "/v1":
+        return "base_url lacks the API path /v1"
+    return f"the API is not at {clean}"  # e.g. a gateway under /api
+
+
+def _static_base(p: Provider, found: list[dict]) -> bool:
+    """False after recording a base_url that needs no request to be wrong."""
+    if not p.base_url.lower().startswith(("http://", "https://")):
+        local = p.base_url.startswith(("localhost", "127.", "[::1]"))
+        found.append(dict(check="base_url", ok=False,
+                          problem=f"base_url {p.base_url} has no http:// or https:// scheme",
+                          fix=f'set base_url = "{"http" if local else "https"}://'
+                              f'{p.base_url}" {_where(p)}'))
+        return False
+    host = urllib.parse.urlsplit(p.base_url).hostname or ""
+    if is_placeholder(host) or re.search(r"(^|\.)example\.(com|org|net)$", host):
+        found.append(dict(check="base_url", ok=False,
+                          problem=f"base_url {p.base_url} holds a placeholder host from a "
+                                  f"template ({host}); nothing was sent",
+                          fix=f"set base_url to the API URL in your provider's docs "
+                              f"{_where(p)}"))
+        return False
+    return True
+
+
+def _find_base(p: Provider, key: str, timeout: float, found: list[dict]) -> Probe | None:
+    """The probe of the base URL that answers (recording what is wrong), or None."""
+    if not _static_base(p, found):
         return None
-    items = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(items, list):
-        return None
-    return [m.get("id") for m in items if isinstance(m, dict) and m.get("id")]
-
-
-def _is_page(ctype: str, text: str) -> bool:
-    return "html" in ctype.lower() or text.lstrip()[:15].lower().startswith(("<!doctype", "<html"))
-
-
-def _base_candidates(base: str) -> list[str]:
-    out = []
-    if base.endswith("/v1"):
-        out.append(base[:-3])
-    out.append(base + "/v1")
-    return out
-
-
-def _check_base(p: Provider, key: str | None, found: list[dict]) -> list[str] | None:
-    """The model list, or None after recording what is wrong with base_url."""
-    status, ctype, text = http("GET", p.base_url + "/models", key, timeout=15)
-    models = _models(text) if status == 200 else None
-    if models is not None:
-        found.append(dict(check="base_url", ok=True, detail=f"{p.base_url}/models lists "
-                          f"{len(models)} models"))
-        return models
-    if status in (401, 403):
+    clean, dropped = split_base(p.base_url)
+    first = probe(clean, p, key, timeout)
+    if first.auth:
         found.append(dict(check="key", ok=False,
-                          problem=f"HTTP {status}: the endpoint rejected the key in "
-                                  f"{p.env_key}",
-                          fix=f"export a valid key: export {p.env_key}=<key for {p.base_url}>"))
+                          problem=f"HTTP {first.auth}: the endpoint rejected the key in "
+                                  f"{p.env_key} ({first.via})",
+                          fix=f"export a valid key: export {p.env_key}=<key for {clean}>"))
         return None
-    _, _, root_text = http("GET", p.base_url, key, timeout=15)
-    page = _is_page(ctype, text) or _is_page("", root_text)
-    for cand in _base_candidates(p.base_url):
-        try:
-            s2, _, t2 = http("GET", cand + "/models", key, timeout=15)
-        except ProviderError:
-            continue
-        if s2 == 200 and _models(t2) is not None:
-            extra = p.base_url.endswith("/v1") and cand == p.base_url[:-3]
-            why = ("base_url ends in an extra /v1: the API lives one level up"
-                   if extra else "base_url lacks the API path /v1")
-            found.append(dict(check="base_url", ok=False,
-                              problem=f"HTTP {status} from {p.base_url}/models ({why}"
-                                      f"{'; base_url is a web page' if page else ''})",
-                              fix=f'set base_url = "{cand}" in [model_providers.{p.name}] '
-                                  f"of {p.config}"))
-            return _models(t2)
-    problem = (f"base_url {p.base_url} is a web page, not an OpenAI-compatible API" if page
-               else f"HTTP {status} from {p.base_url}/models and no /v1 variant answers")
-    found.append(dict(check="base_url", ok=False, problem=problem,
-                      fix="use the provider's API base URL (usually ending in /v1), not its "
-                          "web site; the client appends /chat/completions, /responses, /models"))
-    return None
+    tried = [first]
+    ans = first if first.answers else None
+    for cand in candidates(clean)[1:] if ans is None else []:
+        tried.append(probe(cand, p, key, timeout))
+        if tried[-1].answers or tried[-1].auth:
+            ans = tried[-1]
+            break
+    failing = next((pr for pr in tried if pr.server_error), None)
+    if ans is None and failing is not None:
+        at = "base_url" if failing is first else f"{failing.base} (not base_url as written)"
+        found.append(dict(check="server", ok=False,
+                          problem=f"{failing.server_error}: the server's own error page, so "
+                                  f"the service at {at} is failing; that is not a wrong URL",
+                          fix="retry later; if it persists, ask the provider (status page, "
+                              "support); rerun paraloom doctor once it answers"))
+        return None
+    if ans is None:
+        tried = ", ".join(candidates(clean))
+        what = (f"base_url {p.base_url} is a web page, not an OpenAI-compatible API"
+                if first.page else f"HTTP {first.status} from {clean}/models")
+        found.append(dict(check="base_url", ok=False,
+                          problem=f"{what}; none of these answers as an API: {tried}",
+                          fix="use the provider's API base URL from its docs (the client "
+                              "appends /chat/completions, /responses, /models), not its web "
+                              "site"))
+        return None
+    if ans is first and not dropped:
+        found.append(dict(check="base_url", ok=True, detail=_answer_detail(ans)))
+        return ans
+    why = [f"base_url carries {dropped} (a link's query or fragment: the client would put "
+           f"/models after it)"] if dropped else []
+    if ans is not first:
+        why.append(_why(clean, ans.base) + (f" ({clean} answers with a web page, HTTP "
+                                             f"{first.status})" if first.page else
+                                             f" (HTTP {first.status})"))
+    found.append(dict(check="base_url", ok=False,
+                      problem=f"{'; '.join(why)}; the API answers at {ans.base}: {ans.via}",
+                      fix=f'set base_url = "{ans.base}" {_where(p)}'))
+    if ans.auth:
+        found.append(dict(check="key", ok=False,
+                          problem=f"HTTP {ans.auth}: {ans.base} rejected the key in "
+                                  f"{p.env_key}",
+                          fix=f"export a valid key: export {p.env_key}=<key for {ans.base}>"))
+        return None
+    return ans
 
 
-def _check_wire(p: Provider, key: str, found: list[dict]) -> None:
-    answers = {}
-    for wire, path in _PATHS.items():
-        body = ({"model": p.model, "messages": [{"role": "user", "content": "ping"}],
-                 "max_tokens": 1} if wire == "chat"
-                else {"model": p.model, "input": "ping", "max_output_tokens": 16})
-        answers[wire] = http("POST", p.base_url + path, key, body, timeout=30)[0]
+def _answer_detail(ans: Probe) -> str:
+    if ans.models is not None:
+        return ans.via
+    return f"{ans.via} (no model list: GET {ans.base}/models gives HTTP {ans.models_status})"
+
+
+def _check_model(p: Provider, ans: Probe, found: list[dict]) -> bool:
+    served, ph = ans.models, is_placeholder(p.model)
+    what = f"model {p.model!r}" + (" is a placeholder from a template, not a model id"
+                                   if ph else "")
+    if served is None:
+        if not ans.model_error:
+            found.append(dict(check="model", ok=True, detail=f"{p.model!r} answers"))
+            return True
+        found.append(dict(check="model", ok=False,
+                          problem=f"{what}; the endpoint says: {ans.model_error} (it publishes "
+                                  f"no model list: GET {ans.base}/models gives HTTP "
+                                  f"{ans.models_status})",
+                          fix=f'set model = "<an id from the provider\'s model list>" '
+                              f"in {p.config}"))
+        return False
+    if p.model in served and not ph:
+        found.append(dict(check="model", ok=True, detail=f"{p.model!r} is served"))
+        return True
+    close = [] if ph else difflib.get_close_matches(p.model, served, n=3, cutoff=0.6)
+    listed = ", ".join(f'"{m}"' for m in served[:30]) + (" ..." if len(served) > 30 else "")
+    if close:
+        fix = f'set model = "{close[0]}" in {p.config} (close: {", ".join(close)})'
+    elif served:
+        fix = f'set model = "ID" in {p.config}, ID one of the {len(served)} served: {listed}'
+    else:
+        fix = "the endpoint lists no models: ask the provider which ids it serves"
+    found.append(dict(check="model", ok=False,
+                      problem=f"{what}" + ("" if ph else " is not in the endpoint's model "
+                                           f"list ({len(served)} models)"), fix=fix))
+    return False
+
+
+def _check_wire(p: Provider, base: str, key: str, timeout: float, found: list[dict]) -> None:
+    answers = {wire: http("POST", base + path, key, body_for(wire, p.model), timeout)[0]
+               for wire, path in PATHS.items()}
     if answers[p.wire_api] == 200:
         found.append(dict(check="wire_api", ok=True, detail=f"{p.wire_api} answers"))
         return
-    other = next(w for w in _PATHS if w != p.wire_api)
+    other = next(w for w in PATHS if w != p.wire_api)
     if answers[other] == 200:
         found.append(dict(check="wire_api", ok=False,
-                          problem=f"wire_api = {p.wire_api!r} but {p.base_url}"
-                                  f"{_PATHS[p.wire_api]} answers HTTP {answers[p.wire_api]}; "
-                                  f"the endpoint speaks {other!r}",
-                          fix=f'set wire_api = "{other}" in [model_providers.{p.name}]'))
+                          problem=f"wire_api = {p.wire_api!r} but {base}{PATHS[p.wire_api]} "
+                                  f"answers HTTP {answers[p.wire_api]}; the endpoint speaks "
+                                  f"{other!r}",
+                          fix=f'set wire_api = "{other}" {_where(p)}'))
     else:
         found.append(dict(check="wire_api", ok=False,
                           problem=f"neither protocol answers (chat: HTTP {answers['chat']}, "
@@ -105,8 +182,22 @@ def _check_wire(p: Provider, key: str, found: list[dict]) -> None:
                           fix="check base_url and the model id above"))
 
 
-def diagnose(config: str | None = None, env=None) -> list[dict]:
-    """Findings: dicts with ``check``, ``ok`` and either ``detail`` or ``problem`` + ``fix``."""
+def _check_key(p: Provider, env, found: list[dict]) -> str | None:
+    key = p.key(env)
+    if key is None or is_placeholder(key):
+        state = "missing or empty" if key is None else "a placeholder (value not shown)"
+        found.append(dict(check="key", ok=False,
+                          problem=f"environment variable {p.env_key} (env_key) is {state}: "
+                                  f"every request would get HTTP 401, so none was sent",
+                          fix=f"export {p.env_key}=<your key> (in the shell that runs paraloom)"))
+        return None
+    found.append(dict(check="key", ok=True, detail=f"{p.env_key} is set"))
+    return key
+
+
+def diagnose(config: str | None = None, env=None, timeout: float = 15.0) -> list[dict]:
+    """Findings in check order: dicts with ``check``, ``ok`` and either ``detail`` or
+    ``problem`` + ``fix``; the checks after a blocking problem are not run."""
     found: list[dict] = []
     try:
         p = load_provider(config, env)
@@ -115,43 +206,39 @@ def diagnose(config: str | None = None, env=None) -> list[dict]:
                      fix="write the provider table, see `paraloom explain --help`")]
     found.append(dict(check="config", ok=True, detail=f"{p.config}: provider {p.name!r}, model "
                       f"{p.model!r}, base_url {p.base_url}, wire_api {p.wire_api}"))
-    key = p.key(env)
+    key = _check_key(p, env, found)
     if key is None:
-        found.append(dict(check="key", ok=False,
-                          problem=f"environment variable {p.env_key} (env_key) is missing or "
-                                  f"empty: every request would get HTTP 401",
-                          fix=f"export {p.env_key}=<your key> (in the shell that runs paraloom)"))
-    else:
-        found.append(dict(check="key", ok=True, detail=f"{p.env_key} is set"))
+        return found
     try:
-        models = _check_base(p, key, found)
+        ans = _find_base(p, key, timeout, found)
+        if ans is not None and _check_model(p, ans, found):
+            _check_wire(p, ans.base, key, timeout, found)
+    except DeadlineError as err:
+        found.append(dict(check="server", ok=False, problem=str(err),
+                          fix="retry later; a slow gateway may need more time: "
+                              "paraloom doctor --timeout 60"))
     except ProviderError as err:
         found.append(dict(check="base_url", ok=False, problem=str(err),
                           fix="check the host and port of base_url and your network"))
-        return found
-    if models is None:
-        return found
-    if p.model not in models:
-        close = difflib.get_close_matches(p.model, models, n=3, cutoff=0.3)
-        found.append(dict(check="model", ok=False,
-                          problem=f"model {p.model!r} is not in the endpoint's model list "
-                                  f"({len(models)} models)",
-                          fix=f'set model = "{close[0] if close else models[0]}" '
-                              f"(close: {close or models[:3]})" if models
-                          else "the endpoint lists no models"))
-        return found
-    found.append(dict(check="model", ok=True, detail=f"{p.model!r} is served"))
-    if key is not None:
-        _check_wire(p, key, found)
-    return found
+    return _scrub(found, key)
+
+
+def _scrub(found: list[dict], key: str) -> list[dict]:
+    """The key never appears in a finding, even if a server echoes it back."""
+    return [{k: v.replace(key, "***") if isinstance(v, str) else v for k, v in f.items()}
+            for f in found]
 
 
 def doctor_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="paraloom doctor", description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
-    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--json", action="store_true", help="print the findings as JSON")
+    ap.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS",
+                    help="deadline of each request, whole answer included (default 15)")
     args = ap.parse_args(argv)
-    found = diagnose(args.config)
+    if not 0 < args.timeout < 3600:
+        ap.error(f"--timeout {args.timeout:g}: expected seconds in (0, 3600)")
+    found = diagnose(args.config, timeout=args.timeout)
     if args.json:
         print(json.dumps(found, indent=1))
     else:
