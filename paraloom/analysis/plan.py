@@ -26,7 +26,8 @@ from .formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
     expected_comm,
-    flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
     param_count,
     params_per_rank,
     stage_layers,
@@ -73,7 +74,9 @@ def plan(c: CommConfig) -> dict:
             if b > comm_bytes.get(kind, -1):
                 comm_bytes[kind], comm_ops[kind] = b, n
     gbs = c.micro_batch * c.num_microbatches * c.dp
-    flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
+    flops = model_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn)
+    hw_flops = hardware_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn,
+                                            c.recompute)
     gpus = c.tp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
             "parameters": {"total": param_count(c.layers, c.hidden, c.vocab, c.seq_len, c.ffn),
@@ -81,7 +84,8 @@ def plan(c: CommConfig) -> dict:
             "memory_per_gpu_bytes": memory, "comm_bytes_per_step": comm_bytes,
             "comm_ops_per_step": comm_ops,
             "bubble_fraction": bubble_fraction(c.pp, c.num_microbatches, c.vpp),
-            "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus}
+            "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus,
+            "hardware_flops_per_step": hw_flops}
 
 
 def render_plan(c: CommConfig, p: dict) -> str:
@@ -99,8 +103,10 @@ def render_plan(c: CommConfig, p: dict) -> str:
     lines += [f"  {k:<4} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
               for k, b in sorted(p["comm_bytes_per_step"].items())]
     lines.append(f"pipeline bubble      {p['bubble_fraction']:.1%}")
-    lines.append(f"FLOPs per step       {p['flops_per_step']:.3e} "
-                 f"({p['flops_per_gpu_per_step'] / 1e12:,.1f} TFLOP per GPU)")
+    lines.append(f"model FLOPs per step {p['flops_per_step']:.3e} "
+                 f"({p['flops_per_gpu_per_step'] / 1e12:,.1f} TFLOP per GPU; no recomputation)")
+    lines.append(f"hardware FLOPs       {p['hardware_flops_per_step']:.3e} "
+                 f"(with recompute={c.recompute})")
     return "\n".join(lines)
 
 
