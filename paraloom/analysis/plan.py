@@ -32,8 +32,11 @@ from .formulas import (
     params_per_rank,
     stage_layers,
 )
+from .hardware import add_hardware_args, hardware_from_args
+from .steptime import render_step_time, step_time
 
-__all__ = ["plan", "plan_main", "render_plan", "human_bytes", "padded_vocab", "GPT2_VOCAB"]
+__all__ = ["plan", "plan_main", "memory_per_gpu", "render_plan", "human_bytes", "padded_vocab",
+           "GPT2_VOCAB"]
 
 GPT2_VOCAB = 50257
 """``--vocab`` when not given: the GPT-2 BPE vocabulary of Megatron-LM's GPT examples."""
@@ -48,10 +51,9 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} PiB"
 
 
-def plan(c: CommConfig) -> dict:
-    """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
-    stages = range(c.pp)
-    per_rank = max(params_per_rank(c, r) for r in stages)
+def memory_per_gpu(c: CommConfig) -> dict[str, float]:
+    """Bytes per GPU of the busiest stage: weights, grads, optimizer, activations, total."""
+    per_rank = max(params_per_rank(c, r) for r in {0, min(1, c.pp - 1), c.pp - 1})
     opt_bytes = 12 if c.dtype_bytes < 4 else 8
     layer_act = activation_bytes_per_layer(c.seq_len, c.micro_batch, c.hidden, c.heads, c.tp,
                                            sequence_parallel=c.sp, recompute=c.recompute)
@@ -62,6 +64,14 @@ def plan(c: CommConfig) -> dict:
               "optimizer": per_rank * opt_bytes / (c.dp if c.distributed_optimizer else 1),
               "activations": activations}
     memory["total"] = sum(memory.values())
+    return memory
+
+
+def plan(c: CommConfig) -> dict:
+    """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
+    stages = range(c.pp)
+    per_rank = max(params_per_rank(c, r) for r in stages)
+    memory = memory_per_gpu(c)
     comm_bytes: dict[str, int] = {}
     comm_ops: dict[str, int] = {}
     for r in stages:  # per kind, the busiest stage
@@ -129,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--search", action="store_true",
+                    help="rank every layout of --gpus N that fits memory (see --search --help)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this machine's GEMM rate and gloo alpha/beta (--calibrate "
+                         "--help)")
+    add_hardware_args(ap)
     return ap
 
 
@@ -174,21 +190,32 @@ def _config(a: argparse.Namespace) -> CommConfig:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    """CLI entry: print the plan (``--json`` for machines); exit 2 naming a bad value."""
+    """CLI entry: print the plan and the predicted step time (``--json`` for machines); exit 2
+    naming a bad value. ``--search`` and ``--calibrate`` are their own commands."""
+    typed = sys.argv[1:] if argv is None else argv
+    if "--search" in typed:
+        from .search import search_main
+        return search_main(typed)
+    if "--calibrate" in typed:
+        from .calibrate import calibrate_main
+        return calibrate_main(typed)
     args = _parser().parse_args(argv)
     try:
         config = _config(args)
+        hw = hardware_from_args(args)
     except ValueError as err:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
     result = plan(config)
+    result["step_time"] = step_time(config, hw)
+    result["hardware"] = hw.to_dict()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    typed = sys.argv[1:] if argv is None else argv
     given = "given" if any(a.startswith("--vocab") for a in typed) else "default, GPT-2 BPE"
     note = (f"vocabulary {args.vocab} ({given})"
             + (f", padded to {config.vocab} rows (multiple of {args.make_vocab_size_divisible_by}"
                f" x tp {args.tp})" if config.vocab != args.vocab else ""))
-    print(render_plan(config, result) + "\n" + note)
+    print(render_plan(config, result) + "\n" + note + "\n"
+          + render_step_time(result["step_time"]))
     return 0
