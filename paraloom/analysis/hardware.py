@@ -69,6 +69,9 @@ class Hardware:
     """Achievable fraction of a link's bandwidth in NCCL collectives (fitted)."""
     mem_efficiency: float = 0.70
     """Achievable fraction of ``hbm_bw`` for element-wise kernels and the optimizer."""
+    gather_factor: float = 1.0
+    """All-gather and reduce-scatter take this times the ring algorithm's time (1 for NCCL;
+    gloo's are not bandwidth-optimal: measured by ``--calibrate``)."""
     op_overhead: float = 0.0
     """Seconds of fixed cost per kernel (launch, Python dispatch): negligible on GPUs at scale,
     what dominates tiny models on a CPU (measured by ``paraloom plan --calibrate``)."""
@@ -114,7 +117,7 @@ GPUS: dict[str, Hardware] = {h.name: h for h in (
 
 _FLAGS = ("gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "intra_latency",
           "inter_bw", "inter_latency", "gemm_efficiency", "gemm_half_dim", "link_efficiency",
-          "mem_efficiency", "op_overhead")
+          "mem_efficiency", "gather_factor", "op_overhead")
 
 
 def hardware_from(gpu: str = "a100-80gb", path: str | None = None, **overrides) -> Hardware:

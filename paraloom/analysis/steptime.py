@@ -45,7 +45,8 @@ from .formulas import (
 )
 from .hardware import Hardware
 
-__all__ = ["Options", "spans_nodes", "collective_time", "step_time", "render_step_time"]
+__all__ = ["Options", "elementwise_bytes", "spans_nodes", "collective_time", "step_time",
+           "render_step_time"]
 
 FWD_KERNELS, BWD_KERNELS = 24, 48
 """Kernels per layer forward / backward (what ``op_overhead`` multiplies)."""
@@ -84,11 +85,21 @@ def collective_time(op: str, n: int, nbytes: float, hw: Hardware, inter: bool) -
     alpha, beta = hw.link(inter)
     if op == "all_reduce":
         return 2 * (n - 1) * (alpha + nbytes / (n * beta))
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+    if op in ("all_gather", "reduce_scatter"):
+        return hw.gather_factor * (n - 1) * (alpha + nbytes / (n * beta))
+    if op == "all_to_all":
         return (n - 1) * (alpha + nbytes / (n * beta))
     if op == "p2p":
         return alpha + nbytes / beta
     raise ValueError(f"unknown collective {op!r}")
+
+
+def elementwise_bytes(tokens: float, outside: float, h: int, f: int, t: int, probs: float,
+                      e: int) -> float:
+    """Bytes the element-wise kernels of one layer forward move: LayerNorms and
+    bias-dropout-adds on the ``outside`` tokens (``T/t`` under sp) ``12 h``, bias + GeLU
+    ``4 f/t``, q/k/v splits ``6 h/t`` per token, scale-mask-softmax ``4`` per score."""
+    return e * (12 * outside * h + 4 * tokens * f / t + 6 * tokens * h / t + 4 * probs)
 
 
 def _gemm(hw: Hardware, m: float, n: float, k: float, batch: float = 1.0) -> float:
@@ -110,7 +121,7 @@ def _layer(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int) -> dict
     fwd = linears + qk + av
     outside = tokens / t if c.sp else tokens                 # tokens outside the tp regions
     probs = b * a / t * s * c.seq_len
-    elem_bytes = e * (12 * outside * h + 4 * tokens * f / t + 6 * tokens * h / t + 4 * probs)
+    elem_bytes = elementwise_bytes(tokens, outside, h, f, t, probs, e)
     elem = elem_bytes / (hw.hbm_bw * hw.mem_efficiency) + FWD_KERNELS * hw.op_overhead
     scale = min(1.0, hw.cores / ranks_per_node) if hw.cores else 1.0  # CPU: shared cores
     fwd, elem = fwd / scale, elem / scale
