@@ -11,6 +11,7 @@ from paraloom.analysis.calibrate import (
     _fit_gemm,
     calibrate,
     calibrate_main,
+    fit_hardware,
     predict_run,
     to_toml,
 )
@@ -35,6 +36,7 @@ def test_calibrate_two_ranks_writes_hardware_that_predicts(tmp_path, capsys):
     assert hw.gpus_per_node == 2 and 1e8 < hw.peak_flops < 1e13
     assert 0 < hw.intra_latency < 0.1 and hw.intra_bw > 1e6 and hw.gather_factor >= 1
     assert 0 < hw.op_overhead < 1e-2 and set(med) >= {"gemm", "add", "allreduce"}
+    assert fit_hardware(2, json.loads(json.dumps(med))) == hw  # saved medians fit the same
     path = tmp_path / "local.toml"
     path.write_text(to_toml(hw))
     again = hardware_from(path=str(path))

@@ -38,7 +38,7 @@ from pathlib import Path
 from .hardware import Hardware
 from .steptime import collective_time, elementwise_bytes
 
-__all__ = ["measure_rank", "calibrate", "to_toml", "predict_run", "calibrate_main"]
+__all__ = ["measure_rank", "calibrate", "fit_hardware", "to_toml", "predict_run", "calibrate_main"]
 
 GEMM_SHAPES = ((512, 64, 256), (512, 256, 64), (512, 256, 256), (512, 768, 256),
                (512, 1024, 256), (512, 256, 1024), (128, 512, 512), (1024, 1024, 1024))
@@ -51,14 +51,20 @@ it the machine's effective rate for exactly that mix."""
 AR_ELEMS = (1, 4096, 65536, 1 << 20)
 
 
-def _best(fn, repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` timed calls (one warm-up)."""
+def _best(fn, repeat: int, window: float = 0.03, loops: int | None = None) -> float:
+    """Median seconds of one ``fn`` call over ``repeat`` timed windows of at least ``window``
+    seconds each (one warm-up): on shared cores a long window averages the stalls a training
+    step sees too, where single short calls are all-or-nothing. Collectives pass ``loops``:
+    every rank must run the same number."""
+    tic = time.perf_counter()
     fn()
+    loops = loops or max(1, int(window / max(time.perf_counter() - tic, 1e-6)))
     times = []
     for _ in range(repeat):
         tic = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - tic)
+        for _ in range(loops):
+            fn()
+        times.append((time.perf_counter() - tic) / loops)
     return statistics.median(times)
 
 
@@ -68,14 +74,12 @@ def _gemm_time(m: int, n: int, k: int, repeat: int) -> float:
     import torch
 
     x, wt, g = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
-    reps = max(1, int(4e7 / (m * n * k)))
 
     def run():
-        for _ in range(reps):
-            x @ wt.t()
-            g @ wt
-            g.t() @ x
-    return _best(run, repeat) / (3 * reps)
+        x @ wt.t()
+        g @ wt
+        g.t() @ x
+    return _best(run, repeat) / 3
 
 
 def _elementwise_time(repeat: int) -> float:
@@ -102,7 +106,8 @@ def _elementwise_time(repeat: int) -> float:
 def _allreduce_time(t, axis, repeat: int) -> float:
     from .. import comm
     return _best(lambda: comm.all_reduce(t, axis, phase="setup", kind="world",
-                                         site="calibrate"), repeat)
+                                         site="calibrate"), repeat,
+                 loops=max(2, min(40, (1 << 20) // t.numel())))
 
 
 def measure_rank(rank: int, world: int, out: str, repeat: int = 7) -> None:
@@ -131,9 +136,9 @@ def measure_rank(rank: int, world: int, out: str, repeat: int = 7) -> None:
     big = torch.ones(AR_ELEMS[-1])
     gather = statistics.median([
         _best(lambda: comm.all_gather(big[: big.numel() // world], axis, phase="setup",
-                                      kind="world", site="calibrate"), repeat),
+                                      kind="world", site="calibrate"), repeat, loops=4),
         _best(lambda: comm.reduce_scatter(big, axis, phase="setup", kind="world",
-                                          site="calibrate"), repeat)])
+                                          site="calibrate"), repeat, loops=4)])
     Path(out, f"{rank}.json").write_text(json.dumps(
         {"gemm": gemm, "add": add, "op": op, "allreduce": allreduce, "gather": gather}))
 
@@ -143,7 +148,7 @@ def _fit_gemm(gemm: dict[str, float]) -> tuple[float, float]:
     (``t = 2 m n k / (peak * m/(m+d0) * n/(n+d0))``, as the step-time model times a GEMM)."""
     best = (float("inf"), 0.0, 0.0)
     shapes = [(tuple(map(int, key.split(","))), t) for key, t in gemm.items()]
-    for d0 in range(0, 1025, 8):
+    for d0 in range(0, 129, 8):  # wider fits chase noise on a shared machine
         peaks = [2 * m * n * k / (t * m / (m + d0) * n / (n + d0)) for (m, n, k), t in shapes]
         mid = statistics.median(peaks)
         spread = sum(abs(p / mid - 1) for p in peaks)
@@ -180,8 +185,14 @@ def calibrate(nprocs: int = 2, repeat: int = 7) -> tuple[Hardware, dict]:
            "gather": statistics.median(r["gather"] for r in ranks),
            "allreduce": {int(n): statistics.median(r["allreduce"][str(n)] for r in ranks)
                          for n in map(str, AR_ELEMS)}}
+    return fit_hardware(nprocs, med), med
+
+
+def fit_hardware(nprocs: int, med: dict) -> Hardware:
+    """The hardware that the medians of :func:`calibrate` describe (also from saved ones)."""
     peak, d0 = _fit_gemm(med["gemm"])
-    alpha, beta = (1e-5, 1e9) if nprocs == 1 else _fit_alpha_beta(nprocs, med["allreduce"])
+    allreduce = {int(n): t for n, t in med["allreduce"].items()}
+    alpha, beta = (1e-5, 1e9) if nprocs == 1 else _fit_alpha_beta(nprocs, allreduce)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / nprocs
     except (ValueError, OSError):
@@ -194,7 +205,7 @@ def calibrate(nprocs: int = 2, repeat: int = 7) -> tuple[Hardware, dict]:
     if nprocs > 1:  # gloo's all-gather / reduce-scatter against the ring time of the same bytes
         ring = collective_time("all_gather", nprocs, 4 * AR_ELEMS[-1], hw, False)
         hw = replace(hw, gather_factor=max(1.0, med["gather"] / ring))
-    return hw, med
+    return hw
 
 
 def predict_run(cfg: dict, hw: Hardware) -> dict:

@@ -109,9 +109,10 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
 
 
 _PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",
+         "ep_comm": "expert all-to-all",
          "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "exposed dp "
          "reduction", "emb_comm": "embedding reduction", "optimizer": "optimizer step",
-         "compute": "compute (small GEMMs)"}
+         "compute": "compute"}
 
 
 def explain(x: Candidate, best: Candidate, hw: Hardware) -> str:
@@ -119,7 +120,7 @@ def explain(x: Candidate, best: Candidate, hw: Hardware) -> str:
     parts = x.prediction["breakdown_s"]
     notes = []
     if spans_nodes(1, x.tp, hw.gpus_per_node):
-        notes.append(f"tp={x.tp} spans nodes (InfiniBand)")
+        notes.append(f"tp={x.tp} spans nodes: InfiniBand")
     if x is best:
         lost = sorted(((v, k) for k, v in parts.items() if k != "compute"), reverse=True)
         share = parts["compute"] / x.step_time_s

@@ -22,14 +22,15 @@ activation element):
   re-gather under dgrad; pipeline p2p is exposed unless ``overlap_p2p``; the data-parallel bucket
   reductions hide under the last microbatch's backward (``overlap_grad_reduce``) except the last
   bucket; ZeRO's parameter all-gather, the tied-embedding reduction and the optimizer are not
-  hidden. The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
+  hidden; the loss + gradient-norm reduction over all ranks is counted with the embedding's.
+  The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
   pass ``bubble_scale``).
 * **Optimizer**: Adam over this rank's parameters (divided by dp under ZeRO) at ~38 bytes per
   parameter through HBM (fp32 param, grad, m, v in and out; 16-bit param out; grad norm).
 
-Context parallelism (``cp``) and expert parallelism (``ep``, with ``moe_tokens_bytes``) are
-parameters here so that they can be wired in when those dimensions land; paraloom's layouts
-call them with 1.
+Context parallelism (``cp``) and expert parallelism (``ep``, ``moe_topk``) are parameters of
+:class:`Options` so that they can be wired in when those dimensions land; paraloom's layouts call
+them with 1.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from .formulas import (
     stage_layers,
 )
 from .hardware import Hardware
+from .layout import bucket_size_of
 
 __all__ = ["Options", "elementwise_bytes", "spans_nodes", "collective_time", "step_time",
            "render_step_time"]
@@ -57,7 +59,14 @@ class Options:
     """How the software runs a layout (what the formulas' config does not say)."""
 
     cp: int = 1
+    """Context-parallel size: each rank holds ``s/cp`` of the sequence (its attention still
+    spans all ``s`` keys; the K/V exchange is not modelled yet)."""
     ep: int = 1
+    """Expert-parallel size (carved from dp, stride ``tp * cp``)."""
+    moe_topk: int = 0
+    """Experts per token (0: a dense model). With ``ep > 1`` each layer adds the dispatch and
+    combine all-to-alls, forward and backward (4), of ``topk T h`` elements over the ep group;
+    the expert FLOPs are taken as the dense MLP's (MoE formulas will refine them)."""
     async_tp: bool = True
     """Backward tp reductions overlap the wgrad GEMM (Megatron's async dgrad; sp always)."""
     overlap_p2p: bool = False
@@ -141,6 +150,10 @@ def _layer(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int) -> dict
         ar = collective_time("all_reduce", t, act, hw, inter)
         tp_fwd = 2 * ar
         tp_bwd = 2 * max(0.0, ar - linears / 4) if o.async_tp else 2 * ar
+    ep_comm = 0.0
+    if o.ep > 1 and o.moe_topk:
+        ep_comm = 4 * collective_time("all_to_all", o.ep, o.moe_topk * act, hw,
+                                      spans_nodes(t * o.cp, o.ep, hw.gpus_per_node))
     recompute = 0.0
     if c.recompute == "full":
         recompute = fwd + elem + o.recompute_comm * tp_fwd
@@ -148,7 +161,8 @@ def _layer(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int) -> dict
         recompute = (qk if o.early_stop else qk + av) + 4 * e * probs / (
             hw.hbm_bw * hw.mem_efficiency * scale)
     return {"gemm": 3 * fwd, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
-            * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd}
+            * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd,
+            "ep_comm": ep_comm}
 
 
 def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
@@ -189,18 +203,22 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     else:
         reduce, gather = collective_time("all_reduce", dp, grads, hw, dp_inter), 0.0
     if c.overlap_grad_reduce and dp > 1:
-        hidden = parts["gemm"] * 2 / 3 / m   # the last microbatch's backward
-        reduce = max(reduce / max(1, n_layers), reduce - hidden)
+        # buckets launch as the last microbatch's backward fills them; the last one is exposed
+        buckets = -(-params // bucket_size_of(c))
+        reduce = max(reduce / buckets, reduce - parts["gemm"] * 2 / 3)
     emb = 0.0
     if p > 1:
         emb = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
                               spans_nodes(t * o.cp * dp * (p - 1), 2, hw.gpus_per_node))
+    if gpus > 1:  # the step's loss and gradient norm (two float64) over every rank
+        emb += collective_time("all_reduce", gpus, 16, hw, gpus > hw.gpus_per_node)
     opt_params = params / (dp if c.distributed_optimizer else 1)
     optimizer = opt_params * 38 / (hw.hbm_bw * hw.mem_efficiency) / scale \
         + 60 * hw.op_overhead
     out = {"compute": m * (stage["gemm"] + stage["elementwise"]
                            + (logits if p > 1 else 0.0)),
            "recompute": m * stage["recompute"], "tp_comm": m * stage["tp_comm"],
+           "ep_comm": m * stage["ep_comm"],
            "pp_comm": m * p2p, "bubble": bubble, "dp_comm": reduce + gather,
            "emb_comm": emb, "optimizer": optimizer}
     total = sum(out.values())
@@ -227,8 +245,9 @@ def render_step_time(r: dict) -> str:
              f"  MFU / HFU          {r['mfu']:.1%} / {r['hfu']:.1%}",
              "  breakdown          seconds   share"]
     names = {"compute": "compute", "recompute": "recompute", "tp_comm": "exposed tp/sp comm",
+             "ep_comm": "ep all-to-all",
              "pp_comm": "exposed pp p2p", "bubble": "pipeline bubble",
-             "dp_comm": "exposed dp comm", "emb_comm": "embedding grad sum",
+             "dp_comm": "exposed dp comm", "emb_comm": "embedding, loss sums",
              "optimizer": "optimizer step"}
     lines += [f"    {names[k]:<20} {v:9.4f} {v / total:7.1%}"
               for k, v in r["breakdown_s"].items() if v > 0]
