@@ -12,7 +12,9 @@ cores — and the medians over ranks and repeats give:
 * ``intra_latency`` / ``intra_bw``: all-reduces of 1 to 1M floats through ``paraloom.comm``
   (gloo over loopback), fitted by least squares to ``2(R-1)(alpha + B/(R beta))``;
   ``inter_*`` are set equal (one machine); ``gather_factor``: a 1M-float all-gather and
-  reduce-scatter against the ring time of their bytes (gloo's take about twice an all-reduce).
+  reduce-scatter against the ring time of their bytes (gloo's take about twice an all-reduce);
+  ``overlap_efficiency`` 0: gloo's communication thread takes the cores compute needs, so
+  nothing the schedule overlaps is taken as hidden.
 
 The result is a :class:`~paraloom.analysis.hardware.Hardware` with ``gpus_per_node = R``, written
 as TOML for ``paraloom plan --hardware FILE``; it describes runs of ``R`` ranks (measure again for
@@ -42,12 +44,12 @@ __all__ = ["measure_rank", "calibrate", "fit_hardware", "to_toml", "predict_run"
 
 GEMM_SHAPES = ((512, 64, 256), (512, 256, 64), (512, 256, 256), (512, 768, 256),
                (512, 1024, 256), (512, 256, 1024), (128, 512, 512), (1024, 1024, 1024))
-ELEM_TOKENS, ELEM_WIDTH, ELEM_PROBS = 512, 256, 4 * 4 * 128 * 128
-ELEM_BYTES = elementwise_bytes(ELEM_TOKENS, ELEM_TOKENS, ELEM_WIDTH, 4 * ELEM_WIDTH, 1,
-                               ELEM_PROBS, 4)
-"""fp32 bytes the step-time model counts for the element-wise kernels of that reference layer
-(:func:`paraloom.analysis.steptime.elementwise_bytes`); calibrating ``hbm_bw`` against them makes
-it the machine's effective rate for exactly that mix."""
+ELEM_TOKENS, ELEM_WIDTH, ELEM_SEQ, ELEM_PROBS = 512, 256, 128, 4 * 8 * 128 * 128
+ELEM_BYTES = 3 * elementwise_bytes(ELEM_TOKENS, ELEM_TOKENS, ELEM_WIDTH, 4 * ELEM_WIDTH, 1,
+                                   ELEM_PROBS, 4)
+"""fp32 bytes the step-time model counts for the element-wise kernels of that reference layer,
+forward and backward (:func:`paraloom.analysis.steptime.elementwise_bytes`, times 3); calibrating
+``hbm_bw`` against them makes it the machine's effective rate for exactly that mix."""
 AR_ELEMS = (1, 4096, 65536, 1 << 20)
 
 
@@ -83,31 +85,54 @@ def _gemm_time(m: int, n: int, k: int, repeat: int) -> float:
 
 
 def _elementwise_time(repeat: int) -> float:
-    """Seconds of the element-wise kernels of one reference layer forward (``T`` tokens, width
-    ``h``, MLP ``4h``, ``probs`` attention scores): two LayerNorms, bias + tanh-GeLU, masked
-    softmax, three residual / bias adds — the mix the step-time model counts in bytes."""
+    """Seconds of the element-wise kernels of one reference layer, forward and backward
+    (``T`` tokens, width ``h``, MLP ``4h``, ``probs`` attention scores; the GEMMs left out):
+    two LayerNorms, the q/k/v head permutes, scale + causal mask + softmax, bias + tanh-GeLU,
+    two residual adds — the mix the step-time model counts in bytes."""
     import torch
     import torch.nn.functional as F
 
-    x, h4 = torch.randn(ELEM_TOKENS, ELEM_WIDTH), torch.randn(ELEM_TOKENS, 4 * ELEM_WIDTH)
-    scores = torch.randn(ELEM_PROBS // (128 * 128), 128, 128)
-    mask = torch.ones(128, 128, dtype=torch.bool).triu(1)
+    t, h = ELEM_TOKENS, ELEM_WIDTH
+    heads = ELEM_PROBS // (ELEM_SEQ * ELEM_SEQ * (t // ELEM_SEQ))
+    x = torch.randn(t, h, requires_grad=True)
+    qkv = torch.randn(ELEM_SEQ, t // ELEM_SEQ, 3 * h, requires_grad=True)
+    scores = torch.randn(t // ELEM_SEQ, heads, ELEM_SEQ, ELEM_SEQ, requires_grad=True)
+    fc1 = torch.randn(t, 4 * h, requires_grad=True)
+    bias = torch.randn(4 * h, requires_grad=True)
+    mask = torch.ones(ELEM_SEQ, ELEM_SEQ, dtype=torch.bool).triu(1)
 
     def run():
-        F.layer_norm(x, (ELEM_WIDTH,))
-        F.layer_norm(x, (ELEM_WIDTH,))
-        F.gelu(h4 + 1.0, approximate="tanh")
-        scores.masked_fill(mask, float("-inf")).softmax(-1)
-        x + x
-        x + x
+        y = F.layer_norm(x, (h,)) + F.layer_norm(x, (h,))
+        q, k, v = qkv.view(ELEM_SEQ, t // ELEM_SEQ, heads, -1).permute(1, 2, 0, 3) \
+            .contiguous().chunk(3, -1)
+        probs = (scores / 8.0).masked_fill(mask, float("-inf")).softmax(-1)
+        act = F.gelu(fc1 + bias, approximate="tanh")
+        out = (x + y).sum() + probs.sum() + act.sum() + (q.sum() + k.sum() + v.sum())
+        out.backward()
     return _best(run, repeat)
 
 
 def _allreduce_time(t, axis, repeat: int) -> float:
+    """An all-reduce's cost as training sees it: each one follows ~1 ms of compute, so the
+    ranks arrive as unevenly as a shared machine makes them (their wait is in the figure); the
+    compute alone, timed the same way, is subtracted."""
+    import torch
+
     from .. import comm
-    return _best(lambda: comm.all_reduce(t, axis, phase="setup", kind="world",
-                                         site="calibrate"), repeat,
-                 loops=max(2, min(40, (1 << 20) // t.numel())))
+    a = torch.randn(192, 192)
+    loops = max(2, min(40, (1 << 20) // t.numel()))
+
+    def work():
+        for _ in range(4):
+            a @ a
+
+    def both():
+        work()
+        comm.all_reduce(t, axis, phase="setup", kind="world", site="calibrate")
+    comm.barrier(axis)
+    alone = _best(work, repeat, loops=loops)
+    comm.barrier(axis)
+    return max(_best(both, repeat, loops=loops) - alone, 1e-7)
 
 
 def measure_rank(rank: int, world: int, out: str, repeat: int = 7) -> None:
@@ -201,7 +226,8 @@ def fit_hardware(nprocs: int, med: dict) -> Hardware:
                   hbm_bytes=float(memory), hbm_bw=ELEM_BYTES / med["add"],
                   gpus_per_node=nprocs, intra_bw=beta, intra_latency=alpha, inter_bw=beta,
                   inter_latency=alpha, gemm_efficiency=1.0, gemm_half_dim=d0,
-                  link_efficiency=1.0, mem_efficiency=1.0, op_overhead=med["op"])
+                  link_efficiency=1.0, mem_efficiency=1.0, op_overhead=med["op"],
+                  overlap_efficiency=0.0)
     if nprocs > 1:  # gloo's all-gather / reduce-scatter against the ring time of the same bytes
         ring = collective_time("all_gather", nprocs, 4 * AR_ELEMS[-1], hw, False)
         hw = replace(hw, gather_factor=max(1.0, med["gather"] / ring))
@@ -211,7 +237,8 @@ def fit_hardware(nprocs: int, med: dict) -> Hardware:
 def predict_run(cfg: dict, hw: Hardware) -> dict:
     """The step-time prediction for a ``paraloom train`` run from its ``config.json``, with
     paraloom's own switches: async tp all-reduce (its default: tp > 1 without sp), p2p posted
-    ahead (gloo's default), torch's early-stopping checkpoint (proj's reduction re-run only)."""
+    ahead (gloo's default), torch's early-stopping checkpoint (proj's reduction re-run only),
+    gradient-accumulation fusion as configured (off by default)."""
     from .check import config_from_run
     from .steptime import Options, step_time
 
@@ -221,7 +248,8 @@ def predict_run(cfg: dict, hw: Hardware) -> dict:
     overlap_p2p = cfg.get("overlap_p2p_comm")
     o = Options(async_tp=(c.tp > 1 and not c.sp) if async_tp is None else bool(async_tp),
                 overlap_p2p=True if overlap_p2p is None else bool(overlap_p2p),
-                early_stop=True, recompute_comm=0.5)
+                early_stop=True, recompute_comm=0.5,
+                grad_accum_fusion=bool(p.get("gradient_accumulation_fusion", False)))
     return step_time(c, hw, o)
 
 

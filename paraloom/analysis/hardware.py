@@ -65,10 +65,14 @@ class Hardware:
     gemm_half_dim: float = 32.0
     """A GEMM dimension ``d`` costs a factor ``d / (d + gemm_half_dim)`` of efficiency: small
     hidden-per-tp or few tokens make small, inefficient GEMMs (fitted)."""
-    link_efficiency: float = 0.85
+    link_efficiency: float = 0.90
     """Achievable fraction of a link's bandwidth in NCCL collectives (fitted)."""
     mem_efficiency: float = 0.70
     """Achievable fraction of ``hbm_bw`` for element-wise kernels and the optimizer."""
+    overlap_efficiency: float = 1.0
+    """Fraction of the communication the schedule hides (async dgrad, sp overlap, dp buckets
+    under backward, posted p2p) that really hides: 1 where the network works beside the SMs;
+    0 for gloo on a CPU, whose communication thread competes with compute for the cores."""
     gather_factor: float = 1.0
     """All-gather and reduce-scatter take this times the ring algorithm's time (1 for NCCL;
     gloo's are not bandwidth-optimal: measured by ``--calibrate``)."""
@@ -81,10 +85,13 @@ class Hardware:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "op_overhead", "cores"):
+            if f.name in ("name", "op_overhead", "cores", "overlap_efficiency"):
                 continue
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"hardware {f.name} must be a positive number, got {value!r}")
+        if not 0 <= self.overlap_efficiency <= 1:
+            raise ValueError(f"hardware overlap_efficiency is a fraction in [0, 1], got "
+                             f"{self.overlap_efficiency}")
         for name in ("gemm_efficiency", "link_efficiency", "mem_efficiency"):
             if getattr(self, name) > 1:
                 raise ValueError(f"hardware {name} is a fraction of the peak (<= 1), got "
@@ -117,7 +124,7 @@ GPUS: dict[str, Hardware] = {h.name: h for h in (
 
 _FLAGS = ("gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "intra_latency",
           "inter_bw", "inter_latency", "gemm_efficiency", "gemm_half_dim", "link_efficiency",
-          "mem_efficiency", "gather_factor", "op_overhead")
+          "mem_efficiency", "overlap_efficiency", "gather_factor", "op_overhead")
 
 
 def hardware_from(gpu: str = "a100-80gb", path: str | None = None, **overrides) -> Hardware:

@@ -72,6 +72,9 @@ class Options:
     overlap_p2p: bool = False
     bubble_scale: float = 1.0
     """Fraction of the 1F1B bubble that remains (0 for a zero-bubble schedule)."""
+    grad_accum_fusion: bool = True
+    """Weight grads accumulate straight into fp32 ``main_grad`` (Megatron-LM's default); off
+    (paraloom's default) each microbatch adds ``.grad`` into ``main_grad`` through memory."""
     early_stop: bool = True
     """torch's non-reentrant checkpoint (paraloom); ``False``: Megatron's re-runs everything."""
     recompute_comm: float = 0.5
@@ -137,6 +140,7 @@ def _layer(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int) -> dict
     # tensor-parallel communication of one layer
     act = tokens * h * e
     inter = spans_nodes(1, t, hw.gpus_per_node)
+    hide = hw.overlap_efficiency
     if t == 1:
         tp_fwd = tp_bwd = 0.0
     elif c.sp:
@@ -145,11 +149,11 @@ def _layer(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int) -> dict
         tp_fwd = 2 * (ag + rs)
         # row layers gather the output grad (exposed); column layers re-gather under dgrad and
         # reduce-scatter under wgrad
-        tp_bwd = 2 * ag + 2 * max(0.0, ag + rs - linears / 2)
+        tp_bwd = 2 * ag + 2 * max(0.0, ag + rs - hide * linears / 2)
     else:
         ar = collective_time("all_reduce", t, act, hw, inter)
         tp_fwd = 2 * ar
-        tp_bwd = 2 * max(0.0, ar - linears / 4) if o.async_tp else 2 * ar
+        tp_bwd = 2 * max(0.0, ar - hide * linears / 4) if o.async_tp else 2 * ar
     ep_comm = 0.0
     if o.ep > 1 and o.moe_topk:
         ep_comm = 4 * collective_time("all_to_all", o.ep, o.moe_topk * act, hw,
@@ -183,18 +187,34 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     logits += 6 * tokens * vt * 4 / (hw.hbm_bw * hw.mem_efficiency) / scale
     parts = {k: n_layers * val for k, val in layer.items()}
     parts["gemm"] += logits if p == 1 else 0.0
+    # tp communication outside the layers: the vocabulary-parallel embedding's sum (first
+    # stage), the output layer's input (gather under sp, grad sum without) and the
+    # cross-entropy's max and sums (last stage)
+    head = 0.0
+    if t > 1:
+        inter, act = spans_nodes(1, t, hw.gpus_per_node), tokens * c.hidden * e
+        gather = 2 * collective_time("reduce_scatter", t, act, hw, inter) if c.sp else \
+            collective_time("all_reduce", t, act, hw, inter)
+        loss = 2 * collective_time("all_reduce", t, 3 * tokens * 4, hw, inter)
+        head = gather * (2 if p == 1 else 1) + loss
+    parts["tp_comm"] += head if p == 1 else 0.0
     stage = {k: val for k, val in parts.items()}
-    busiest = sum(stage.values()) + (logits if p > 1 else 0.0)
+    busiest = sum(stage.values()) + (logits + head if p > 1 else 0.0)
     # pipeline p2p per microbatch: activations forward, gradients backward, v times
     p2p = 0.0
     if p > 1:
         inter = spans_nodes(t * o.cp * dp, p, hw.gpus_per_node)
         nbytes = tokens * c.hidden * e / (t if c.sp or (o.p2p_scatter_gather and inter) else 1)
-        p2p = 0.0 if o.overlap_p2p else 2 * v * collective_time("p2p", 2, nbytes, hw, inter)
+        p2p = 2 * v * collective_time("p2p", 2, nbytes, hw, inter)
+        p2p *= 1 - hw.overlap_efficiency if o.overlap_p2p else 1.0
+    params = max(params_per_rank(c, r) for r in {0, p - 1})
+    accum = 0.0
+    if not o.grad_accum_fusion:  # .grad written, then main_grad read and written
+        accum = params * (e + 2 * c.grad_bytes) / (hw.hbm_bw * hw.mem_efficiency) / scale
+    busiest += accum
     micro = busiest + p2p
     bubble = o.bubble_scale * (p - 1) / v * micro
     # data parallelism: the busiest stage's gradient buckets
-    params = max(params_per_rank(c, r) for r in {0, p - 1})
     dp_inter = spans_nodes(t * o.cp, dp, hw.gpus_per_node)
     grads = params * c.grad_bytes
     if c.distributed_optimizer:
@@ -205,7 +225,7 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     if c.overlap_grad_reduce and dp > 1:
         # buckets launch as the last microbatch's backward fills them; the last one is exposed
         buckets = -(-params // bucket_size_of(c))
-        reduce = max(reduce / buckets, reduce - parts["gemm"] * 2 / 3)
+        reduce = max(reduce / buckets, reduce - hw.overlap_efficiency * parts["gemm"] * 2 / 3)
     emb = 0.0
     if p > 1:
         emb = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
@@ -215,9 +235,10 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     opt_params = params / (dp if c.distributed_optimizer else 1)
     optimizer = opt_params * 38 / (hw.hbm_bw * hw.mem_efficiency) / scale \
         + 60 * hw.op_overhead
-    out = {"compute": m * (stage["gemm"] + stage["elementwise"]
+    out = {"compute": m * (stage["gemm"] + stage["elementwise"] + accum
                            + (logits if p > 1 else 0.0)),
-           "recompute": m * stage["recompute"], "tp_comm": m * stage["tp_comm"],
+           "recompute": m * stage["recompute"],
+           "tp_comm": m * (stage["tp_comm"] + (head if p > 1 else 0.0)),
            "ep_comm": m * stage["ep_comm"],
            "pp_comm": m * p2p, "bubble": bubble, "dp_comm": reduce + gather,
            "emb_comm": emb, "optimizer": optimizer}
