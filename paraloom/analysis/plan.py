@@ -1,7 +1,12 @@
 """``paraloom plan``: the validated model extrapolated to a layout far beyond this machine.
 
 Nothing is started: every number comes from :mod:`paraloom.analysis.formulas` (the same
-per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs).
+per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs), and
+the predicted step time on ``--gpu`` hardware from :mod:`paraloom.analysis.steptime`
+(``--search``: :mod:`~paraloom.analysis.search`; ``--calibrate``:
+:mod:`~paraloom.analysis.calibrate`).
+FLOPs are reported twice: model FLOPs (no recomputation, what MFU divides) and hardware FLOPs
+(with ``--recompute``, what HFU divides).
 
 Memory per GPU (the busiest pipeline stage) assumes Megatron's mixed precision when the dtype is
 16-bit: weights in ``dtype``, fp32 ``main_grad`` (4 B/param), Adam with fp32 master weights
