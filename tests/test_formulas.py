@@ -15,6 +15,7 @@ from paraloom.analysis.formulas import (
     bubble_fraction,
     expected_comm,
     flops_per_iteration,
+    model_flops_per_iteration,
     param_count,
     params_per_rank,
 )
@@ -192,7 +193,10 @@ def test_plan_gpt3_on_1024_gpus(capsys):
     p = plan(c)
     assert p["gpus"] == 1024 and p["global_batch_size"] == 1536
     assert p["bubble_fraction"] == pytest.approx(15 / 207)
-    assert p["flops_per_step"] == pytest.approx(flops_per_iteration(1536, 2048, 96, 12288, 51200))
+    model_flops = model_flops_per_iteration(1536, 2048, 96, 12288, 51200)
+    assert p["flops_per_step"] == pytest.approx(model_flops)  # no recomputation: MFU's FLOPs
+    assert p["hardware_flops_per_step"] == pytest.approx(  # selective: QK^T again (early stop)
+        model_flops + 2 * 1536 * 2048 ** 2 * 12288 * 96)
     assert p["parameters"]["total"] / 1e9 == pytest.approx(174.6, abs=0.05)
     mem = p["memory_per_gpu_bytes"]
     assert mem["activations"] == pytest.approx(6 * 16 * 4.25 * 2048 * 12288)  # L/p * p in flight

@@ -1,7 +1,12 @@
 """``paraloom plan``: the validated model extrapolated to a layout far beyond this machine.
 
 Nothing is started: every number comes from :mod:`paraloom.analysis.formulas` (the same
-per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs).
+per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs), and
+the predicted step time on ``--gpu`` hardware from :mod:`paraloom.analysis.steptime`
+(``--search``: :mod:`~paraloom.analysis.search`; ``--calibrate``:
+:mod:`~paraloom.analysis.calibrate`).
+FLOPs are reported twice: model FLOPs (no recomputation, what MFU divides) and hardware FLOPs
+(with ``--recompute``, what HFU divides).
 
 Memory per GPU (the busiest pipeline stage) assumes Megatron's mixed precision when the dtype is
 16-bit: weights in ``dtype``, fp32 ``main_grad`` (4 B/param), Adam with fp32 master weights
@@ -28,13 +33,17 @@ from .formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
     expected_comm,
-    flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
     param_count,
     params_per_rank,
     stage_layers,
 )
+from .hardware import add_hardware_args, hardware_from_args
+from .steptime import render_step_time, step_time
 
-__all__ = ["plan", "plan_main", "render_plan", "human_bytes", "padded_vocab", "GPT2_VOCAB"]
+__all__ = ["plan", "plan_main", "memory_per_gpu", "render_plan", "human_bytes", "padded_vocab",
+           "GPT2_VOCAB"]
 
 GPT2_VOCAB = 50257
 """``--vocab`` when not given: the GPT-2 BPE vocabulary of Megatron-LM's GPT examples."""
@@ -49,9 +58,9 @@ def human_bytes(n: float) -> str:
     return f"{n:.2f} PiB"
 
 
-def plan(c: CommConfig) -> dict:
-    """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
-    stages = range(c.pp)
+def memory_per_gpu(c: CommConfig) -> dict[str, float]:
+    """Bytes per GPU of the busiest stage: weights, grads, optimizer, activations, total."""
+    stages = {0, min(1, c.pp - 1), c.pp - 1}  # the middle stages are all alike
     extra = {r: _moe_plan(c, r) for r in stages}  # MoE: experts, their activations, all-to-all
     per_rank = max(params_per_rank(c, r) + extra[r]["params"] for r in stages)
     opt_bytes = 12 if c.dtype_bytes < 4 else 8
@@ -69,6 +78,15 @@ def plan(c: CommConfig) -> dict:
               "optimizer": ((per_rank - experts) / shards[0] + experts / shards[1]) * opt_bytes,
               "activations": activations}
     memory["total"] = sum(memory.values())
+    return memory
+
+
+def plan(c: CommConfig) -> dict:
+    """Parameters, memory per GPU, communication per step and kind, bubble and FLOPs."""
+    stages = range(c.pp)
+    extra = {r: _moe_plan(c, r) for r in stages}  # MoE: experts, their activations, all-to-all
+    per_rank = max(params_per_rank(c, r) + extra[r]["params"] for r in stages)
+    memory = memory_per_gpu(c)
     comm_bytes: dict[str, int] = {}
     comm_ops: dict[str, int] = {}
     for r in stages:  # per kind, the busiest stage
@@ -83,7 +101,9 @@ def plan(c: CommConfig) -> dict:
             if b > comm_bytes.get(kind, -1):
                 comm_bytes[kind], comm_ops[kind] = b, n
     gbs = c.micro_batch * c.num_microbatches * c.dp
-    flops = flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab)
+    flops = model_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn)
+    hw_flops = hardware_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn,
+                                            c.recompute)
     gpus = c.tp * c.cp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
             "parameters": {"total": (arch_param_count(c) if not c.arch.is_gpt2 else
@@ -92,7 +112,8 @@ def plan(c: CommConfig) -> dict:
             "memory_per_gpu_bytes": memory, "comm_bytes_per_step": comm_bytes,
             "comm_ops_per_step": comm_ops,
             "bubble_fraction": bubble_fraction(c.pp, c.num_microbatches, c.vpp),
-            "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus}
+            "flops_per_step": flops, "flops_per_gpu_per_step": flops / gpus,
+            "hardware_flops_per_step": hw_flops}
 
 
 def _moe_plan(c: CommConfig, r: int) -> dict:
@@ -120,8 +141,10 @@ def render_plan(c: CommConfig, p: dict) -> str:
     lines += [f"  {k:<4} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
               for k, b in sorted(p["comm_bytes_per_step"].items())]
     lines.append(f"pipeline bubble      {p['bubble_fraction']:.1%}")
-    lines.append(f"FLOPs per step       {p['flops_per_step']:.3e} "
-                 f"({p['flops_per_gpu_per_step'] / 1e12:,.1f} TFLOP per GPU)")
+    lines.append(f"model FLOPs per step {p['flops_per_step']:.3e} "
+                 f"({p['flops_per_gpu_per_step'] / 1e12:,.1f} TFLOP per GPU; no recomputation)")
+    lines.append(f"hardware FLOPs       {p['hardware_flops_per_step']:.3e} "
+                 f"(with recompute={c.recompute})")
     return "\n".join(lines)
 
 
@@ -154,6 +177,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--moe-router-topk", type=int, default=2)
     ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1)
+    ap.add_argument("--search", action="store_true",
+                    help="rank every layout of --gpus N that fits memory (see --search --help)")
+    ap.add_argument("--calibrate", action="store_true",
+                    help="measure this machine's GEMM rate and gloo alpha/beta (--calibrate "
+                         "--help)")
+    add_hardware_args(ap)
     return ap
 
 
@@ -235,21 +264,32 @@ def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:
 
 
 def plan_main(argv: list[str] | None = None) -> int:
-    """CLI entry: print the plan (``--json`` for machines); exit 2 naming a bad value."""
+    """CLI entry: print the plan and the predicted step time (``--json`` for machines); exit 2
+    naming a bad value. ``--search`` and ``--calibrate`` are their own commands."""
+    typed = sys.argv[1:] if argv is None else argv
+    if "--search" in typed:
+        from .search import search_main
+        return search_main(typed)
+    if "--calibrate" in typed:
+        from .calibrate import calibrate_main
+        return calibrate_main(typed)
     args = _parser().parse_args(argv)
     try:
         config = _config(args)
+        hw = hardware_from_args(args)
     except ValueError as err:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
     result = plan(config)
+    result["step_time"] = step_time(config, hw)
+    result["hardware"] = hw.to_dict()
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    typed = sys.argv[1:] if argv is None else argv
     given = "given" if any(a.startswith("--vocab") for a in typed) else "default, GPT-2 BPE"
     note = (f"vocabulary {args.vocab} ({given})"
             + (f", padded to {config.vocab} rows (multiple of {args.make_vocab_size_divisible_by}"
                f" x tp {args.tp})" if config.vocab != args.vocab else ""))
-    print(render_plan(config, result) + "\n" + note)
+    print(render_plan(config, result) + "\n" + note + "\n"
+          + render_step_time(result["step_time"]))
     return 0

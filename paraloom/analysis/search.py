@@ -1,0 +1,191 @@
+"""``paraloom plan --search``: every valid layout of a job that fits memory, ranked by predicted
+throughput, with the reason each one wins or loses.
+
+A layout is (tp, pp, dp, vpp, micro batch, sequence parallel, recomputation, distributed
+optimizer) for a fixed model, sequence length, global batch and GPU count; valid when the
+divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch by
+micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
+sequence parallelism). Memory is :func:`paraloom.analysis.plan.memory_per_gpu` (the busiest
+stage), against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack,
+logits). Time is :func:`paraloom.analysis.steptime.step_time`, about 30 microseconds a layout,
+so a 1024-GPU search (a few ten thousand candidates) takes seconds.
+
+Context and expert parallelism are not paraloom layouts yet: :func:`search` takes ``cps`` /
+``eps`` (default ``(1,)``) and hands them to the step-time model, which already models both,
+so they join the enumeration when the dimensions land.
+
+    paraloom plan --search --gpus 1024 --layers 96 --hidden 12288 --heads 96 --seq-len 2048 \\
+        --global-batch-size 1536 --gpu a100-80gb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from .formulas import CommConfig
+from .hardware import Hardware, add_hardware_args, hardware_from_args
+from .plan import GPT2_VOCAB, human_bytes, memory_per_gpu, padded_vocab
+from .steptime import Options, spans_nodes, step_time
+
+__all__ = ["Candidate", "layouts", "search", "explain", "search_main"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout that fits, with its prediction."""
+
+    tp: int
+    pp: int
+    dp: int
+    vpp: int
+    micro_batch: int
+    sequence_parallel: bool
+    recompute: str
+    distributed_optimizer: bool
+    cp: int
+    step_time_s: float
+    memory_bytes: float
+    prediction: dict
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
+            global_batch: int, cps=(1,), max_vpp: int = 4, micro_batches=(1, 2, 4, 8, 16)):
+    """Every valid ``(tp, cp, pp, dp, vpp, b, sp, recompute, zero)`` for the job."""
+    for cp in cps:
+        if gpus % cp:
+            continue
+        for tp in _divisors(gpus // cp):
+            if heads % tp or hidden % tp:
+                continue
+            for pp in _divisors(gpus // (cp * tp)):
+                if layers % pp:
+                    continue
+                dp = gpus // (cp * tp * pp)
+                for b in micro_batches:
+                    if global_batch % (b * dp):
+                        continue
+                    m = global_batch // (b * dp)
+                    vpps = [v for v in range(1, max_vpp + 1) if layers % (pp * v) == 0
+                            and (v == 1 or (pp > 1 and m % pp == 0))]
+                    for v in vpps:
+                        for sp in ([False, True] if tp > 1 and seq_len % tp == 0 else [False]):
+                            for rc in ("none", "selective", "full"):
+                                for zero in ([False, True] if dp > 1 else [False]):
+                                    yield tp, cp, pp, dp, v, b, sp, rc, zero
+
+
+def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
+           global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
+           dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=(1,),
+           options: Options | None = None) -> tuple[list[Candidate], int]:
+    """All fitting layouts, fastest first, and how many valid ones did not fit."""
+    base = options or Options()
+    fits, too_big = [], 0
+    for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
+            gpus, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+            global_batch=global_batch, cps=cps):
+        c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                       vocab=padded_vocab(vocab, 128, tp), ffn=ffn, micro_batch=b,
+                       num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
+                       vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
+                       distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,))
+        mem = memory_per_gpu(c)["total"]
+        if mem > fit_fraction * hw.hbm_bytes:
+            too_big += 1
+            continue
+        o = Options(**{**asdict(base), "cp": cp})
+        r = step_time(c, hw, o)
+        fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r))
+    fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
+    return fits, too_big
+
+
+_PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",
+         "ep_comm": "expert all-to-all",
+         "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "exposed dp "
+         "reduction", "emb_comm": "embedding reduction", "optimizer": "optimizer step",
+         "compute": "compute"}
+
+
+def explain(x: Candidate, best: Candidate, hw: Hardware) -> str:
+    """Why ``x`` wins, or what it loses to ``best``, part by part."""
+    parts = x.prediction["breakdown_s"]
+    notes = []
+    if spans_nodes(1, x.tp, hw.gpus_per_node):
+        notes.append(f"tp={x.tp} spans nodes: InfiniBand")
+    if x is best:
+        lost = sorted(((v, k) for k, v in parts.items() if k != "compute"), reverse=True)
+        share = parts["compute"] / x.step_time_s
+        main = ", ".join(f"{_PART[k]} {v / x.step_time_s:.0%}" for v, k in lost[:2] if v > 0)
+        return f"fastest: compute is {share:.0%} of the step" + (f"; left: {main}" if main else "")
+    base = best.prediction["breakdown_s"]
+    diff = sorted(((parts[k] - base[k], k) for k in parts), reverse=True)
+    slower = x.step_time_s / best.step_time_s - 1
+    why = ", ".join(f"+{d / best.step_time_s:.0%} {_PART[k]}" for d, k in diff[:2] if d > 0)
+    return f"{slower:+.1%} vs best: {why}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
+    r = x.prediction
+    return (f"{i:>3} {x.tp:>3} {x.cp:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} {x.micro_batch:>3} "
+            f"{'on' if x.sequence_parallel else 'off':>3} {x.recompute:>9} "
+            f"{'on' if x.distributed_optimizer else 'off':>4} {x.step_time_s:>9.3f} "
+            f"{r['mfu']:>5.1%} {human_bytes(x.memory_bytes):>10}  {explain(x, best, hw)}")
+
+
+def search_main(argv: list[str] | None = None) -> int:
+    """``paraloom plan --search --gpus N ...``: the ranked table (``--json`` for machines)."""
+    ap = argparse.ArgumentParser(prog="paraloom plan --search",
+                                 description="rank the layouts of a job that fit memory")
+    ap.add_argument("--search", action="store_true")
+    ap.add_argument("--gpus", type=int, required=True)
+    for name in ("layers", "hidden", "heads", "seq-len", "global-batch-size"):
+        ap.add_argument(f"--{name}", type=int, required=True)
+    ap.add_argument("--vocab", type=int, default=GPT2_VOCAB)
+    ap.add_argument("--ffn", type=int, default=None)
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    ap.add_argument("--json", action="store_true")
+    add_hardware_args(ap)
+    a = ap.parse_args(argv)
+    try:
+        hw = hardware_from_args(a)
+        for name in ("gpus", "layers", "hidden", "heads", "seq_len", "global_batch_size",
+                     "vocab", "top"):
+            if getattr(a, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
+                                 f"{getattr(a, name)}")
+        if a.hidden % a.heads:
+            raise ValueError(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+    except ValueError as err:
+        print(f"paraloom plan: error: {err}", file=sys.stderr)
+        return 2
+    tic = time.perf_counter()
+    fits, too_big = search(a.gpus, hw, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                           seq_len=a.seq_len, global_batch=a.global_batch_size, vocab=a.vocab,
+                           ffn=a.ffn, dtype_bytes=2 if a.dtype == "bf16" else 4)
+    took = time.perf_counter() - tic
+    if a.json:
+        print(json.dumps({"hardware": hw.to_dict(), "layouts_fitting": len(fits),
+                          "layouts_too_big": too_big, "seconds": took,
+                          "ranked": [asdict(x) for x in fits[:a.top]]}, indent=2))
+        return 0
+    print(f"{len(fits)} layouts fit {human_bytes(0.9 * hw.hbm_bytes)} of {hw.name} "
+          f"({too_big} valid ones do not); searched in {took:.2f} s")
+    if not fits:
+        print("nothing fits: more GPUs, a shorter sequence or a smaller model")
+        return 1
+    print("  # " + " ".join(f"{h:>{w}}" for h, w in (
+        ("tp", 3), ("cp", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
+        ("recompute", 9), ("zero", 4), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
+    for i, x in enumerate(fits[:a.top], 1):
+        print(_row(i, x, fits[0], hw))
+    return 0

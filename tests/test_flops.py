@@ -1,0 +1,70 @@
+"""Model FLOPs and hardware FLOPs against a FLOP count of one real forward + backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from paraloom.analysis.formulas import (
+    flops_per_iteration,
+    hardware_flops_per_iteration,
+    model_flops_per_iteration,
+    recompute_flops_per_iteration,
+)
+
+
+def _counted(recompute: str, *, s=32, b=2, h=64, a=4, layers=2, vocab=256, ffn=None,
+             dropout=0.0) -> tuple[int, int]:
+    """FLOPs ``torch.utils.flop_counter`` sees in one step of the single-process GPT."""
+    from paraloom.config import ModelConfig
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel, ParallelOptions
+    from paraloom.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    tracker = get_rng_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.states:
+        tracker.add(MODEL_PARALLEL_RNG, 7)
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=h, num_layers=layers, num_attention_heads=a,
+                      seq_length=s, ffn_hidden_size=ffn, dropout=dropout)
+    model = GPTModel(cfg, ParallelMesh(tp=1), options=ParallelOptions(recompute=recompute))
+    tokens = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
+    with FlopCounterMode(display=False) as counter:
+        model.train()(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return counter.get_total_flops(), cfg.padded_vocab_size
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(s=16, h=96, a=6, layers=3, ffn=160, b=1),
+                                   dict(s=64, h=32, a=2, layers=1, vocab=300, dropout=0.1)])
+def test_model_and_hardware_flops_equal_a_counted_step(shape):
+    s, b, h = shape.get("s", 32), shape.get("b", 2), shape.get("h", 64)
+    layers, ffn = shape.get("layers", 2), shape.get("ffn")
+    for recompute in ("none", "selective", "full"):
+        counted, vocab = _counted(recompute, **shape)
+        model = model_flops_per_iteration(b, s, layers, h, vocab, ffn)
+        hardware = hardware_flops_per_iteration(b, s, layers, h, vocab, ffn, recompute)
+        assert counted == hardware, (recompute, counted, hardware)
+        if recompute == "none":
+            assert counted == model
+        else:
+            assert counted > model
+
+
+def test_flops_formulas_by_hand_gpt3():
+    # 175B (B=1536, s=2048, l=96, h=12288, V=51200): model FLOPs 72 B s l h^2 (1 + s/6h +
+    # V/12lh); full recomputation is Narayanan's eq. (3); selective adds 4 B s^2 h l (Megatron)
+    args = (1536, 2048, 96, 12288, 51200)
+    B, s, L, h, V = args
+    model = model_flops_per_iteration(*args)
+    assert model == pytest.approx(72 * B * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h)),
+                                  rel=1e-12)
+    assert model == pytest.approx(3.3862e18, rel=1e-4)
+    assert hardware_flops_per_iteration(*args, recompute="full") == pytest.approx(
+        flops_per_iteration(*args), rel=1e-12)
+    assert hardware_flops_per_iteration(*args, recompute="none") == model
+    megatron_sel = recompute_flops_per_iteration(B, s, L, h, recompute="selective",
+                                                 early_stop=False)
+    assert megatron_sel == 4 * B * s * s * h * L
+    assert recompute_flops_per_iteration(B, s, L, h, recompute="selective") == megatron_sel / 2
+    with pytest.raises(ValueError, match="recompute"):
+        recompute_flops_per_iteration(1, 1, 1, 1, recompute="partial")
