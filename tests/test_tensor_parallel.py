@@ -297,7 +297,7 @@ def test_same_init_whatever_the_layout(world4):
 
 def mesh_mismatch():
     with pytest.raises(ValueError,
-                       match=r"tp\*pp\*dp = 2\*1\*1 = 2 does not match the world size 4"):
+                       match=r"tp\*cp\*pp\*dp = 2\*1\*1\*1 = 2 does not match the world size 4"):
         ParallelMesh(tp=2)
     mesh = ParallelMesh(tp=2, dp=2)
     with pytest.raises(ValueError, match="output_size = 5 is not divisible by 2"):

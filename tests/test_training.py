@@ -26,9 +26,9 @@ def _rank(rank, world, cfg, t0):
     run_rank(cfg, t0)
 
 
-def train(tmp_path, name, *, tp=1, pp=1, dp=1, sp=False, vpp=None, **kw) -> list[dict]:
+def train(tmp_path, name, *, tp=1, pp=1, dp=1, sp=False, vpp=None, cp=1, **kw) -> list[dict]:
     schedule = "interleaved" if vpp else ("1f1b" if pp > 1 else "none")
-    cfg = replace(BASE, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp,
+    cfg = replace(BASE, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp,
                                                 sequence_parallel=sp),
                   schedule=schedule, out=str(tmp_path / name), **kw)
     launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)

@@ -49,6 +49,7 @@ LAYOUTS = [  # the 3D layouts of test_training.py's equivalence test
     dict(tp=1, pp=4, dp=1, vpp=2),
     dict(tp=4, pp=1, dp=1, sp=True),
     dict(tp=1, pp=1, dp=4),
+    dict(tp=2, cp=2, sp=True),  # context parallelism: the K/V ring and its dK/dV sum in bf16
 ]
 
 
