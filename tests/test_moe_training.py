@@ -18,6 +18,8 @@ from paraloom.cli import main
      "moe_router_topk = 5 is larger than num_experts = 4"),
     (["--dp", "2", "--ep", "4", "--num-experts", "4"], r"ep = 4 does not divide dp \* cp = 2"),
     (["--dp", "2", "--ep", "2"], "ep = 2 needs an MoE model"),
+    (["--cp", "2", "--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
+     "moe_expert_capacity_factor = 1.0 with cp = 2"),
 ])
 def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, flags, message):
     out = tmp_path / "bad"
@@ -78,3 +80,28 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     for got, want in zip(resumed, metrics[2:], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
+
+
+def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys):
+    """cp2-ep2 with full recomputation: ``paraloom check`` exact, the router's counts summed over
+    cp on the ledger (kind cp, forward and recompute), tokens per expert whole microbatches
+    (layout equivalence with one process: test_moe.py's cp layouts)."""
+    import json
+
+    from paraloom.analysis.check import check_main
+
+    run = tmp_path / "cp2"
+    assert main(["train", "--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2",
+                 "--hidden", "32", "--heads", "4", "--seq-len", "16", "--global-batch-size", "2",
+                 "--micro-batch-size", "1", "--steps", "2", "--ledger-steps", "1", "--tp", "1",
+                 "--pp", "1", "--dp", "1", "--cp", "2", "--ep", "2", "--recompute", "full",
+                 "--out", str(run)]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["aux_loss"] > 0 and sum(m["tokens_per_expert"]["0"]) == 2 * 16 * 2
+               for m in metrics)  # 2 sequences x 16 tokens x top-2, both cp halves counted
+    capsys.readouterr()
+    assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
+    events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    counts = [e for e in events if e["site"] == "MoELayer.router:tokens_per_expert"]
+    assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in counts} == {
+        ("cp", "all_reduce", False), ("cp", "all_reduce", True)}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import comm
 from ..tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -59,11 +60,11 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.name = cfg, mesh, name
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
-        cp = getattr(mesh, "cp", None)
-        if cp is not None and cp.size > 1:  # the router would see only its sequence chunks
-            raise ValueError(f"MoE layers with context parallelism (cp = {cp.size}) are not "
-                             f"supported yet: the routing statistics and the capacity of a "
-                             f"microbatch must first be reduced over cp; use cp = 1")
+        self.cp = mesh.cp
+        if self.cp.size > 1 and cfg.moe_expert_capacity_factor is not None:
+            raise ValueError(f"moe_expert_capacity_factor = {cfg.moe_expert_capacity_factor} "
+                             f"with cp = {self.cp.size}: the capacity decision ranks all tokens "
+                             f"of a microbatch, which cp splits over ranks; use dropless or cp = 1")
         e, dtype = cfg.num_experts, opt.params_dtype
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
                                  sequence_parallel=opt.sequence_parallel)
@@ -89,15 +90,20 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [s(/tp), b, h]
         cfg, tp = self.cfg, self.mesh.tp
         s_local, b, h = x.shape
-        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch
+        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch (cp: ours)
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
         logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
         probs, routing_map, per_expert = topk_routing(
             logits, cfg.moe_router_topk,
             cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)
+        local_per_expert, cp = per_expert, self.cp.size
+        if cp > 1:  # the aux loss counts the whole microbatch: every cp rank's chunks
+            per_expert, n = self._cp_counts(per_expert, n)
         aux = switch_load_balancing_loss(torch.softmax(logits_slice, -1), per_expert, n,
                                          cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
         zl = z_loss(logits_slice, n, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else None
+        if cp > 1:  # a slice's share, weighted as the LM loss: one of dp x cp averaged replicas
+            aux, zl = aux * cp, (zl * cp if zl is not None else None)
         tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
         rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map)
         outs = [self.experts[str(g)](chunk) for g, chunk in
@@ -111,8 +117,17 @@ class MoELayer(nn.Module):
         if self.training:
             y = MoEAuxLossAutoScaler.apply(y, aux if zl is None else aux + zl)
         if not _in_backward():
-            self._count(aux, zl, routing_map, per_expert)
+            self._count(aux, zl, routing_map, local_per_expert)
         return y
+
+    def _cp_counts(self, per_expert: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """Tokens per expert (before drops) and tokens of the whole microbatch: this cp rank's
+        counts summed over cp (one all-reduce of ``E + 1`` int64, kind ``cp``)."""
+        counts = torch.cat([per_expert.long(), per_expert.new_tensor([n], dtype=torch.long)])
+        comm.all_reduce(counts, self.cp, phase="forward", kind="cp",
+                        site="MoELayer.router:tokens_per_expert", module=self.name,
+                        split="token counts per expert and tokens, summed over cp")
+        return counts[:-1], int(counts[-1].item())
 
     @torch.no_grad()
     def _count(self, aux, zl, routing_map, per_expert) -> None:
