@@ -12,6 +12,11 @@ so ``TransformerLayer`` swaps it in for MoE layers. One forward::
                 -> reverse all-to-all -> unpermute (weighted sum)
     tp:  the experts' partial sums reduced over tp (sp: reduce-scatter; else all-reduce)
 
+With context parallelism a rank holds only its cp chunks of each sequence: the counts the aux
+loss needs (tokens per expert, tokens) are summed over cp (one all-reduce, kind ``cp``), and the
+slice's aux/z share is multiplied by cp, because gradients are averaged over dp x cp and the
+cp shares sum (not average) to the microbatch's loss. A capacity factor is refused with cp > 1.
+
 Statistics for the run's metrics (aux and z loss values, tokens per expert after drops, dropped
 assignments) accumulate in :attr:`MoELayer.stats` over a step's microbatches, counted so that a
 sum over every rank gives each microbatch's value once (:func:`moe_step_stats`).
