@@ -236,8 +236,9 @@ def test_every_expert_layout_trains_the_same_model(world4, single, layout):
     assert all(sum(v) == 4 * 16 * 2 for v in first["tokens_per_expert"].values())
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4)],
-                         ids=["tp2-sp-ep2", "dp4-ep4"])
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4),
+                                    dict(tp=2, cp=2, ep=2, sp=True), dict(cp=2, dp=2, ep=4)],
+                         ids=["tp2-sp-ep2", "dp4-ep4", "tp2-sp-cp2-ep2", "cp2-dp2-ep4"])
 def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, layout):
     want = single[1.0]
     assert all(m["dropped_tokens"] > 0 for m in want)

@@ -18,8 +18,6 @@ from paraloom.cli import main
      "moe_router_topk = 5 is larger than num_experts = 4"),
     (["--dp", "2", "--ep", "4", "--num-experts", "4"], r"ep = 4 does not divide dp \* cp = 2"),
     (["--dp", "2", "--ep", "2"], "ep = 2 needs an MoE model"),
-    (["--cp", "2", "--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
-     "moe_expert_capacity_factor = 1.0 with cp = 2"),
 ])
 def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, flags, message):
     out = tmp_path / "bad"
@@ -82,26 +80,31 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
 
 
-def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys):
+@pytest.mark.parametrize("capacity", [None, "1.0"], ids=["dropless", "capacity"])
+def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, capacity):
     """cp2-ep2 with full recomputation: ``paraloom check`` exact, the router's counts summed over
-    cp on the ledger (kind cp, forward and recompute), tokens per expert whole microbatches
-    (layout equivalence with one process: test_moe.py's cp layouts)."""
+    cp (dropless) or its logits gathered over cp (capacity) on the ledger, kind cp, forward and
+    recompute; tokens per expert of whole microbatches (layout equivalence with one process:
+    test_moe.py's cp layouts)."""
     import json
 
     from paraloom.analysis.check import check_main
 
     run = tmp_path / "cp2"
+    extra = ["--moe-expert-capacity-factor", capacity] if capacity else []
     assert main(["train", "--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2",
                  "--hidden", "32", "--heads", "4", "--seq-len", "16", "--global-batch-size", "2",
                  "--micro-batch-size", "1", "--steps", "2", "--ledger-steps", "1", "--tp", "1",
                  "--pp", "1", "--dp", "1", "--cp", "2", "--ep", "2", "--recompute", "full",
-                 "--out", str(run)]) == 0
+                 *extra, "--out", str(run)]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["aux_loss"] > 0 and sum(m["tokens_per_expert"]["0"]) == 2 * 16 * 2
-               for m in metrics)  # 2 sequences x 16 tokens x top-2, both cp halves counted
+    for m in metrics:  # 2 sequences x 16 tokens x top-2, both cp halves counted
+        kept = sum(m["tokens_per_expert"]["0"])
+        assert m["aux_loss"] > 0 and kept + m.get("dropped_tokens", 0) == 2 * 16 * 2
     capsys.readouterr()
     assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
     events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
-    counts = [e for e in events if e["site"] == "MoELayer.router:tokens_per_expert"]
-    assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in counts} == {
-        ("cp", "all_reduce", False), ("cp", "all_reduce", True)}
+    site, op = ("MoELayer.router:logits", "all_gather") if capacity else \
+        ("MoELayer.router:tokens_per_expert", "all_reduce")
+    assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in events
+            if e["site"] == site} == {("cp", op, False), ("cp", op, True)}

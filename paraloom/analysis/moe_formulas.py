@@ -16,7 +16,8 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
   re-gather of a saved input; without sp: one more all-reduce backward).
 * cp > 1: ``N = (s / cp) b`` tokens per rank, and one all-reduce over cp of the router's
   counts (``E + 1`` int64: tokens per expert and tokens) so the aux loss counts the whole
-  microbatch (repeated by full recomputation).
+  microbatch (repeated by full recomputation); with a capacity factor instead one all-gather
+  over cp of the router logits (``N E`` fp32 per rank), so every rank routes the microbatch.
 * Gradients: expert parameters sit in their own buffer, reduced (ZeRO: sharded) over edp
   (``dp cp / ep`` ranks); the experts' fc2 biases (added by tp rank 0) are summed over tp with the
   sequence-parallel gradients; the step's statistics add ``3 + L E`` float64 to the loss
@@ -113,7 +114,10 @@ def moe_comm(c, pp_rank: int, add) -> None:
     elif t > 1:
         add("tp", "all_reduce", "backward", mm, logits)       # the logits' copy region
         add("tp", "all_reduce", "recompute", again, act)      # the output's all-reduce
-    if getattr(c, "cp", 1) > 1:  # the router's counts (E) and tokens (1), int64, summed over cp
+    if getattr(c, "cp", 1) > 1 and m.capacity:  # the router logits, gathered over cp
+        add("cp", "all_gather", "forward", mm, logits)
+        add("cp", "all_gather", "recompute", again, logits)
+    elif getattr(c, "cp", 1) > 1:  # the router's counts (E) and tokens (1), int64, over cp
         add("cp", "all_reduce", "forward", mm, (m.num_experts + 1) * 8)
         add("cp", "all_reduce", "recompute", again, (m.num_experts + 1) * 8)
     if m.ep > 1:
