@@ -263,9 +263,6 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     if model.num_experts is not None and model.num_experts % parallel.ep:
         problems.append(f"num_experts = {model.num_experts} is not divisible by ep = "
                         f"{parallel.ep} (each ep rank holds num_experts / ep experts)")
-    if model.num_experts is not None and getattr(parallel, "cp", 1) > 1:
-        problems.append(f"num_experts = {model.num_experts} with cp = {parallel.cp}: MoE layers "
-                        f"do not support context parallelism yet; use cp = 1")
     if model.num_experts is None and parallel.ep > 1:
         problems.append(f"ep = {parallel.ep} needs an MoE model (give num_experts)")
     if parallel.sequence_parallel and model.seq_length % tp:

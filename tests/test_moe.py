@@ -196,9 +196,9 @@ def train_steps(cfg):
     return [train_step(run, s) for s in range(cfg.steps)]
 
 
-def _cfg(model=TRAIN_MODEL, *, tp=1, pp=1, dp=1, ep=1, sp=False, zero=False):
+def _cfg(model=TRAIN_MODEL, *, tp=1, pp=1, dp=1, ep=1, sp=False, zero=False, cp=1):
     return replace(TRAIN, model=model, parallel=ParallelConfig(
-        tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp), distributed_optimizer=zero,
+        tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, sequence_parallel=sp), distributed_optimizer=zero,
         schedule="1f1b" if pp > 1 else "none")
 
 
@@ -222,6 +222,9 @@ def single():
 @pytest.mark.parametrize("layout", [
     dict(dp=4, ep=4), dict(dp=4, ep=2, zero=True), dict(tp=2, dp=2, ep=2, sp=True),
     dict(tp=2, dp=2, ep=2, zero=True), dict(pp=2, dp=2, ep=2),
+    # context parallelism: router counts summed over cp, ep carved out of dp x cp
+    dict(cp=2, dp=2, ep=4, zero=True), dict(tp=2, cp=2, ep=2, sp=True),
+    dict(cp=2, dp=2, ep=2),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_expert_layout_trains_the_same_model(world4, single, layout):
     got = world4.run(train_steps, _cfg(**layout))
@@ -233,8 +236,9 @@ def test_every_expert_layout_trains_the_same_model(world4, single, layout):
     assert all(sum(v) == 4 * 16 * 2 for v in first["tokens_per_expert"].values())
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4)],
-                         ids=["tp2-sp-ep2", "dp4-ep4"])
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4),
+                                    dict(tp=2, cp=2, ep=2, sp=True), dict(cp=2, dp=2, ep=4)],
+                         ids=["tp2-sp-ep2", "dp4-ep4", "tp2-sp-cp2-ep2", "cp2-dp2-ep4"])
 def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, layout):
     want = single[1.0]
     assert all(m["dropped_tokens"] > 0 for m in want)

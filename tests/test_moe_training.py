@@ -78,3 +78,33 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     for got, want in zip(resumed, metrics[2:], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
+
+
+@pytest.mark.parametrize("capacity", [None, "1.0"], ids=["dropless", "capacity"])
+def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, capacity):
+    """cp2-ep2 with full recomputation: ``paraloom check`` exact, the router's counts summed over
+    cp (dropless) or its logits gathered over cp (capacity) on the ledger, kind cp, forward and
+    recompute; tokens per expert of whole microbatches (layout equivalence with one process:
+    test_moe.py's cp layouts)."""
+    import json
+
+    from paraloom.analysis.check import check_main
+
+    run = tmp_path / "cp2"
+    extra = ["--moe-expert-capacity-factor", capacity] if capacity else []
+    assert main(["train", "--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2",
+                 "--hidden", "32", "--heads", "4", "--seq-len", "16", "--global-batch-size", "2",
+                 "--micro-batch-size", "1", "--steps", "2", "--ledger-steps", "1", "--tp", "1",
+                 "--pp", "1", "--dp", "1", "--cp", "2", "--ep", "2", "--recompute", "full",
+                 *extra, "--out", str(run)]) == 0
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:  # 2 sequences x 16 tokens x top-2, both cp halves counted
+        kept = sum(m["tokens_per_expert"]["0"])
+        assert m["aux_loss"] > 0 and kept + m.get("dropped_tokens", 0) == 2 * 16 * 2
+    capsys.readouterr()
+    assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
+    events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    site, op = ("MoELayer.router:logits", "all_gather") if capacity else \
+        ("MoELayer.router:tokens_per_expert", "all_reduce")
+    assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in events
+            if e["site"] == site} == {("cp", op, False), ("cp", op, True)}

@@ -14,8 +14,12 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
 * tp > 1 differs from the dense MLP: the router logits (``N x E`` fp32) are gathered with the
   tokens (sp: one more all-gather forward, a reduce-scatter of their gradient backward, and no
   re-gather of a saved input; without sp: one more all-reduce backward).
+* cp > 1: ``N = (s / cp) b`` tokens per rank, and one all-reduce over cp of the router's
+  counts (``E + 1`` int64: tokens per expert and tokens) so the aux loss counts the whole
+  microbatch (repeated by full recomputation); with a capacity factor instead one all-gather
+  over cp of the router logits (``N E`` fp32 per rank), so every rank routes the microbatch.
 * Gradients: expert parameters sit in their own buffer, reduced (ZeRO: sharded) over edp
-  (``dp / ep`` ranks); the experts' fc2 biases (added by tp rank 0) are summed over tp with the
+  (``dp cp / ep`` ranks); the experts' fc2 biases (added by tp rank 0) are summed over tp with the
   sequence-parallel gradients; the step's statistics add ``3 + L E`` float64 to the loss
   all-reduce.
 """
@@ -96,7 +100,7 @@ def moe_comm(c, pp_rank: int, add) -> None:
     all-to-alls' bytes come from the recorded splits, see :func:`check_all_to_all`)."""
     m, t = c.moe, c.tp
     mm = c.num_microbatches * moe_layers_on_rank(c, pp_rank)
-    n_tok = c.seq_len * c.micro_batch
+    n_tok = _local_tokens(c)
     logits = n_tok * m.num_experts * 4                      # [N, E] fp32
     act = n_tok * c.hidden * c.dtype_bytes                  # [s, b, h]
     # full recomputation re-runs the whole MoE forward (its output feeds the saved residual)
@@ -110,11 +114,22 @@ def moe_comm(c, pp_rank: int, add) -> None:
     elif t > 1:
         add("tp", "all_reduce", "backward", mm, logits)       # the logits' copy region
         add("tp", "all_reduce", "recompute", again, act)      # the output's all-reduce
+    if getattr(c, "cp", 1) > 1 and m.capacity:  # the router logits, gathered over cp
+        add("cp", "all_gather", "forward", mm, logits)
+        add("cp", "all_gather", "recompute", again, logits)
+    elif getattr(c, "cp", 1) > 1:  # the router's counts (E) and tokens (1), int64, over cp
+        add("cp", "all_reduce", "forward", mm, (m.num_experts + 1) * 8)
+        add("cp", "all_reduce", "recompute", again, (m.num_experts + 1) * 8)
     if m.ep > 1:
         for phase, n in (("forward", mm), ("recompute", again)):
             add("ep", "all_to_all", phase, n, m.num_experts * 8)  # counts
             add("ep", "all_to_all", phase, 2 * n, 0)          # dispatch, combine: see splits
         add("ep", "all_to_all", "backward", 2 * mm, 0)
+
+
+def _local_tokens(c) -> int:
+    """Tokens of a microbatch on one rank: ``(s / cp) b`` (cp holds a slice of each sequence)."""
+    return c.seq_len // getattr(c, "cp", 1) * c.micro_batch
 
 
 def _tokens(e: dict) -> bool:
@@ -145,7 +160,7 @@ def check_all_to_all(c, events: list[dict], *, step: int | None = None) -> list[
     by_rank = {(e["rank"], key(e)): e for e in chosen}
     rows = []
     row_bytes = c.hidden * c.dtype_bytes
-    per_mb = c.seq_len * c.micro_batch * c.moe.topk
+    per_mb = _local_tokens(c) * c.moe.topk
     for rank in sorted({e["rank"] for e in chosen}):
         mine = [e for e in chosen if e["rank"] == rank]
         good = 0
@@ -189,13 +204,14 @@ def moe_plan(c, pp_rank: int) -> dict:
     params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense)
     all_layers = sum(1 for i in range(c.layers) if m.is_moe_layer(i))
     total = all_layers * (m.num_experts * h + (m.num_experts - 1) * (2 * h * f + f + h))
-    n_tok = c.seq_len * c.micro_batch
+    n_tok = c.seq_len * c.micro_batch  # activations: plan applies the cp factor itself
     act = layers * n_tok * ((m.topk - 1) * (2 * h + 4 * f / t) + 2 * m.topk * h) \
         * c.dtype_bytes / 2
     mm = layers * c.num_microbatches
     ep_ops = 5 * mm if m.ep > 1 else 0
-    ep_bytes = mm * (8 * m.num_experts + 4 * n_tok * m.topk * h * c.dtype_bytes) \
+    ep_bytes = mm * (8 * m.num_experts + 4 * _local_tokens(c) * m.topk * h * c.dtype_bytes) \
         if m.ep > 1 else 0
+    edp = c.dp * getattr(c, "cp", 1) // m.ep
     return {"params": params, "activation_bytes": act, "ep_bytes": ep_bytes, "ep_ops": ep_ops,
-            "expert_params": layers * m.num_experts // m.ep * expert, "edp": c.dp // m.ep,
+            "expert_params": layers * m.num_experts // m.ep * expert, "edp": edp,
             "total_params": total}

@@ -226,7 +226,7 @@ def _config(a: argparse.Namespace) -> CommConfig:
         try:  # the training config's own checks: topk <= E, ep | dp, E % ep
             check_layout(ModelConfig(num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
                                      moe_layer_freq=a.moe_layer_freq),
-                         ParallelConfig(dp=a.dp, ep=a.ep))
+                         ParallelConfig(dp=a.dp, ep=a.ep, cp=a.cp))
         except ValueError as err:
             problems.append(str(err))
         moe = MoECommConfig(num_experts=a.num_experts, topk=a.moe_router_topk, ep=a.ep,

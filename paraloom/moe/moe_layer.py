@@ -12,6 +12,13 @@ so ``TransformerLayer`` swaps it in for MoE layers. One forward::
                 -> reverse all-to-all -> unpermute (weighted sum)
     tp:  the experts' partial sums reduced over tp (sp: reduce-scatter; else all-reduce)
 
+With context parallelism a rank holds only its cp chunks of each sequence: the counts the aux
+loss needs (tokens per expert, tokens) are summed over cp (one all-reduce, kind ``cp``), and the
+slice's aux/z share is multiplied by cp, because gradients are averaged over dp x cp and the
+cp shares sum (not average) to the microbatch's loss. With a capacity factor the router logits
+are all-gathered over cp instead and every cp rank routes the whole microbatch in token order,
+so the same tokens are dropped as in one process.
+
 Statistics for the run's metrics (aux and z loss values, tokens per expert after drops, dropped
 assignments) accumulate in :attr:`MoELayer.stats` over a step's microbatches, counted so that a
 sum over every rank gives each microbatch's value once (:func:`moe_step_stats`).
@@ -22,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import comm
+from ..context_parallel.split import position_ids
 from ..tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -59,11 +68,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg, self.mesh, self.name = cfg, mesh, name
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
-        cp = getattr(mesh, "cp", None)
-        if cp is not None and cp.size > 1:  # the router would see only its sequence chunks
-            raise ValueError(f"MoE layers with context parallelism (cp = {cp.size}) are not "
-                             f"supported yet: the routing statistics and the capacity of a "
-                             f"microbatch must first be reduced over cp; use cp = 1")
+        self.cp = getattr(mesh, "cp", None)  # None: a mesh without cp (tests' stand-ins)
         e, dtype = cfg.num_experts, opt.params_dtype
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
                                  sequence_parallel=opt.sequence_parallel)
@@ -89,15 +94,23 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [s(/tp), b, h]
         cfg, tp = self.cfg, self.mesh.tp
         s_local, b, h = x.shape
-        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch
+        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch (cp: ours)
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
         logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
+        cp, capacity = self.cp.size if self.cp else 1, cfg.moe_expert_capacity_factor
         probs, routing_map, per_expert = topk_routing(
-            logits, cfg.moe_router_topk,
-            cfg.moe_expert_capacity_factor, cfg.moe_token_drop_policy)
+            logits, cfg.moe_router_topk, capacity if cp == 1 else None, cfg.moe_token_drop_policy)
+        local_per_expert = per_expert
+        if cp > 1 and capacity is not None:  # drops decided over the whole microbatch
+            routing_map, per_expert, n = self._cp_capacity(logits, b)
+            probs = probs * routing_map
+        elif cp > 1:  # the aux loss counts the whole microbatch: every cp rank's chunks
+            per_expert, n = self._cp_counts(per_expert, n)
         aux = switch_load_balancing_loss(torch.softmax(logits_slice, -1), per_expert, n,
                                          cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
         zl = z_loss(logits_slice, n, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else None
+        if cp > 1:  # a slice's share, weighted as the LM loss: one of dp x cp averaged replicas
+            aux, zl = aux * cp, (zl * cp if zl is not None else None)
         tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
         rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map)
         outs = [self.experts[str(g)](chunk) for g, chunk in
@@ -111,8 +124,41 @@ class MoELayer(nn.Module):
         if self.training:
             y = MoEAuxLossAutoScaler.apply(y, aux if zl is None else aux + zl)
         if not _in_backward():
-            self._count(aux, zl, routing_map, per_expert)
+            self._count(aux, zl, routing_map, local_per_expert)
         return y
+
+    def _cp_counts(self, per_expert: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """Tokens per expert (before drops) and tokens of the whole microbatch: this cp rank's
+        counts summed over cp (one all-reduce of ``E + 1`` int64, kind ``cp``)."""
+        counts = torch.cat([per_expert.long(), per_expert.new_tensor([n], dtype=torch.long)])
+        comm.all_reduce(counts, self.cp, phase="forward", kind="cp",
+                        site="MoELayer.router:tokens_per_expert", module=self.name,
+                        split="token counts per expert and tokens, summed over cp")
+        return counts[:-1], int(counts[-1].item())
+
+    @torch.no_grad()
+    def _cp_capacity(self, logits: torch.Tensor, b: int):
+        """With a capacity factor under cp: all-gather the (detached) router logits over cp
+        (kind ``cp``), put the rows in the microbatch's token order (``[s, b]``, global
+        positions), route them all with the capacity, and keep this rank's rows: ``(routing
+        map [n_local, E] after drops, tokens per expert before drops, tokens)`` -- the same
+        drops as one process."""
+        cp, cfg = self.cp, self.cfg
+        whole = comm.all_gather(logits.detach(), cp, dim=0, phase="forward", kind="cp",
+                                site="MoELayer.router:logits", module=self.name,
+                                split="router logits [tokens, E] of every cp rank")
+        s = logits.shape[0] // b * cp.size
+
+        def rows(r: int) -> torch.Tensor:  # global token index (s-major, as [s, b]) of r's rows
+            pos = position_ids(s, r, cp.size, logits.device)
+            return (pos[:, None] * b + torch.arange(b, device=logits.device)).flatten()
+
+        order = torch.cat([rows(r) for r in range(cp.size)])
+        ordered = torch.empty_like(whole).index_copy_(0, order, whole)
+        _, keep, per_expert = topk_routing(ordered, cfg.moe_router_topk,
+                                           cfg.moe_expert_capacity_factor,
+                                           cfg.moe_token_drop_policy)
+        return keep[rows(cp.rank)], per_expert, s * b
 
     @torch.no_grad()
     def _count(self, aux, zl, routing_map, per_expert) -> None:

@@ -14,8 +14,10 @@ any dropping) and ``N`` the tokens of the microbatch. The z-loss (ST-MoE) is
 Layout independence: the probabilities may be a *slice* of the microbatch's tokens (sequence
 parallelism), while ``n_e`` and ``N`` are always the whole microbatch's, so the slices' losses
 sum, over the ranks that hold them, to the loss of the whole microbatch (as Megatron's
-``sequence_partition_group``). :class:`MoEAuxLossAutoScaler` adds the aux loss's gradient in
-backward without touching the language-model loss (Megatron's name and mechanism).
+``sequence_partition_group``). Under context parallelism ``n_e`` and ``N`` are summed over cp
+first (:class:`~paraloom.moe.moe_layer.MoELayer`). :class:`MoEAuxLossAutoScaler` adds the aux
+loss's gradient in backward without touching the language-model loss (Megatron's name and
+mechanism).
 """
 
 from __future__ import annotations
