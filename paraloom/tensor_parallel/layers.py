@@ -164,7 +164,8 @@ def defer_weight_grads():
 def _run_deferred(queue: list) -> None:
     while queue:
         param, go, xf, fusion, name, module = queue.pop(0)
-        with _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module):
+        with (torch.no_grad(),  # as inside autograd's backward: the saved input requires grad
+              _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module)):
             grad = _weight_grad(param, go, xf, fusion)
         if grad is not None:  # accumulate as autograd would, firing the parameter's hooks
             torch.autograd.backward(param, grad_tensors=grad)
