@@ -27,7 +27,7 @@ def _add_schedule(sub) -> None:
     cmd.add_argument("--microbatches", "--num-microbatches", type=_positive, default=8)
     cmd.add_argument("--vpp", "--virtual-pipeline-model-parallel-size", type=_positive,
                      default=1)
-    cmd.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "none"],
+    cmd.add_argument("--schedule", choices=["1f1b", "gpipe", "interleaved", "none", "zb-h1"],
                      help="default: interleaved with --vpp > 1, none with --pp 1, else 1f1b")
     cmd.add_argument("--step", type=int, help="step of the run to draw (default: the last)")
     cmd.add_argument("--out", default="sched.png", help="PNG to write (default sched.png)")
@@ -58,10 +58,12 @@ def _schedule(args) -> int:
         slots = tt.timetable(name, p, m, v)
         blocks, rows = plots.timetable_blocks(slots)
         bubble = tt.bubble_fraction(slots, p)
+        factor = "v*" if v > 1 else "3*" if name == "zb-h1" else ""
         title = (f"{name} schedule: pp={p}, microbatches={m}" + (f", vpp={v}" if v > 1 else "")
-                 + f" — bubble {bubble:.3f} = (p-1)/({'v*' if v > 1 else ''}m+p-1)"
-                 * (name != "none"))
-        unit = "time slot (one chunk's forward or backward)"
+                 + f" — bubble {bubble:.3f} = (p-1)/({factor}m+p-1)"
+                 * (name != "none" and (name != "zb-h1" or m >= p)))
+        unit = ("time slot (one forward, input-grad B or weight-grad W)" if name == "zb-h1"
+                else "time slot (one chunk's forward or backward)")
     out = plots.draw_schedule(blocks, rows, args.out, title=title, time_unit=unit)
     print(f"bubble fraction: {bubble:.4f}")
     print(f"wrote {out}")

@@ -314,7 +314,8 @@ class TrainConfig:
     """Activation recomputation: ``none``, ``selective`` (core attention) or ``full``
     (per layer)."""
     schedule: str = "1f1b"
-    """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp) or ``none`` (no pipelining)."""
+    """Pipeline schedule: ``1f1b``, ``interleaved`` (needs vpp), ``none`` (no pipelining) or
+    ``zb-h1`` (zero bubble: weight gradients deferred into 1F1B's bubble; no vpp)."""
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's reduction as soon as it is complete in backward (Megatron's
     default is off; see README, "Defaults")."""
@@ -373,8 +374,11 @@ class TrainConfig:
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
-        if self.schedule not in ("1f1b", "interleaved", "none"):
-            raise ValueError(f"schedule must be 1f1b, interleaved or none, got {self.schedule!r}")
+        if self.schedule not in ("1f1b", "interleaved", "none", "zb-h1"):
+            raise ValueError(f"schedule must be 1f1b, interleaved, none or zb-h1, got "
+                             f"{self.schedule!r}")
+        if self.schedule == "zb-h1" and p.pp < 2:
+            raise ValueError(f"schedule zb-h1 (zero bubble) needs pp >= 2, got pp = {p.pp}")
         if self.schedule == "interleaved":
             if (p.vpp or 1) < 2:
                 raise ValueError(f"schedule interleaved needs vpp >= 2, got vpp = {p.vpp}")

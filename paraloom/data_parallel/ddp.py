@@ -119,6 +119,8 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ hooks and launching
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is None and not param.grad_added_to_main_grad:
+            return  # no gradient came (a zero-bubble B step defers it to its W step's hook)
         if param.grad is not None:
             if not param.grad_added_to_main_grad:
                 param.main_grad.add_(param.grad)  # fp32 accumulation whatever .grad's dtype

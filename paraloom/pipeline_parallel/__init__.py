@@ -12,11 +12,13 @@ from .schedules import (
                         forward_backward_no_pipelining,
                         forward_backward_pipelining_with_interleaving,
                         forward_backward_pipelining_without_interleaving,
+                        forward_backward_zero_bubble,
                         get_forward_backward_func,
 )
 from .stage import StageRole, layer_names, layer_range, stage_layers, stage_role
 
 __all__ = ["PipelineStats", "forward_backward_gpipe", "forward_backward_no_pipelining",
            "forward_backward_pipelining_with_interleaving",
-           "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
+           "forward_backward_pipelining_without_interleaving", "forward_backward_zero_bubble",
+           "get_forward_backward_func",
            "StageRole", "layer_names", "layer_range", "stage_layers", "stage_role"]

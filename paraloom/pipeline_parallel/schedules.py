@@ -1,4 +1,5 @@
-"""Forward-backward schedules over microbatches: no pipelining, 1F1B, interleaved 1F1B (and GPipe).
+"""Forward-backward schedules over microbatches: no pipelining, 1F1B, interleaved 1F1B, ZB-H1
+(zero bubble) and GPipe.
 
 Megatron's signature and contract::
 
@@ -22,8 +23,10 @@ exactly the one shown there. On gloo the plan overlaps communication with comput
 posted one step ahead, outputs are sent asynchronously as soon as computed, and the ledger's
 ``t_start`` / ``t_wait`` / ``t_end`` of each p2p event show the overlap. Each forward /
 backward step is a ledger compute span (site ``pipeline.forward`` / ``pipeline.backward``, with
-``stage`` and ``chunk``) attributed to its microbatch, and :class:`PipelineStats` counts the
-microbatches whose activations a stage holds.
+``stage`` and ``chunk``) attributed to its microbatch — under ZB-H1 the backward computes
+only input gradients and a later ``pipeline.weight_grad`` span runs the microbatch's deferred
+wgrad GEMMs (:func:`~paraloom.tensor_parallel.layers.defer_weight_grads`) — and
+:class:`PipelineStats` counts the microbatches whose activations a stage holds.
 
 Launch: build a :class:`~paraloom.mesh.ParallelMesh` with ``pp > 1`` on every rank (``torchrun
 --nproc-per-node 4 ...`` or :func:`paraloom.launch.spawn`), build the stage's chunks
@@ -40,12 +43,14 @@ import torch
 from .. import ledger as _ledger
 from ..launch import get_device
 from ..mesh import ParallelMesh
+from ..tensor_parallel.layers import defer_weight_grads
 from . import p2p
 from .timetable import bubble_fraction, p2p_plan, stage_order, timetable, validate  # noqa: F401
 
 __all__ = ["PipelineStats", "forward_backward_no_pipelining",
            "forward_backward_pipelining_without_interleaving",
            "forward_backward_pipelining_with_interleaving", "forward_backward_gpipe",
+           "forward_backward_zero_bubble",
            "get_forward_backward_func", "tensor_shape_of", "timetable", "stage_order",
            "bubble_fraction", "p2p_plan"]
 
@@ -124,8 +129,11 @@ def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatch
     device = next((q.device for chunk in chunks for q in chunk.parameters()), None)
     overlap = _overlap(overlap_p2p_comm, device, variable_seq_lengths)
     plan = p2p_plan(schedule, p, m, rank, v, forward_only, overlap)
-    # gradient sync (e.g. a data-parallel all-reduce) only in each chunk's last backward
-    last_b = {step[2]: i for i, step in enumerate(plan) if step[0] == "B"}
+    # gradient sync (e.g. a data-parallel all-reduce) only in each chunk's last backward (and,
+    # zero bubble, its last W: the deferred weight gradients become final there)
+    last = {(step[0], step[2]): i for i, step in enumerate(plan) if step[0] in ("B", "W")}
+    split = schedule == "zb-h1"
+    wgrads = {}  # (mb, chunk) -> runs the wgrad GEMMs a B step deferred
     no_sync = no_sync_func if isinstance(no_sync_func, (list, tuple)) else [no_sync_func] * v
     last_vs = p * v - 1
     received, outbox, saved, losses, handles = {}, {}, {}, [], {}
@@ -170,20 +178,30 @@ def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatch
             if not forward_only:
                 saved[(mb, c)] = (inp, out)
                 stats._change(+1)
+        elif kind == "W":
+            skip = no_sync[c] is not None and i != last[("W", c)]
+            with (_at(mb), _ledger.span("pipeline.weight_grad", phase="backward", **span),
+                  no_sync[c]() if skip else nullcontext()):
+                wgrads.pop((mb, c))()
+            stats._change(-1)
         else:
-            skip = no_sync[c] is not None and i != last_b[c]
+            skip = no_sync[c] is not None and i != last[("B", c)]
             sync = no_sync[c]() if skip else nullcontext()
-            with _at(mb), _ledger.span("pipeline.backward", phase="backward", **span), sync:
+            with (_at(mb), _ledger.span("pipeline.backward", phase="backward", **span), sync,
+                  defer_weight_grads() if split else nullcontext() as run_w):
                 inp, out = saved.pop((mb, c))
                 grad = received.pop(("grad", mb, vs + 1)) if vs < last_vs else None
                 torch.autograd.backward(out, grad_tensors=grad)
                 if vs > 0:
                     outbox[("grad", mb, vs)] = inp.grad  # [s, b, h]
-            stats._change(-1)
-    if received or outbox or saved or handles:  # a plan bug, never a user error: say so loudly
+            if split:
+                wgrads[(mb, c)] = run_w
+            else:
+                stats._change(-1)
+    if received or outbox or saved or handles or wgrads:  # a plan bug, never a user error
         raise RuntimeError(f"pipeline plan left messages behind: received={list(received)}, "
                            f"unsent={list(outbox)}, held={list(saved)}, "
-                           f"in flight={list(handles)}")
+                           f"in flight={list(handles)}, weight grads left={list(wgrads)}")
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)
     return losses
@@ -229,6 +247,15 @@ def forward_backward_gpipe(forward_step_func, data_iterator, model, num_microbat
     microbatches' activations; here for comparison."""
     return _execute("gpipe", forward_step_func, [data_iterator], _single(model), num_microbatches,
                     seq_length, micro_batch_size, forward_only, **kw)
+
+
+def forward_backward_zero_bubble(forward_step_func, data_iterator, model, num_microbatches,
+                                 seq_length, micro_batch_size, forward_only=False, **kw):
+    """ZB-H1 (Qi et al., 2024): 1F1B's F/B order with each backward split into B (input
+    gradient, sent on at once) and W (the wgrad GEMMs, deferred into what was 1F1B's bubble);
+    the same memory bound as 1F1B. Only the parallel linears' weight gradients are deferred."""
+    return _execute("zb-h1", forward_step_func, [data_iterator], _single(model),
+                    num_microbatches, seq_length, micro_batch_size, forward_only, **kw)
 
 
 def forward_backward_pipelining_with_interleaving(forward_step_func, data_iterator, model,

@@ -7,10 +7,13 @@ plans built here, and the tests and the schedule picture read the same timetable
   (``B``) steps: ``(kind, microbatch, chunk)``. Schedules: ``"none"`` (one stage, gradient
   accumulation), ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (warm-up of
   ``min(p - rank - 1, m)`` forwards, steady one-forward-one-backward, cool-down) and
-  ``"interleaved"`` (1F1B over ``v`` chunks per stage, Megatron's order).
+  ``"interleaved"`` (1F1B over ``v`` chunks per stage, Megatron's order) and ``"zb-h1"`` (1F1B
+  with backward split into ``B``, the input gradient, and ``W``, the deferred weight gradient;
+  see :mod:`.zero_bubble`).
 * :func:`timetable` — simulate all stages with unit-time steps: a list of time slots, each a list
-  of ``(stage, "F" | "B", microbatch, chunk)`` running in it. An op starts once its dependency
-  (the previous virtual stage's forward, the next one's backward) finished in an earlier slot.
+  of ``(stage, "F" | "B" | "W", microbatch, chunk)`` running in it. An op starts once its
+  dependency (the previous virtual stage's forward, the next one's backward, a ``W``'s own
+  ``B``) finished in an earlier slot.
 * :func:`p2p_plan` — the communication each stage posts between its compute steps (see there);
   :func:`check_plans` proves a set of plans matches message for message and cannot deadlock.
 """
@@ -18,11 +21,12 @@ plans built here, and the tests and the schedule picture read the same timetable
 from __future__ import annotations
 
 from .plan_check import check_plans
+from .zero_bubble import zb_h1_orders
 
 __all__ = ["SCHEDULES", "validate", "warmup_count", "stage_order", "timetable", "bubble_fraction",
            "in_flight_profile", "max_in_flight", "p2p_plan", "check_plans"]
 
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
 
 
 def validate(schedule: str, p: int, m: int, v: int = 1) -> None:
@@ -44,7 +48,7 @@ def validate(schedule: str, p: int, m: int, v: int = 1) -> None:
 
 def warmup_count(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
     """Forward steps stage ``rank`` runs before its first backward."""
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb-h1"):
         return min(p - rank - 1, m)
     if schedule == "interleaved":  # Megatron: 2 per later stage, plus (v - 1) rounds of p
         return min((p - rank - 1) * 2 + (v - 1) * p, m * v)
@@ -75,6 +79,9 @@ def stage_order(schedule: str, p: int, m: int, rank: int, v: int = 1,
         return fwd
     if schedule == "none":
         return [op for pair in zip(fwd, bwd, strict=True) for op in pair]
+    if schedule == "zb-h1":
+        return list(zb_h1_orders(tuple(tuple(stage_order("1f1b", p, m, r)) for r in range(p)))
+                    [rank])
     w = warmup_count(schedule, p, m, rank, v)
     order = fwd[:w]
     for k in range(total - w):  # steady state: one forward, one backward
@@ -102,6 +109,8 @@ def timetable(schedule: str, p: int, m: int, v: int = 1,
             vs = c * p + r
             if kind == "F":
                 dep = ("F", mb, vs - 1) if vs > 0 else None
+            elif kind == "W":  # the weight gradient of this stage's own backward
+                dep = ("B", mb, vs)
             else:
                 dep = ("B", mb, vs + 1) if vs < last_vs else ("F", mb, vs)
             if dep is None or done.get(dep, t) < t:
@@ -116,16 +125,23 @@ def timetable(schedule: str, p: int, m: int, v: int = 1,
 
 
 def bubble_fraction(slots: list[list[tuple]], p: int) -> float:
-    """Idle share of the ``p * len(slots)`` stage-slots: ``(p-1)/(m+p-1)`` for GPipe and 1F1B."""
+    """Idle share of the ``p * len(slots)`` stage-slots: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+    ``(p-1)/(3m+p-1)`` for ZB-H1 (``m >= p``; its ``B`` and ``W`` take one slot each)."""
     busy = sum(len(slot) for slot in slots)
     return 1.0 - busy / (p * len(slots)) if slots else 0.0
 
 
 def in_flight_profile(ops) -> list[int]:
-    """Microbatch-chunks whose activations are held after each op of one stage's op sequence."""
+    """Microbatch-chunks whose activations are held after each op of one stage's op sequence
+    (until the backward, or until the ``W`` step where the weight gradient is deferred)."""
+    ops = list(ops)
+    release = "W" if any(kind == "W" for kind, _, _ in ops) else "B"
     held, profile = set(), []
     for kind, mb, chunk in ops:
-        (held.add if kind == "F" else held.discard)((mb, chunk))
+        if kind == "F":
+            held.add((mb, chunk))
+        elif kind == release:
+            held.discard((mb, chunk))
         profile.append(len(held))
     return profile
 

@@ -1,7 +1,8 @@
 """PNG pictures: the pipeline schedule, drawn like the figures of the Megatron papers.
 
 Stages are rows, time runs left to right, each forward (``F``) and backward (``B``) step is a
-block coloured by its microbatch (backward blocks hatched, the chunk shown as ``3.1`` = microbatch
+block coloured by its microbatch (backward blocks hatched, zero-bubble weight-gradient ``W``
+blocks dotted and pale, the chunk shown as ``3.1`` = microbatch
 3, chunk 1 when interleaved); the idle gaps are the bubble. Two sources:
 
 * :func:`timetable_blocks` — a pure timetable (:func:`paraloom.pipeline_parallel.timetable.
@@ -20,7 +21,9 @@ from pathlib import Path
 
 __all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule", "plot_loss"]
 
-_SITES = {"pipeline.forward": "F", "pipeline.backward": "B"}
+_SITES = {"pipeline.forward": "F", "pipeline.backward": "B", "pipeline.weight_grad": "W"}
+_HATCH = {"F": None, "B": "///", "W": "..."}
+_ALPHA = {"F": 1.0, "B": 0.75, "W": 0.4}
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class Block:
     start: float
     duration: float
     kind: str
-    """``"F"`` or ``"B"``."""
+    """``"F"``, ``"B"`` or ``"W"`` (a deferred weight gradient, zero-bubble schedules)."""
     microbatch: int
     chunk: int = 0
 
@@ -97,7 +100,7 @@ def draw_schedule(blocks: list[Block], rows: list[str], out: str | Path, *, titl
     for b in blocks:
         y = len(rows) - 1 - b.row
         ax.barh(y, b.duration, left=b.start, height=0.8, color=colour[b.microbatch],
-                alpha=1.0 if b.kind == "F" else 0.75, hatch=None if b.kind == "F" else "///",
+                alpha=_ALPHA[b.kind], hatch=_HATCH[b.kind],
                 edgecolor="black", linewidth=0.6)
         if b.duration >= 0.35 * end / max(len(blocks) / max(len(rows), 1), 1):
             label = f"{b.microbatch}" + (f".{b.chunk}" if chunks > 1 else "")
@@ -109,6 +112,11 @@ def draw_schedule(blocks: list[Block], rows: list[str], out: str | Path, *, titl
     ax.set_title(title, fontsize=10)
     handles = [Patch(facecolor="lightgrey", edgecolor="black", label="forward"),
                Patch(facecolor="lightgrey", edgecolor="black", hatch="///", label="backward")]
+    if any(b.kind == "W" for b in blocks):
+        handles[1] = Patch(facecolor="lightgrey", edgecolor="black", hatch="///",
+                           label="backward: input grad (B)")
+        handles.append(Patch(facecolor="lightgrey", edgecolor="black", hatch="...", alpha=0.4,
+                             label="weight grad (W)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
               title="colour = microbatch" + (", n.c = chunk c" if chunks > 1 else ""),
               title_fontsize=7)

@@ -91,10 +91,11 @@ def schedule_svg(blocks: list[Block], rows: list[str], *, title: str,
         y = _PAD_T + b.row * row_h + 2
         colour = _COLOURS[b.microbatch % len(_COLOURS)]
         label = f"{b.microbatch}" + (f".{b.chunk}" if chunks > 1 else "")
-        tip = (f"{'forward' if b.kind == 'F' else 'backward'} microbatch {b.microbatch}"
+        what = {"F": "forward", "B": "backward", "W": "weight grad (W)"}[b.kind]
+        tip = (f"{what} microbatch {b.microbatch}"
                + (f" chunk {b.chunk}" if chunks > 1 else "")
                + f": {b.duration * 1e3:.2f} ms" * (time_unit == "seconds"))
-        opacity = "1" if b.kind == "F" else ".6"
+        opacity = {"F": "1", "B": ".6", "W": ".3"}[b.kind]
         parts.append(f'<g class="blk {b.kind}"><title>{escape(tip)}</title><rect x="{x:.1f}" '
                      f'y="{y}" width="{w:.1f}" height="{row_h - 4}" fill="{colour}" '
                      f'fill-opacity="{opacity}" stroke="#222" stroke-width=".5"/>')

@@ -18,6 +18,8 @@ Where each layer communicates (tp = tensor-parallel group, activations ``[s, b, 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,7 +39,7 @@ from .mappings import (
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
-           "LinearWithGradAccumulationAndAsyncCommunication",
+           "LinearWithGradAccumulationAndAsyncCommunication", "defer_weight_grads",
            "linear_with_grad_accumulation_and_async_allreduce",
            "set_tensor_model_parallel_attributes"]
 
@@ -84,7 +86,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.save_for_backward(x, weight)  # with sp, x is the local shard: tp times less memory
         # main_grad lives on the Parameter object itself; under activation recomputation the
         # saved ``weight`` comes back as another tensor object, so keep the Parameter too.
-        ctx.param = weight if gradient_accumulation_fusion else None
+        ctx.param = weight
         name = where.site if where else "linear"
         module = where.module if where else None
         if sequence_parallel:
@@ -112,9 +114,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             pending = comm.all_reduce(grad_x, w.axis, async_op=True, **w.args("backward", "tp"))
         go = grad_out.reshape(-1, grad_out.shape[-1])
         xf = x_full.reshape(-1, x_full.shape[-1])
-        with _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module):
-            grad_w = _weight_grad(ctx.param if ctx.fusion else weight, go, xf, ctx.fusion)
         grad_b = go.sum(0) if ctx.has_bias else None
+        if _DEFERRED is not None:  # zero-bubble B step: the weight gradient waits for its W step
+            _DEFERRED.append((ctx.param, go, xf, ctx.fusion, name, module))
+            grad_w = None
+        else:
+            with _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module):
+                grad_w = _weight_grad(ctx.param if ctx.fusion else weight, go, xf, ctx.fusion)
         if pending is not None:
             grad_x = pending.wait()
         return grad_x, grad_w, grad_b, None, None, None, None
@@ -133,6 +139,36 @@ def _weight_grad(weight: torch.Tensor, go: torch.Tensor, x: torch.Tensor, fusion
         weight.grad_added_to_main_grad = True
         return torch.empty(weight.shape, dtype=go.dtype, device=go.device)
     return None
+
+
+_DEFERRED: list | None = None  # where B steps queue their wgrad GEMMs (one backward at a time)
+
+
+@contextmanager
+def defer_weight_grads():
+    """Split a backward into B and W (zero-bubble pipelines): inside, the parallel linears
+    compute and communicate only the input gradient and queue their wgrad GEMMs; the yielded
+    callable, called later (the ``W`` step), runs them and hands each weight gradient to
+    autograd's accumulation (``.grad``, or ``main_grad`` with fusion), so data-parallel hooks
+    fire as in an undivided backward. Gradients of other parameters (norms, biases,
+    embeddings) are computed in B as usual."""
+    global _DEFERRED
+    saved, queue = _DEFERRED, []
+    _DEFERRED = queue
+    try:
+        yield lambda: _run_deferred(queue)
+    finally:
+        _DEFERRED = saved
+
+
+def _run_deferred(queue: list) -> None:
+    while queue:
+        param, go, xf, fusion, name, module = queue.pop(0)
+        with (torch.no_grad(),  # as inside autograd's backward: the saved input requires grad
+              _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module)):
+            grad = _weight_grad(param, go, xf, fusion)
+        if grad is not None:  # accumulate as autograd would, firing the parameter's hooks
+            torch.autograd.backward(param, grad_tensors=grad)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, where=None,

@@ -55,8 +55,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--dtype", choices=["fp32", "bf16"], default="fp32")
     a("--recompute", "--recompute-granularity", dest="recompute",
       choices=["none", "selective", "full"], default="none")
-    a("--schedule", choices=["1f1b", "interleaved", "none"], default=None,
-      help="default: none with pp 1, interleaved with vpp > 1, else 1f1b")
+    a("--schedule", choices=["1f1b", "interleaved", "none", "zb-h1"], default=None,
+      help="default: none with pp 1, interleaved with vpp > 1, else 1f1b; zb-h1: zero-bubble "
+           "1F1B (weight gradients deferred into the bubble; pp >= 2, no vpp)")
     a("--overlap-grad-reduce", action=argparse.BooleanOptionalAction, default=True,
       help="reduce each gradient bucket as soon as it is complete in backward (default: on)")
     a("--overlap-p2p-communication", dest="overlap_p2p_comm",

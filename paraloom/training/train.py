@@ -35,6 +35,7 @@ from ..pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
+    forward_backward_zero_bubble,
 )
 from ..tensor_parallel.random import model_parallel_seed
 from .data import Corpus, microbatches
@@ -44,7 +45,8 @@ __all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
 
 _SCHEDULES = {"none": forward_backward_no_pipelining,
               "1f1b": forward_backward_pipelining_without_interleaving,
-              "interleaved": forward_backward_pipelining_with_interleaving}
+              "interleaved": forward_backward_pipelining_with_interleaving,
+              "zb-h1": forward_backward_zero_bubble}
 
 
 @dataclass
