@@ -156,6 +156,10 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"
     """With a capacity factor, keep each expert's highest-weight tokens (``probs``) or its
     earliest ones (``position``)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """With a capacity factor, pad every expert's input to exactly its capacity (Megatron's
+    ``--moe-pad-expert-input-to-capacity``): the all-to-all splits are then fixed, so the token
+    counts are not exchanged; padded rows carry weight 0 and change no result."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -237,6 +241,9 @@ def _check_moe(m: ModelConfig) -> None:
         raise ValueError(f"num_experts = {m.num_experts} with swiglu = {m.swiglu} and "
                          f"add_bias_linear = {m.add_bias_linear}: experts are GeLU MLPs with "
                          f"biases (as GPT-2's MLP) for now; use the GPT-2 MLP flags with MoE")
+    if m.moe_pad_expert_input_to_capacity and cf is None:
+        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor "
+                         "(padding is to the capacity); give --moe-expert-capacity-factor")
     if m.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got "
                          f"{m.moe_token_drop_policy!r}")

@@ -247,6 +247,16 @@ def test_capacity_factor_drops_the_same_tokens_in_every_layout(world4, single, l
     assert all(sum(v) < 4 * 16 * 2 for v in want[0]["tokens_per_expert"].values())
 
 
+@pytest.mark.parametrize("layout", [dict(dp=4, ep=4), dict(tp=2, cp=2, ep=2, sp=True)],
+                         ids=["dp4-ep4", "tp2-sp-cp2-ep2"])
+def test_padding_to_capacity_changes_no_result(world4, single, layout):
+    """``moe_pad_expert_input_to_capacity``: padded rows have weight 0, so the run equals the
+    unpadded one-process run with the same capacity factor."""
+    model = replace(TRAIN_MODEL, moe_expert_capacity_factor=1.0,
+                    moe_pad_expert_input_to_capacity=True)
+    assert_same_training(world4.run(train_steps, _cfg(model, **layout))[0], single[1.0])
+
+
 def test_plan_and_layout_count_the_real_experts():
     from paraloom.analysis.formulas import CommConfig
     from paraloom.analysis.layout import chunk_params

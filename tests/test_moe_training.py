@@ -80,7 +80,7 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
 
 
-@pytest.mark.parametrize("capacity", [None, "1.0"], ids=["dropless", "capacity"])
+@pytest.mark.parametrize("capacity", [None, "1.0", "pad"], ids=["dropless", "capacity", "padded"])
 def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, capacity):
     """cp2-ep2 with full recomputation: ``paraloom check`` exact, the router's counts summed over
     cp (dropless) or its logits gathered over cp (capacity) on the ledger, kind cp, forward and
@@ -91,7 +91,9 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
     from paraloom.analysis.check import check_main
 
     run = tmp_path / "cp2"
-    extra = ["--moe-expert-capacity-factor", capacity] if capacity else []
+    extra = ["--moe-expert-capacity-factor", "1.0"] if capacity else []
+    if capacity == "pad":  # every expert gets exactly its capacity: fixed splits, no counts sent
+        extra.append("--moe-pad-expert-input-to-capacity")
     assert main(["train", "--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2",
                  "--hidden", "32", "--heads", "4", "--seq-len", "16", "--global-batch-size", "2",
                  "--micro-batch-size", "1", "--steps", "2", "--ledger-steps", "1", "--tp", "1",
@@ -108,3 +110,10 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
         ("MoELayer.router:tokens_per_expert", "all_reduce")
     assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in events
             if e["site"] == site} == {("cp", op, False), ("cp", op, True)}
+    tokens = [e for e in events if e["kind"] == "ep" and e["op"] == "all_to_all"]
+    counts = [e for e in tokens if e.get("dtype") == "int64"]
+    if capacity == "pad":  # capacity ceil(16 tokens x 2 / 4 x 1.0) = 8 rows per expert
+        assert not counts
+        assert {sum(e["input_splits"]) for e in tokens} == {4 * 8}
+    else:
+        assert counts

@@ -140,7 +140,7 @@ def config_from_run(cfg: dict) -> CommConfig:
         dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
         arch=Architecture.from_model(m),
         cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"),
-        moe=moe_from_run(m, p))
+        moe=moe_from_run(m, p, cfg["micro_batch_size"]))
 
 
 def _ffn(model: dict) -> int | None:

@@ -46,18 +46,33 @@ class MoECommConfig:
     layer_freq: int = 1
     capacity: bool = False
     """A capacity factor is set: tokens may be dropped, dispatch rows are data-dependent."""
+    padded_rows: int = 0
+    """With ``moe_pad_expert_input_to_capacity``: rows every dispatch sends (``E x capacity``,
+    fixed); the token counts are then not exchanged. 0: not padded."""
 
     def is_moe_layer(self, index: int) -> bool:
         return index % self.layer_freq == 0
 
 
-def moe_from_run(model: dict, parallel: dict) -> MoECommConfig | None:
+def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommConfig | None:
     """The :class:`MoECommConfig` of a run's ``config.json`` (``None`` for a dense model)."""
     if not model.get("num_experts"):
         return None
     return MoECommConfig(num_experts=model["num_experts"], topk=model.get("moe_router_topk", 2),
                          ep=parallel.get("ep", 1), layer_freq=model.get("moe_layer_freq", 1),
-                         capacity=model.get("moe_expert_capacity_factor") is not None)
+                         capacity=model.get("moe_expert_capacity_factor") is not None,
+                         padded_rows=_padded_rows(model, micro_batch))
+
+
+def _padded_rows(model: dict, micro_batch: int) -> int:
+    """``E x capacity`` when the run pads expert inputs to capacity (the capacity counts every
+    token of a microbatch, ``s x b``; under cp too), else 0."""
+    if not model.get("moe_pad_expert_input_to_capacity"):
+        return 0
+    from ..moe.router import expert_capacity
+    return model["num_experts"] * expert_capacity(
+        model["seq_length"] * micro_batch, model.get("moe_router_topk", 2),
+        model["num_experts"], model["moe_expert_capacity_factor"])
 
 
 def moe_layer_params(c, prefix: str) -> list[Param]:
@@ -122,7 +137,8 @@ def moe_comm(c, pp_rank: int, add) -> None:
         add("cp", "all_reduce", "recompute", again, (m.num_experts + 1) * 8)
     if m.ep > 1:
         for phase, n in (("forward", mm), ("recompute", again)):
-            add("ep", "all_to_all", phase, n, m.num_experts * 8)  # counts
+            if not m.padded_rows:  # padded: every split is known, no counts exchanged
+                add("ep", "all_to_all", phase, n, m.num_experts * 8)  # counts
             add("ep", "all_to_all", phase, 2 * n, 0)          # dispatch, combine: see splits
         add("ep", "all_to_all", "backward", 2 * mm, 0)
 
@@ -170,12 +186,13 @@ def check_all_to_all(c, events: list[dict], *, step: int | None = None) -> list[
             good += all(p is not None and p["output_splits"][i] == e["input_splits"][j]
                         for j, p in enumerate(peers))
         rows.append(_row(rank, "splits", len(mine), good, 0, 0))
-        if not c.moe.capacity:
+        if not c.moe.capacity or c.moe.padded_rows:
             sent = [e for e in mine if e["phase"] == "forward" and ".token_permutation." in
                     e["site"]]
-            want = [per_mb * row_bytes] * len(sent)
-            rows.append(_row(rank, "tokens x topk", len(sent), len(sent), sum(want),
-                             sum(e["bytes"] for e in sent)))
+            rows_per_mb = c.moe.padded_rows or per_mb
+            want = [rows_per_mb * row_bytes] * len(sent)
+            rows.append(_row(rank, "E x capacity" if c.moe.padded_rows else "tokens x topk",
+                             len(sent), len(sent), sum(want), sum(e["bytes"] for e in sent)))
     return rows
 
 

@@ -41,6 +41,7 @@ from .experts import Expert, local_expert_ids
 from .router import (
     MoEAuxLossAutoScaler,
     TopKRouter,
+    expert_capacity,
     switch_load_balancing_loss,
     topk_routing,
     z_loss,
@@ -112,7 +113,9 @@ class MoELayer(nn.Module):
         if cp > 1:  # a slice's share, weighted as the LM loss: one of dp x cp averaged replicas
             aux, zl = aux * cp, (zl * cp if zl is not None else None)
         tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
-        rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map)
+        pad = expert_capacity(n, cfg.moe_router_topk, cfg.num_experts, capacity) \
+            if cfg.moe_pad_expert_input_to_capacity else None  # n: the tokens capacity counts
+        rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map, pad)
         outs = [self.experts[str(g)](chunk) for g, chunk in
                 zip(self.local_ids, torch.split(rows, per_local), strict=True)]
         y = self.dispatcher.token_unpermutation(torch.cat(outs))   # [N, h] partial over tp

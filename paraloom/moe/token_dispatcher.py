@@ -60,6 +60,24 @@ def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: li
     return _AllToAll.apply(x, axis, list(input_splits), list(output_splits), site, module, split)
 
 
+def _pad_to_capacity(token_ids: torch.Tensor, row_probs: torch.Tensor, counts: torch.Tensor,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows grouped by expert -> every expert's group padded to ``capacity`` rows. A padded row
+    is token 0 with weight 0: the expert computes it, the combine multiplies it by 0, and no
+    gradient reaches a token, a weight or the router through it."""
+    e = counts.numel()
+    slot = torch.arange(capacity, device=counts.device).expand(e, capacity)     # [E, C]
+    keep = slot < counts[:, None]
+    if token_ids.numel() == 0:
+        zeros = torch.zeros(e * capacity, dtype=token_ids.dtype, device=token_ids.device)
+        return zeros, row_probs.new_zeros(e * capacity)
+    start = (torch.cumsum(counts, 0) - counts)[:, None]
+    idx = (start + slot).clamp(max=token_ids.numel() - 1)
+    ids = torch.where(keep, token_ids[idx], torch.zeros_like(idx))
+    probs = torch.where(keep, row_probs[idx], torch.zeros_like(row_probs[idx]))
+    return ids.flatten(), probs.flatten()
+
+
 def _regroup(x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Rows in chunks ``sizes[i, j]`` (row-major) -> the same chunks in column-major order."""
     chunks = torch.split(x, sizes.flatten().tolist())
@@ -82,8 +100,11 @@ class MoEAlltoAllTokenDispatcher:
         self.num_local = num_experts // ep.size
 
     def token_permutation(self, tokens: torch.Tensor, probs: torch.Tensor,
-                          routing_map: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """``[N, h]`` tokens -> ``([rows, h]`` grouped by local expert, rows per local expert)."""
+                          routing_map: torch.Tensor, pad_to: int | None = None
+                          ) -> tuple[torch.Tensor, list[int]]:
+        """``[N, h]`` tokens -> ``([rows, h]`` grouped by local expert, rows per local expert).
+        ``pad_to``: every expert gets exactly that many rows (Megatron's
+        ``moe_pad_expert_input_to_capacity``): the splits are known, the counts not exchanged."""
         n_tok, e = routing_map.shape
         ep, local = self.ep.size, self.num_local
         pairs = routing_map.t().nonzero()                   # [M, 2] (expert, token), by expert
@@ -91,14 +112,21 @@ class MoEAlltoAllTokenDispatcher:
         self.row_probs = probs.t()[routing_map.t()]         # [M] same order as ``pairs``
         self.n_tokens = n_tok
         counts = routing_map.sum(0)                         # [E] rows per expert (after drops)
+        if pad_to is not None:                              # [E * C] rows, C per expert
+            self.token_ids, self.row_probs = _pad_to_capacity(self.token_ids, self.row_probs,
+                                                              counts, pad_to)
+            counts = torch.full_like(counts, pad_to)
         permuted = tokens.index_select(0, self.token_ids)   # [M, h]
         split = "tokens by expert (rows to each ep rank's experts)"
         if ep == 1:
             self.recv = counts.view(1, local)
             return permuted, counts.tolist()
-        recv = comm.all_to_all(counts, self.ep, phase="forward", kind="ep",
-                               site=f"{_SITE}.token_permutation.forward:tokens_per_expert",
-                               module=self.module, split="token counts per expert")
+        if pad_to is not None:  # every rank sends every expert ``pad_to`` rows: nothing to ask
+            recv = counts.view(ep, local)  # the same [ep, local] grid of pad_to as we send
+        else:
+            recv = comm.all_to_all(counts, self.ep, phase="forward", kind="ep",
+                                   site=f"{_SITE}.token_permutation.forward:tokens_per_expert",
+                                   module=self.module, split="token counts per expert")
         self.recv = recv.view(ep, local)                    # [source rank, local expert]
         self.send_splits = counts.view(ep, local).sum(1).tolist()
         self.recv_splits = self.recv.sum(1).tolist()

@@ -132,6 +132,9 @@ def add_moe_flags(cmd) -> None:
       help="tokens per expert at most ceil(factor * N * k / E); the rest dropped (default: "
            "dropless)")
     a("--moe-token-drop-policy", choices=["probs", "position"], default="probs")
+    a("--moe-pad-expert-input-to-capacity", action="store_true",
+      help="with a capacity factor, pad each expert's tokens to the capacity (fixed all-to-all "
+           "splits, no count exchange)")
     a("--moe-layer-freq", type=int, default=1, help="every N-th layer is MoE (default 1: all)")
     a("--ep", "--expert-model-parallel-size", dest="ep", type=int, default=1,
       help="expert-parallel size, carved out of --dp (must divide it)")
@@ -144,7 +147,8 @@ def moe_fields(args) -> dict:
                 moe_z_loss_coeff=args.moe_z_loss_coeff,
                 moe_expert_capacity_factor=args.moe_expert_capacity_factor,
                 moe_token_drop_policy=args.moe_token_drop_policy,
-                moe_layer_freq=args.moe_layer_freq)
+                moe_layer_freq=args.moe_layer_freq,
+                moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity)
 
 
 def config_from_args(args):

@@ -42,7 +42,8 @@ _FIELDS = {
     "vocab": "model.vocab_size", "dropout": "model.dropout",
     "ep": "parallel.ep", **{f: f"model.{f}" for f in (
         "num_experts", "moe_router_topk", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-        "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_layer_freq")},
+        "moe_expert_capacity_factor", "moe_token_drop_policy", "moe_layer_freq",
+        "moe_pad_expert_input_to_capacity")},
     **{name: name for name in (
         "global_batch_size", "micro_batch_size", "steps", "lr", "min_lr", "warmup_steps",
         "weight_decay", "clip_grad", "seed", "dtype", "recompute", "schedule",
