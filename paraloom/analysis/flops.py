@@ -35,16 +35,24 @@ def _is_moe(c, index: int) -> bool:
     return c.moe is not None and c.moe.is_moe_layer(index)
 
 
+def _layers_forward(c, batch: int | None) -> float:
+    """Forward FLOPs of all layers (one dense and one MoE layer, times how many of each)."""
+    n_moe = sum(1 for i in range(c.layers) if c.moe.is_moe_layer(i)) if c.moe else 0
+    dense = sum(layer_forward_flops(c, -1, batch).values()) if n_moe < c.layers else 0
+    moe = sum(layer_forward_flops(c, 0, batch).values()) if n_moe else 0
+    return (c.layers - n_moe) * dense + n_moe * moe
+
+
 def layer_forward_flops(c, index: int = 0, batch: int | None = None) -> dict:
-    """Forward FLOPs of layer ``index`` on ``batch`` samples (default the global batch), by
-    part: ``linear`` (QKV, proj), ``attention`` (QK^T, attention x V), ``mlp`` (dense MLP, or
-    the router and the experts of a MoE layer)."""
+    """Forward FLOPs of layer ``index`` (``-1``: a dense one) on ``batch`` samples (default
+    the global batch), by part: ``linear`` (QKV, proj), ``attention`` (QK^T, attention x V),
+    ``mlp`` (dense MLP, or the router and the experts of a MoE layer)."""
     h, a, s, f = c.hidden, c.heads, c.seq_len, c.f
     n = (global_batch(c) if batch is None else batch) * s
     g = c.arch.num_query_groups or a
     linear = 2 * n * h * (a + 2 * g) * (h // a) + 2 * n * h * h
     attention = 4 * n * s * h
-    if _is_moe(c, index):
+    if index >= 0 and _is_moe(c, index):
         mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * 4 * n * h * f
     else:
         mlp = 2 * n * h * (2 * f if c.arch.swiglu else f) + 2 * n * f * h
@@ -54,14 +62,13 @@ def layer_forward_flops(c, index: int = 0, batch: int | None = None) -> dict:
 def model_flops(c, batch: int | None = None) -> float:
     """FLOPs the model needs per step (no recomputation): 3 x (layers' forward + logits)."""
     n = (global_batch(c) if batch is None else batch) * c.seq_len
-    layers = sum(sum(layer_forward_flops(c, i, batch).values()) for i in range(c.layers))
-    return 3 * (layers + 2 * n * c.hidden * c.vocab)
+    return 3 * (_layers_forward(c, batch) + 2 * n * c.hidden * c.vocab)
 
 
 def recompute_flops(c, batch: int | None = None, *, early_stop: bool = True) -> float:
     """FLOPs recomputation (``c.recompute``) adds per step."""
     if c.recompute == "full":
-        return sum(sum(layer_forward_flops(c, i, batch).values()) for i in range(c.layers))
+        return _layers_forward(c, batch)
     if c.recompute == "selective":
         attn = layer_forward_flops(c, 0, batch)["attention"] * c.layers
         return attn / 2 if early_stop and c.arch.attention == "core" else attn
