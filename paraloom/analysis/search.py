@@ -1,18 +1,17 @@
 """``paraloom plan --search``: every valid layout of a job that fits memory, ranked by predicted
 throughput, with the reason each one wins or loses.
 
-A layout is (tp, pp, dp, vpp, micro batch, sequence parallel, recomputation, distributed
-optimizer) for a fixed model, sequence length, global batch and GPU count; valid when the
-divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch by
-micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
-sequence parallelism). Memory is :func:`paraloom.analysis.plan.memory_per_gpu` (the busiest
-stage), against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack,
-logits). Time is :func:`paraloom.analysis.steptime.step_time`, about 30 microseconds a layout,
-so a 1024-GPU search (a few ten thousand candidates) takes seconds.
-
-Context and expert parallelism are not paraloom layouts yet: :func:`search` takes ``cps`` /
-``eps`` (default ``(1,)``) and hands them to the step-time model, which already models both,
-so they join the enumeration when the dimensions land.
+A layout is (tp, cp, ep, pp, dp, vpp, micro batch, sequence parallel, recomputation,
+distributed optimizer) for a fixed model, sequence length, global batch and GPU count; valid when
+the divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch
+by micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
+sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes the powers of two
+up to ``--max-cp``; ep is tried only for a MoE model (``--num-experts``). Memory is
+:func:`paraloom.analysis.plan.memory_per_gpu` (the busiest stage) plus :func:`transient_bytes`
+(the layer being recomputed: a long sequence's attention scores), against ``fit_fraction`` of the
+GPU's memory (the rest: CUDA context, allocator slack, logits). Time is
+:func:`paraloom.analysis.steptime.step_time`, a few ten microseconds a layout, so a 1024-GPU
+search (about 25 000 candidates with cp) takes seconds.
 
     paraloom plan --search --gpus 1024 --layers 96 --hidden 12288 --heads 96 --seq-len 2048 \\
         --global-batch-size 1536 --gpu a100-80gb
@@ -26,13 +25,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .formulas import CommConfig
+from .formulas import CommConfig, activation_bytes_per_layer
 from .hardware import Hardware, add_hardware_args, hardware_from_args
 from .moe_formulas import MoECommConfig
 from .plan import GPT2_VOCAB, human_bytes, memory_per_gpu, padded_vocab
 from .steptime import Options, spans_nodes, step_time
 
-__all__ = ["Candidate", "cp_sizes", "layouts", "search", "explain", "search_main"]
+__all__ = ["Candidate", "cp_sizes", "transient_bytes", "layouts", "search", "explain",
+           "search_main"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,21 @@ def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
     the sequence into ``2 cp`` equal chunks (load-balanced causal attention)."""
     return tuple(cp for cp in (2 ** i for i in range(max_cp.bit_length()))
                  if cp <= max_cp and gpus % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1)
+
+
+def transient_bytes(c: CommConfig) -> float:
+    """Bytes one layer needs on top of what ``memory_per_gpu`` keeps for backward: under full
+    recomputation the re-run layer's whole activations, under selective the re-run attention
+    scores (written-out attention), each for ``s/cp`` tokens (the cp ring computes ``s/cp``
+    queries against ``s/cp`` keys at a time). This is what makes a long sequence need cp."""
+    if c.recompute == "none":
+        return 0.0
+    s = c.seq_len // c.cp
+    kw = dict(sequence_parallel=c.sp, attention=c.arch.attention)
+    full = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp, **kw)
+    kept = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp,
+                                      recompute=c.recompute, **kw)
+    return (full - kept) * c.dtype_bytes / 2
 
 
 def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
@@ -114,7 +129,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),
                            cp=cp, cp_comm_type=cp_comm_type, moe=moe)
-            mem = memory_per_gpu(c)["total"]
+            mem = memory_per_gpu(c)["total"] + transient_bytes(c)
             if mem > fit_fraction * hw.hbm_bytes:
                 too_big += 1
                 continue
