@@ -18,6 +18,7 @@ all-gathers and the sequence-parallel sums come out exact):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 __all__ = ["Architecture", "arch_chunk_params", "layer_param_count", "arch_params_per_rank",
            "arch_param_count"]
@@ -40,7 +41,7 @@ class Architecture:
         """From a ``config.json``'s ``model`` dict (absent keys: GPT-2's values)."""
         return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
 
-    @property
+    @cached_property  # asked for every layout the search tries; the instance is frozen
     def is_gpt2(self) -> bool:
         """Every parameter as in GPT-2 (``attention`` changes no parameter)."""
         return self == Architecture(attention=self.attention)
