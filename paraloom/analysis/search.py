@@ -210,6 +210,8 @@ def search_main(argv: list[str] | None = None) -> int:
                                  f"{getattr(a, name)}")
         if a.hidden % a.heads:
             raise ValueError(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+        if a.num_experts is not None and a.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {a.num_experts}")
         if a.num_experts is not None and not a.moe_router_topk <= a.num_experts:
             raise ValueError(f"--num-experts must be >= --moe-router-topk "
                              f"({a.moe_router_topk}), got {a.num_experts}")
