@@ -247,3 +247,21 @@ def test_search_with_cp_and_ep_ranks_bad_spans_low_and_long_sequences_need_cp(ca
     assert "--num-experts must be >= --moe-router-topk" in capsys.readouterr().err
     assert search_main(argv[:-4] + ["--num-experts", "0"]) == 2
     assert "--num-experts must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_search_llama_keeps_gqa_groups_whole(capsys):
+    from paraloom.analysis.arch import Architecture
+    llama = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                         num_query_groups=2, untie_embeddings_and_output_weights=True,
+                         add_bias_linear=False)
+    job = dict(layers=8, hidden=1024, heads=16, seq_len=2048, global_batch=32, ffn=2816)
+    fits, _ = search(16, A100, **job, arch=llama)
+    assert fits and {x.tp for x in fits} == {1, 2}          # 2 key/value groups: tp <= 2
+    gpt, _ = search(16, A100, **job)
+    assert max(x.tp for x in gpt) == 16
+    argv = ["--search", "--gpus", "16", "--layers", "8", "--hidden", "1024", "--heads", "16",
+            "--seq-len", "2048", "--global-batch-size", "32", "--arch", "llama",
+            "--group-query-attention", "--num-query-groups", "2", "--top", "2"]
+    assert plan_main(argv) == 0 and "fastest" in capsys.readouterr().out
+    assert plan_main(argv + ["--num-experts", "4"]) == 2
+    assert "experts are GeLU MLPs" in capsys.readouterr().err

@@ -104,10 +104,18 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
     return out
 
 
+_COUNTS: dict = {}
+"""Counts already made, by what they depend on (``plan --search`` asks for many layouts)."""
+
+
 def arch_params_per_rank(c, pp_rank: int) -> int:
     """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
-    from .layout import chunk_params
-    return sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+    key = (c.arch, c.layers, c.hidden, c.heads, c.f, c.seq_len, c.vocab, c.tp, c.pp, c.v, c.sp,
+           c.moe, pp_rank)
+    if key not in _COUNTS:
+        from .layout import chunk_params
+        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+    return _COUNTS[key]
 
 
 def arch_param_count(c) -> int:

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from .arch import Architecture
 from .formulas import CommConfig, activation_bytes_per_layer
 from .hardware import Hardware, add_hardware_args, hardware_from_args
 from .moe_formulas import MoECommConfig
@@ -110,15 +111,18 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
            global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
            dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=None, cp_comm_type="p2p",
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
+           arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
     """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
     the cp sizes to try (default :func:`cp_sizes`); with ``num_experts`` every ep that divides
     both dp and the experts is tried too."""
-    o = options or Options()
+    o, arch = options or Options(), arch or Architecture()
     fits, too_big = [], 0
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
             gpus, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
             global_batch=global_batch, cps=cp_sizes(gpus, seq_len) if cps is None else cps):
+        if arch.num_query_groups and arch.num_query_groups % tp:  # GQA: groups split over tp
+            continue
         eps = [e for e in _divisors(dp) if num_experts % e == 0] if num_experts else [1]
         for ep in eps:
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
@@ -128,7 +132,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                            num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),
-                           cp=cp, cp_comm_type=cp_comm_type, moe=moe)
+                           cp=cp, cp_comm_type=cp_comm_type, moe=moe, arch=arch)
             mem = memory_per_gpu(c)["total"] + transient_bytes(c)
             if mem > fit_fraction * hw.hbm_bytes:
                 too_big += 1
@@ -200,6 +204,8 @@ def search_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     add_hardware_args(ap)
+    from ..training.arch_flags import add_architecture_flags, architecture_from_args
+    add_architecture_flags(ap)
     a = ap.parse_args(argv)
     try:
         hw = hardware_from_args(a)
@@ -210,6 +216,14 @@ def search_main(argv: list[str] | None = None) -> int:
                                  f"{getattr(a, name)}")
         if a.hidden % a.heads:
             raise ValueError(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+        arch = Architecture(**{k: v for k, v in architecture_from_args(a).items()
+                               if k in Architecture.__dataclass_fields__})
+        if arch.num_query_groups and a.heads % arch.num_query_groups:
+            raise ValueError(f"--num-query-groups {arch.num_query_groups} must divide --heads "
+                             f"{a.heads}")
+        if a.num_experts is not None and not arch.is_gpt2:
+            raise ValueError("--num-experts: experts are GeLU MLPs with biases for now; "
+                             "use the GPT-2 MLP flags with MoE")
         if a.num_experts is not None and a.num_experts < 1:
             raise ValueError(f"--num-experts must be >= 1, got {a.num_experts}")
         if a.num_experts is not None and not a.moe_router_topk <= a.num_experts:
@@ -221,7 +235,9 @@ def search_main(argv: list[str] | None = None) -> int:
     tic = time.perf_counter()
     fits, too_big = search(a.gpus, hw, layers=a.layers, hidden=a.hidden, heads=a.heads,
                            seq_len=a.seq_len, global_batch=a.global_batch_size, vocab=a.vocab,
-                           ffn=a.ffn, dtype_bytes=2 if a.dtype == "bf16" else 4,
+                           ffn=a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu
+                                         else None),
+                           dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch,
                            cps=cp_sizes(a.gpus, a.seq_len, a.max_cp),
                            cp_comm_type=a.cp_comm_type, num_experts=a.num_experts,
                            moe_topk=a.moe_router_topk, moe_layer_freq=a.moe_layer_freq)
