@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from paraloom.analysis.formulas import (
@@ -68,3 +71,71 @@ def test_flops_formulas_by_hand_gpt3():
     assert recompute_flops_per_iteration(B, s, L, h, recompute="selective") == megatron_sel / 2
     with pytest.raises(ValueError, match="recompute"):
         recompute_flops_per_iteration(1, 1, 1, 1, recompute="partial")
+
+
+def _counted_step(model_cfg: dict, recompute: str, b: int = 2):
+    """FLOPs counted in one step of the single-process model of ``model_cfg``, and its config."""
+    from paraloom.config import ModelConfig
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import GPTModel, ParallelOptions
+    from paraloom.tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    tracker = get_rng_tracker()
+    if MODEL_PARALLEL_RNG not in tracker.states:
+        tracker.add(MODEL_PARALLEL_RNG, 7)
+    cfg = ModelConfig(**model_cfg)
+    model = GPTModel(cfg, ParallelMesh(tp=1), options=ParallelOptions(recompute=recompute))
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_length + 1),
+                           generator=torch.Generator().manual_seed(0))
+    # the math kernel of sdpa is counted GEMM by GEMM (the CPU's fused kernel is not counted)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model.train()(tokens[:, :-1], tokens[:, 1:]).mean().backward()
+    return counter.get_total_flops(), cfg
+
+
+def _comm_config(cfg, recompute: str, b: int):
+    from paraloom.analysis.arch import Architecture
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.analysis.moe_formulas import MoECommConfig
+
+    arch = Architecture.from_model({k: getattr(cfg, k) for k in Architecture.__dataclass_fields__})
+    moe = MoECommConfig(num_experts=cfg.num_experts, topk=cfg.moe_router_topk,
+                        layer_freq=cfg.moe_layer_freq) if cfg.num_experts else None
+    return CommConfig(layers=cfg.num_layers, hidden=cfg.hidden_size,
+                      heads=cfg.num_attention_heads, seq_len=cfg.seq_length,
+                      vocab=cfg.padded_vocab_size, ffn=cfg.ffn, micro_batch=b,
+                      recompute=recompute, arch=arch, moe=moe)
+
+
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+             num_query_groups=2, untie_embeddings_and_output_weights=True, add_bias_linear=False)
+
+
+@pytest.mark.parametrize("model_cfg", [
+    dict(LLAMA, attention="core"),                      # GQA 8 heads / 2 groups, SwiGLU, untied
+    dict(LLAMA, attention="sdpa", num_query_groups=4),
+    dict(num_experts=4, moe_router_topk=2),             # GPT-2 with MoE in every layer
+    dict(num_query_groups=2, untie_embeddings_and_output_weights=True, num_experts=4,
+         moe_router_topk=1, moe_layer_freq=2, num_layers=3),  # MoE every other layer, GQA
+])
+def test_llama_and_moe_flops_equal_a_counted_step(model_cfg):
+    from paraloom.analysis.flops import hardware_flops, model_flops
+
+    shape = dict(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=8,
+                 seq_length=32, ffn_hidden_size=96)
+    for recompute in ("none", "selective", "full"):
+        counted, cfg = _counted_step({**shape, **model_cfg}, recompute)
+        c = _comm_config(cfg, recompute, 2)
+        # sdpa's math kernel is written-out attention, so the checkpoint stops after QK^T as it
+        # does for core; a fused (GPU) kernel re-runs whole: the formula adds attention x V
+        core = replace(c, arch=replace(c.arch, attention="core"))
+        assert counted == hardware_flops(core), (recompute, counted, hardware_flops(core))
+        if cfg.attention == "sdpa" and recompute == "selective":
+            assert hardware_flops(c) - hardware_flops(core) == 2 * 2 * 32 * 32 * 64 * 2
+        assert (counted == model_flops(c)) == (recompute == "none")
+    # the GPT-2 formulas are the special case
+    gpt = _comm_config(_counted_step(shape, "none")[1], "none", 2)
+    assert model_flops(gpt) == model_flops_per_iteration(2, 32, 2, 64, gpt.vocab, 96)
+    if model_cfg.get("swiglu"):  # GQA's K/V are smaller, SwiGLU adds a third matrix
+        g, n, d = model_cfg["num_query_groups"], 2 * 32, 64 // 8
+        assert model_flops(c) - model_flops(gpt) == 3 * 2 * 2 * n * (64 * 96 - 2 * (8 - g) * d * 64)

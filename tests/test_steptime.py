@@ -77,12 +77,7 @@ def test_step_time_parts_move_the_right_way():
     assert step_time(_gpt(), GPUS["h100-sxm"])["step_time_s"] < r["step_time_s"]
     slow = replace(A100, inter_bw=2.5e9)
     assert step_time(_gpt(), slow)["breakdown_s"]["dp_comm"] > parts["dp_comm"]
-    # cp and ep are parameters of the model already (wired into layouts when they land)
-    assert step_time(_gpt(dp=8), A100, Options(cp=2))["gpus"] == 1024
-    assert parts["ep_comm"] == 0
-    ep8 = step_time(_gpt(tp=1, dp=128), A100, Options(ep=8, moe_topk=2))["breakdown_s"]
-    ep16 = step_time(_gpt(tp=1, dp=128), A100, Options(ep=16, moe_topk=2))["breakdown_s"]
-    assert 0 < ep8["ep_comm"] < ep16["ep_comm"]  # ep=16 leaves the node: InfiniBand
+    assert parts["ep_comm"] == parts["cp_comm"] == 0
 
 
 def test_published_megatron_rows_within_15_percent():
@@ -159,3 +154,114 @@ def test_plan_prints_step_time_and_json(capsys):
     assert p["hardware"]["gpus_per_node"] == 4 and p["step_time"]["mfu"] > 0
     assert plan_main(argv + ["--peak-flops", "-1"]) == 2
     assert "peak_flops" in capsys.readouterr().err
+
+
+def _moe(ep: int, **kw) -> CommConfig:
+    from paraloom.analysis.moe_formulas import MoECommConfig
+    moe = MoECommConfig(num_experts=16, topk=2, ep=ep)
+    return _gpt(layers=32, hidden=4096, heads=32, tp=1, pp=1, dp=32, num_microbatches=8,
+                moe=moe, **kw)
+
+
+def test_cp_ep_and_llama_shapes_in_step_time():
+    # cp: half the tokens per rank, the K/V ring's steps hide under attention inside a node,
+    # across nodes (tp=8 x cp=2 > 8) they do not; all-gather is exposed
+    short = dict(layers=32, hidden=4096, heads=32, seq_len=16384, tp=4, pp=1, dp=2,
+                 num_microbatches=4)
+    base = step_time(_gpt(**short), A100)["breakdown_s"]
+    cp2 = step_time(_gpt(**{**short, "dp": 1}, cp=2), A100)["breakdown_s"]
+    assert cp2["compute"] < 0.6 * base["compute"] and base["cp_comm"] == 0
+    inside = step_time(_gpt(**{**short, "dp": 1, "seq_len": 2048}, cp=2), A100)["breakdown_s"]
+    across = step_time(_gpt(**{**short, "dp": 1, "tp": 8, "seq_len": 2048}, cp=2), A100)
+    assert across["breakdown_s"]["cp_comm"] > 10 * inside["cp_comm"] >= 0
+    gather = step_time(_gpt(**{**short, "dp": 1}, cp=2, cp_comm_type="all_gather"), A100)
+    assert gather["breakdown_s"]["cp_comm"] > cp2["cp_comm"]
+    # ep: the all-to-alls over the ep group; ep=16 leaves the node (InfiniBand)
+    ep8, ep16 = (step_time(_moe(ep), A100)["breakdown_s"] for ep in (8, 16))
+    assert 0 < ep8["ep_comm"] < ep16["ep_comm"] / 3
+    assert step_time(_moe(1), A100)["breakdown_s"]["ep_comm"] == 0
+    # the MoE model's FLOPs are the router's and topk experts', not the dense MLP's
+    dense = step_time(_gpt(layers=32, hidden=4096, heads=32, tp=1, pp=1, dp=32,
+                           num_microbatches=8), A100)
+    moe = step_time(_moe(8), A100)
+    n, h = 8 * 32 * 2048, 4096                          # tokens per step
+    dense_mlp, moe_mlp = 16 * n * h * h, 2 * n * h * 16 + 2 * 16 * n * h * h
+    assert moe["model_tflops_per_gpu"] * moe["step_time_s"] * 32e12 == pytest.approx(
+        dense["model_tflops_per_gpu"] * dense["step_time_s"] * 32e12
+        + 3 * 32 * (moe_mlp - dense_mlp))
+    # GQA's K/V projections are smaller: less GEMM time
+    from paraloom.analysis.arch import Architecture
+    gqa = step_time(_gpt(arch=Architecture(num_query_groups=8)), A100)["breakdown_s"]
+    assert gqa["compute"] < step_time(_gpt(), A100)["breakdown_s"]["compute"]
+
+
+def test_plan_prints_cp_and_ep_rows(capsys):
+    argv = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "8192",
+            "--global-batch-size", "16", "--micro-batch-size", "1", "--tp", "2", "--dp", "8",
+            "--cp", "2", "--ep", "4", "--num-experts", "8", "--gpu", "h100-sxm",
+            "--gpus-per-node", "2"]  # cp (stride tp=2) and ep (stride tp cp=4) leave the node
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on 32 x" in out and "exposed cp K/V comm" in out and "ep all-to-all" in out
+    assert plan_main(argv + ["--json"]) == 0
+    parts = json.loads(capsys.readouterr().out)["step_time"]["breakdown_s"]
+    assert parts["cp_comm"] > 0 and parts["ep_comm"] > 0
+
+
+def test_search_with_cp_and_ep_ranks_bad_spans_low_and_long_sequences_need_cp(capsys):
+    # a short sequence: cp across nodes (tp=8 x cp=2) loses to the same layout without cp
+    job = dict(layers=32, hidden=4096, heads=32, seq_len=2048, global_batch=256)
+    fits, _ = search(32, A100, **job)
+    assert {x.cp for x in fits} >= {1, 2, 4}
+
+    def rank(fits, **want):
+        return next(i for i, x in enumerate(fits)
+                    if all(getattr(x, k) == v for k, v in want.items()))
+    same = dict(pp=1, micro_batch=1, sequence_parallel=True, recompute="selective",
+                distributed_optimizer=True, vpp=1)
+    assert rank(fits, tp=8, cp=1, **same) < rank(fits, tp=8, cp=2, **same)
+    # MoE: ep spanning nodes loses to ep inside a node
+    small = dict(job, layers=16, hidden=2048, heads=16)
+    moe, _ = search(32, A100, **small, num_experts=16, moe_topk=2)
+    assert {x.ep for x in moe} >= {1, 2, 4, 8, 16}
+    assert all(x.memory_bytes <= 0.9 * A100.hbm_bytes for x in moe)
+    one = dict(same, sequence_parallel=False)                # sp needs tp > 1
+    assert rank(moe, tp=1, cp=1, ep=8, **one) < rank(moe, tp=1, cp=1, ep=16, **one)
+    assert rank(moe, tp=2, cp=1, ep=4, **same) < rank(moe, tp=2, cp=1, ep=8, **same)
+    # s = 65536 on 16 x 80 GB: no cp=1 layout fits (the recomputed attention's scores), cp wins
+    long = dict(job, seq_len=65536, global_batch=16)
+    fits, too_big = search(16, A100, **long)
+    assert fits and too_big and all(x.cp > 1 for x in fits)
+    assert search(16, A100, **long, cps=(1,))[0] == []
+    # s = 32768 on 16 x 40 GB: cp=1 fits only with tp across nodes, and is slower
+    fits, _ = search(16, GPUS["a100-40gb"], **dict(long, seq_len=32768))
+    assert fits[0].cp > 1 and all(x.tp > 8 for x in fits if x.cp == 1)
+    # the CLI: cp and ep columns
+    argv = ["--search", "--gpus", "32", "--layers", "16", "--hidden", "2048", "--heads", "16",
+            "--seq-len", "2048", "--global-batch-size", "256", "--num-experts", "16", "--top",
+            "3"]
+    assert plan_main(argv) == 0
+    out = capsys.readouterr().out
+    assert " ep " in out and " cp " in out and "fastest" in out
+    assert search_main(argv + ["--moe-router-topk", "32"]) == 2
+    assert "--num-experts must be >= --moe-router-topk" in capsys.readouterr().err
+    assert search_main(argv[:-4] + ["--num-experts", "0"]) == 2
+    assert "--num-experts must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_search_llama_keeps_gqa_groups_whole(capsys):
+    from paraloom.analysis.arch import Architecture
+    llama = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+                         num_query_groups=2, untie_embeddings_and_output_weights=True,
+                         add_bias_linear=False)
+    job = dict(layers=8, hidden=1024, heads=16, seq_len=2048, global_batch=32, ffn=2816)
+    fits, _ = search(16, A100, **job, arch=llama)
+    assert fits and {x.tp for x in fits} == {1, 2}          # 2 key/value groups: tp <= 2
+    gpt, _ = search(16, A100, **job)
+    assert max(x.tp for x in gpt) == 16
+    argv = ["--search", "--gpus", "16", "--layers", "8", "--hidden", "1024", "--heads", "16",
+            "--seq-len", "2048", "--global-batch-size", "32", "--arch", "llama",
+            "--group-query-attention", "--num-query-groups", "2", "--top", "2"]
+    assert plan_main(argv) == 0 and "fastest" in capsys.readouterr().out
+    assert plan_main(argv + ["--num-experts", "4"]) == 2
+    assert "experts are GeLU MLPs" in capsys.readouterr().err

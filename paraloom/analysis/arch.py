@@ -18,6 +18,7 @@ all-gathers and the sequence-parallel sums come out exact):
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 __all__ = ["Architecture", "arch_chunk_params", "layer_param_count", "arch_params_per_rank",
            "arch_param_count"]
@@ -40,7 +41,7 @@ class Architecture:
         """From a ``config.json``'s ``model`` dict (absent keys: GPT-2's values)."""
         return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
 
-    @property
+    @cached_property  # asked for every layout the search tries; the instance is frozen
     def is_gpt2(self) -> bool:
         """Every parameter as in GPT-2 (``attention`` changes no parameter)."""
         return self == Architecture(attention=self.attention)
@@ -103,10 +104,18 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
     return out
 
 
+_COUNTS: dict = {}
+"""Counts already made, by what they depend on (``plan --search`` asks for many layouts)."""
+
+
 def arch_params_per_rank(c, pp_rank: int) -> int:
     """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
-    from .layout import chunk_params
-    return sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+    key = (c.arch, c.layers, c.hidden, c.heads, c.f, c.seq_len, c.vocab, c.tp, c.pp, c.v, c.sp,
+           c.moe, pp_rank)
+    if key not in _COUNTS:
+        from .layout import chunk_params
+        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+    return _COUNTS[key]
 
 
 def arch_param_count(c) -> int:

@@ -28,13 +28,12 @@ import sys
 
 from .arch import Architecture, arch_param_count
 from .cp_formulas import cp_activation_factor
+from .flops import hardware_flops, model_flops
 from .formulas import (
     CommConfig,
     activation_bytes_per_layer,
     bubble_fraction,
     expected_comm,
-    hardware_flops_per_iteration,
-    model_flops_per_iteration,
     param_count,
     params_per_rank,
     stage_layers,
@@ -101,9 +100,7 @@ def plan(c: CommConfig) -> dict:
             if b > comm_bytes.get(kind, -1):
                 comm_bytes[kind], comm_ops[kind] = b, n
     gbs = c.micro_batch * c.num_microbatches * c.dp
-    flops = model_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn)
-    hw_flops = hardware_flops_per_iteration(gbs, c.seq_len, c.layers, c.hidden, c.vocab, c.ffn,
-                                            c.recompute)
+    flops, hw_flops = model_flops(c), hardware_flops(c)  # GQA, SwiGLU, MoE experts
     gpus = c.tp * c.cp * c.pp * c.dp
     return {"gpus": gpus, "global_batch_size": gbs,
             "parameters": {"total": (arch_param_count(c) if not c.arch.is_gpt2 else

@@ -1,18 +1,17 @@
 """``paraloom plan --search``: every valid layout of a job that fits memory, ranked by predicted
 throughput, with the reason each one wins or loses.
 
-A layout is (tp, pp, dp, vpp, micro batch, sequence parallel, recomputation, distributed
-optimizer) for a fixed model, sequence length, global batch and GPU count; valid when the
-divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch by
-micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
-sequence parallelism). Memory is :func:`paraloom.analysis.plan.memory_per_gpu` (the busiest
-stage), against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack,
-logits). Time is :func:`paraloom.analysis.steptime.step_time`, about 30 microseconds a layout,
-so a 1024-GPU search (a few ten thousand candidates) takes seconds.
-
-Context and expert parallelism are not paraloom layouts yet: :func:`search` takes ``cps`` /
-``eps`` (default ``(1,)``) and hands them to the step-time model, which already models both,
-so they join the enumeration when the dimensions land.
+A layout is (tp, cp, ep, pp, dp, vpp, micro batch, sequence parallel, recomputation,
+distributed optimizer) for a fixed model, sequence length, global batch and GPU count; valid when
+the divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch
+by micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
+sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes the powers of two
+up to ``--max-cp``; ep is tried only for a MoE model (``--num-experts``). Memory is
+:func:`paraloom.analysis.plan.memory_per_gpu` (the busiest stage) plus :func:`transient_bytes`
+(the layer being recomputed: a long sequence's attention scores), against ``fit_fraction`` of the
+GPU's memory (the rest: CUDA context, allocator slack, logits). Time is
+:func:`paraloom.analysis.steptime.step_time`, a few ten microseconds a layout, so a 1024-GPU
+search (about 25 000 candidates with cp) takes seconds.
 
     paraloom plan --search --gpus 1024 --layers 96 --hidden 12288 --heads 96 --seq-len 2048 \\
         --global-batch-size 1536 --gpu a100-80gb
@@ -26,12 +25,15 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from .formulas import CommConfig
+from .arch import Architecture
+from .formulas import CommConfig, activation_bytes_per_layer
 from .hardware import Hardware, add_hardware_args, hardware_from_args
+from .moe_formulas import MoECommConfig
 from .plan import GPT2_VOCAB, human_bytes, memory_per_gpu, padded_vocab
 from .steptime import Options, spans_nodes, step_time
 
-__all__ = ["Candidate", "layouts", "search", "explain", "search_main"]
+__all__ = ["Candidate", "cp_sizes", "transient_bytes", "layouts", "search", "explain",
+           "search_main"]
 
 
 @dataclass(frozen=True)
@@ -50,17 +52,40 @@ class Candidate:
     step_time_s: float
     memory_bytes: float
     prediction: dict
+    ep: int = 1
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
+    """The cp sizes worth trying: powers of two up to ``max_cp`` that divide ``gpus`` and cut
+    the sequence into ``2 cp`` equal chunks (load-balanced causal attention)."""
+    return tuple(cp for cp in (2 ** i for i in range(max_cp.bit_length()))
+                 if cp <= max_cp and gpus % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1)
+
+
+def transient_bytes(c: CommConfig) -> float:
+    """Bytes one layer needs on top of what ``memory_per_gpu`` keeps for backward: under full
+    recomputation the re-run layer's whole activations, under selective the re-run attention
+    scores (written-out attention), each for ``s/cp`` tokens (the cp ring computes ``s/cp``
+    queries against ``s/cp`` keys at a time). This is what makes a long sequence need cp."""
+    if c.recompute == "none":
+        return 0.0
+    s = c.seq_len // c.cp
+    kw = dict(sequence_parallel=c.sp, attention=c.arch.attention)
+    full = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp, **kw)
+    kept = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp,
+                                      recompute=c.recompute, **kw)
+    return (full - kept) * c.dtype_bytes / 2
+
+
 def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
             global_batch: int, cps=(1,), max_vpp: int = 4, micro_batches=(1, 2, 4, 8, 16)):
     """Every valid ``(tp, cp, pp, dp, vpp, b, sp, recompute, zero)`` for the job."""
     for cp in cps:
-        if gpus % cp:
+        if gpus % cp or (cp > 1 and seq_len % (2 * cp)):
             continue
         for tp in _divisors(gpus // cp):
             if heads % tp or hidden % tp:
@@ -84,31 +109,43 @@ def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
 
 def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
            global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
-           dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=(1,),
+           dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=None, cp_comm_type="p2p",
+           num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
+           arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
-    """All fitting layouts, fastest first, and how many valid ones did not fit."""
-    base = options or Options()
+    """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
+    the cp sizes to try (default :func:`cp_sizes`); with ``num_experts`` every ep that divides
+    both dp and the experts is tried too."""
+    o, arch = options or Options(), arch or Architecture()
     fits, too_big = [], 0
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
             gpus, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-            global_batch=global_batch, cps=cps):
-        c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                       vocab=padded_vocab(vocab, 128, tp), ffn=ffn, micro_batch=b,
-                       num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
-                       vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
-                       distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,))
-        mem = memory_per_gpu(c)["total"]
-        if mem > fit_fraction * hw.hbm_bytes:
-            too_big += 1
+            global_batch=global_batch, cps=cp_sizes(gpus, seq_len) if cps is None else cps):
+        if arch.num_query_groups and arch.num_query_groups % tp:  # GQA: groups split over tp
             continue
-        o = Options(**{**asdict(base), "cp": cp})
-        r = step_time(c, hw, o)
-        fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r))
+        eps = [e for e in _divisors(dp) if num_experts % e == 0] if num_experts else [1]
+        for ep in eps:
+            moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
+                                layer_freq=moe_layer_freq) if num_experts else None
+            c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
+                           vocab=padded_vocab(vocab, 128, tp), ffn=ffn, micro_batch=b,
+                           num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
+                           vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
+                           distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),
+                           cp=cp, cp_comm_type=cp_comm_type, moe=moe, arch=arch)
+            mem = memory_per_gpu(c)["total"] + transient_bytes(c)
+            if mem > fit_fraction * hw.hbm_bytes:
+                too_big += 1
+                continue
+            r = step_time(c, hw, o)
+            fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r,
+                                  ep))
     fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
     return fits, too_big
 
 
 _PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",
+         "cp_comm": "exposed cp K/V exchange",
          "ep_comm": "expert all-to-all",
          "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "exposed dp "
          "reduction", "emb_comm": "embedding reduction", "optimizer": "optimizer step",
@@ -121,6 +158,10 @@ def explain(x: Candidate, best: Candidate, hw: Hardware) -> str:
     notes = []
     if spans_nodes(1, x.tp, hw.gpus_per_node):
         notes.append(f"tp={x.tp} spans nodes: InfiniBand")
+    if spans_nodes(x.tp, x.cp, hw.gpus_per_node):
+        notes.append(f"cp={x.cp} spans nodes")
+    if spans_nodes(x.tp * x.cp, x.ep, hw.gpus_per_node):
+        notes.append(f"ep={x.ep} spans nodes")
     if x is best:
         lost = sorted(((v, k) for k, v in parts.items() if k != "compute"), reverse=True)
         share = parts["compute"] / x.step_time_s
@@ -135,7 +176,8 @@ def explain(x: Candidate, best: Candidate, hw: Hardware) -> str:
 
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
-    return (f"{i:>3} {x.tp:>3} {x.cp:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} {x.micro_batch:>3} "
+    return (f"{i:>3} {x.tp:>3} {x.cp:>3} {x.ep:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
+            f"{x.micro_batch:>3} "
             f"{'on' if x.sequence_parallel else 'off':>3} {x.recompute:>9} "
             f"{'on' if x.distributed_optimizer else 'off':>4} {x.step_time_s:>9.3f} "
             f"{r['mfu']:>5.1%} {human_bytes(x.memory_bytes):>10}  {explain(x, best, hw)}")
@@ -153,25 +195,52 @@ def search_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ffn", type=int, default=None)
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    ap.add_argument("--max-cp", type=int, default=32,
+                    help="largest context-parallel size tried (powers of two; default 32)")
+    ap.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p")
+    ap.add_argument("--num-experts", type=int, default=None,
+                    help="MoE: experts per MoE layer (then every ep dividing dp is tried)")
+    ap.add_argument("--moe-router-topk", type=int, default=2)
+    ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     add_hardware_args(ap)
+    from ..training.arch_flags import add_architecture_flags, architecture_from_args
+    add_architecture_flags(ap)
     a = ap.parse_args(argv)
     try:
         hw = hardware_from_args(a)
         for name in ("gpus", "layers", "hidden", "heads", "seq_len", "global_batch_size",
-                     "vocab", "top"):
+                     "vocab", "top", "max_cp", "moe_router_topk", "moe_layer_freq"):
             if getattr(a, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
                                  f"{getattr(a, name)}")
         if a.hidden % a.heads:
             raise ValueError(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
+        arch = Architecture(**{k: v for k, v in architecture_from_args(a).items()
+                               if k in Architecture.__dataclass_fields__})
+        if arch.num_query_groups and a.heads % arch.num_query_groups:
+            raise ValueError(f"--num-query-groups {arch.num_query_groups} must divide --heads "
+                             f"{a.heads}")
+        if a.num_experts is not None and not arch.is_gpt2:
+            raise ValueError("--num-experts: experts are GeLU MLPs with biases for now; "
+                             "use the GPT-2 MLP flags with MoE")
+        if a.num_experts is not None and a.num_experts < 1:
+            raise ValueError(f"--num-experts must be >= 1, got {a.num_experts}")
+        if a.num_experts is not None and not a.moe_router_topk <= a.num_experts:
+            raise ValueError(f"--num-experts must be >= --moe-router-topk "
+                             f"({a.moe_router_topk}), got {a.num_experts}")
     except ValueError as err:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
     tic = time.perf_counter()
     fits, too_big = search(a.gpus, hw, layers=a.layers, hidden=a.hidden, heads=a.heads,
                            seq_len=a.seq_len, global_batch=a.global_batch_size, vocab=a.vocab,
-                           ffn=a.ffn, dtype_bytes=2 if a.dtype == "bf16" else 4)
+                           ffn=a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu
+                                         else None),
+                           dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch,
+                           cps=cp_sizes(a.gpus, a.seq_len, a.max_cp),
+                           cp_comm_type=a.cp_comm_type, num_experts=a.num_experts,
+                           moe_topk=a.moe_router_topk, moe_layer_freq=a.moe_layer_freq)
     took = time.perf_counter() - tic
     if a.json:
         print(json.dumps({"hardware": hw.to_dict(), "layouts_fitting": len(fits),
@@ -184,7 +253,7 @@ def search_main(argv: list[str] | None = None) -> int:
         print("nothing fits: more GPUs, a shorter sequence or a smaller model")
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
-        ("tp", 3), ("cp", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
+        ("tp", 3), ("cp", 3), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
         ("recompute", 9), ("zero", 4), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
     for i, x in enumerate(fits[:a.top], 1):
         print(_row(i, x, fits[0], hw))
