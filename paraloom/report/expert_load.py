@@ -24,6 +24,7 @@ def plot_expert_load(metrics_path: str | Path, out: str | Path) -> Path | None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     layers = sorted(rows[0]["tokens_per_expert"], key=int)
     if len(layers) > 8:
@@ -41,6 +42,7 @@ def plot_expert_load(metrics_path: str | Path, out: str | Path) -> Path | None:
         ax.axhline(1 / experts, color="black", ls="--", lw=0.8)
         ax.set_title(f"layer {layer}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylim(0, 1)
     for ax in list(axes.flat)[len(layers):]:
         ax.axis("off")
