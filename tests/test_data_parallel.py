@@ -358,15 +358,85 @@ def test_finalize_sums_tied_embedding_grads_over_emb_group(world4, distributed):
 
 
 # --------------------------------------------------------------------------- pure logic
+def test_bucket_cut_halves_the_tail_and_isolates_shared_embeddings():
+    from paraloom.data_parallel.grad_buffer import cut_buckets
+
+    sizes = [(100, False)] * 12  # backward order; the last ones complete last
+    assert [len(g) for g in cut_buckets(sizes, 400, tail_splits=0)] == [4, 4, 4]
+    # from the end: limits 25, 25, 50, 100, 200, then 400 -> sizes 1, 1, 1, 1, 2, 4 (+ rest 2)
+    groups = cut_buckets(sizes, 400, tail_splits=4)
+    assert [len(g) for g in groups] == [2, 4, 2, 1, 1, 1, 1]
+    assert [i for g in groups for i in g] == list(range(12))  # launch order = backward order
+    shared = [(10, False), (1000, True), (10, False)]
+    assert cut_buckets(shared, 400) == [[0], [1], [2]]
+
+
 def test_bucket_layout_is_backward_ordered_and_padded():
     from paraloom.data_parallel import GradBuffer, default_bucket_size
 
     params = [(f"p{i}", nn.Parameter(torch.ones(n))) for i, n in enumerate([5, 7, 3, 10])]
-    buf = GradBuffer(params, bucket_size=8, pad_to=4)
-    assert [b.names for b in buf.buckets] == [["p3"], ["p2", "p1"], ["p0"]]
-    assert [b.numel for b in buf.buckets] == [12, 12, 8]
+    buf = GradBuffer(params, bucket_size=16, pad_to=4)
+    # limits from the end of backward (p0): 1, 1, 2, 4, 8, then 16 -- the tail halves
+    assert [b.names for b in buf.buckets] == [["p3"], ["p2"], ["p1"], ["p0"]]
+    assert [b.numel for b in buf.buckets] == [12, 4, 8, 8]
+    buf = GradBuffer(params, bucket_size=80, pad_to=4)  # limits 5, 5, 10, ...: p2 joins p3
+    assert [b.names for b in buf.buckets] == [["p3", "p2"], ["p1"], ["p0"]]
     for _, p in params:
         assert p.main_grad.data_ptr() == buf.grad[buf.param_range(p)[0]:].data_ptr()
     assert default_bucket_size(8) == 40_000_000 and default_bucket_size(64) == 64_000_000
     with pytest.raises(ValueError, match="bucket_size"):
         GradBuffer(params, bucket_size=0)
+
+
+def test_zero_grad_buffer_needs_no_pass_the_next_gradient_overwrites():
+    """zero_grad_buffer() writes nothing: the first gradient of the next step replaces main_grad
+    (copied, or the fused GEMM with beta=0), so stale values, even NaN, never leak in; later
+    microbatches add. One rank (dp = 1, scale 1)."""
+    mesh = ParallelMesh()
+    torch.manual_seed(0)
+    model = Net(mesh, fusion=True)
+    ddp = DistributedDataParallel(model, mesh, bucket_size=BUCKET)
+    ref = Net(ONE, fusion=False)
+    x, target = _batch(0)
+    ref(x, target).backward()
+    ref(2 * x, target).backward()  # two microbatches: .grad sums them
+    for _ in range(2):
+        ddp.zero_grad_buffer()
+        with ddp.no_sync():
+            ddp(x, target).backward()
+        ddp(2 * x, target).backward()
+        ddp.finish_grad_sync()
+        for (name, p), want in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.main_grad, want.grad, **FP32, msg=name)
+            p.main_grad.fill_(float("nan"))  # what zeroing would have hidden
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_fused_adam_step_equals_the_written_out_update_and_torch(decoupled):
+    """adam_step_ runs torch's fused kernel (one pass) and must equal, element for element, the
+    written-out formula it replaced and torch.optim.Adam(W) itself, over several steps."""
+    from paraloom.data_parallel import adam_step_, adam_update_
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7, 5), (13,), (3, 4, 2)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+    hp = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=decoupled)
+    fused, written = [p.clone() for p in params], [p.clone() for p in params]
+    state = [[torch.zeros_like(p) for p in params] for _ in range(4)]
+    ref = [torch.nn.Parameter(p.clone()) for p in params]
+    opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)(
+        ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    for step, grad in enumerate(grads, start=1):
+        adam_step_(fused, grad, state[0], state[1], step, **hp, fused=True)
+        for p, gr, a, b in zip(written, grad, state[2], state[3], strict=True):
+            adam_update_(p, gr, a, b, step, **hp)
+        for p, gr in zip(ref, grad, strict=True):
+            p.grad = gr.clone()
+        opt.step()
+    for f, w, r in zip(fused, written, ref, strict=True):
+        torch.testing.assert_close(f, w, rtol=1e-6, atol=1e-8)
+        torch.testing.assert_close(f, r.detach(), rtol=1e-6, atol=1e-8)
+    before = [p.clone() for p in fused]
+    adam_step_(fused, grads[0], state[0], state[1], 5, **hp, fused=False)  # the fallback runs
+    assert all(not torch.equal(a, b) for a, b in zip(before, fused, strict=True))

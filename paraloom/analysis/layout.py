@@ -2,7 +2,7 @@
 
 The data-parallel reduction of a step is one collective per gradient bucket, so its exact count
 and bytes depend on how :class:`~paraloom.data_parallel.grad_buffer.GradBuffer` cuts a chunk's
-parameters. This module derives that layout from the configuration alone (no model, no torch):
+parameters. This module derives that layout from the configuration alone (no model):
 
 * :func:`chunk_params` lists one pipeline chunk's parameters in registration order, as
   :class:`~paraloom.models.gpt.GPTModel` creates them — ``embedding.word_embeddings.weight``
@@ -11,9 +11,11 @@ parameters. This module derives that layout from the configuration alone (no mod
   ``attention.proj``, ``ln2``, ``mlp.fc1``, ``mlp.fc2`` (weights then biases), and
   ``final_layernorm`` on the last chunk — with their ``sequence_parallel`` marks (LayerNorms,
   row biases and position embeddings under sequence parallelism with ``t > 1``).
-* :func:`chunk_buckets` replays the buffer's cut: parameters in *reverse* order, a bucket closes
-  once it holds ``bucket_size`` elements, a shared embedding gets a bucket of its own, and every
-  bucket is padded to a multiple of ``dp`` under the distributed optimizer.
+* :func:`chunk_buckets` replays the buffer's cut (the same function,
+  :func:`paraloom.data_parallel.grad_buffer.cut_buckets`): parameters in *reverse* order, a
+  bucket closes once it holds ``bucket_size`` elements (halving in the last ``bucket_size``), a
+  shared embedding gets a bucket of its own, and every bucket is padded to a multiple of ``dp``
+  under the distributed optimizer.
 """
 
 from __future__ import annotations
@@ -105,25 +107,16 @@ def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
 
 
 def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool) -> list[Bucket]:
-    size, pad = bucket_size_of(c), (axis if c.distributed_optimizer else 1)
-    out: list[Bucket] = []
-    current: list[Param] = []
-
-    def close() -> None:
-        if current:
-            n = sum(p.numel for p in current)
-            out.append(Bucket(-(-n // pad) * pad, c.distributed_optimizer and
-                              not any(p.shared for p in current),
-                              tuple(p.name for p in current), expert))
-        current.clear()
-
-    for param in reversed(params):  # backward order: last layer first
-        if param.shared:
-            close()
-        current.append(param)
-        if param.shared or sum(p.numel for p in current) >= size:
-            close()
-    close()
+    from ..data_parallel.grad_buffer import cut_buckets  # the buffer's own rule
+    pad = axis if c.distributed_optimizer else 1
+    order = list(reversed(params))  # backward order: last layer first
+    out = []
+    for group in cut_buckets([(p.numel, p.shared) for p in order], bucket_size_of(c)):
+        members = [order[i] for i in group]
+        n = sum(p.numel for p in members)
+        out.append(Bucket(-(-n // pad) * pad, c.distributed_optimizer and
+                          not any(p.shared for p in members),
+                          tuple(p.name for p in members), expert))
     return out
 
 

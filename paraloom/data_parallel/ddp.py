@@ -3,7 +3,16 @@
 Each trainable parameter gets a ``main_grad`` view into a contiguous fp32 :class:`GradBuffer` and a
 post-accumulate-grad hook. In every backward the hook adds ``param.grad`` into ``main_grad`` and
 drops ``.grad`` (with ``gradient_accumulation_fusion`` the layer has already written ``main_grad``
-and flagged ``grad_added_to_main_grad``; its placeholder ``.grad`` is discarded unread). Outside
+and flagged ``grad_added_to_main_grad``; its placeholder ``.grad`` is discarded unread).
+
+No pass of its own zeroes the buffer or averages it: :meth:`zero_grad_buffer` only flags every
+parameter ``overwrite_main_grad``, and the first gradient of a step is *written* into ``main_grad``
+(a copy; the fused layers' GEMM runs with ``beta = 0``) instead of added to a zeroed one; every
+accumulation is scaled by ``main_grad_scale = 1/dp`` on the way in (``alpha``), so the bucket
+already holds each rank's share of the average when it is reduced. What this relies on: every
+parameter of a bucket gets a gradient before the bucket is reduced (:meth:`finish_grad_sync`
+raises otherwise), and padding, which no gradient writes, stays the zero it was allocated as
+(a reduction of zeros is zero). Outside
 :meth:`no_sync` (the last microbatch) the hook also marks the parameter ready; with
 ``overlap_grad_reduce`` a bucket whose parameters are all ready is reduced at once, asynchronously,
 while autograd computes the gradients of earlier layers. :meth:`finish_grad_sync` waits for all
@@ -15,10 +24,11 @@ so they complete buckets in the same order. Buckets are nevertheless *launched i
 complete bucket waits for the ones before it): collectives on one group must be issued in the same
 order on every rank, and this makes it so whatever order autograd happens to use.
 
-Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp_cp`` (dp x cp); with
-``average_in_collective=False`` (default) the summed bucket is divided by dp afterwards, with
-``average_in_collective=True`` each rank divides its contribution by dp before the SUM (what an
-AVG reduction does; this keeps bf16 sums in range). ``average=False`` gives the plain sum.
+Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp_cp`` (dp x cp) of
+contributions already scaled by ``1/dp`` (Megatron-Core's ``gradient_scaling_factor``, applied
+before its SUM; what an AVG reduction computes, and it keeps bf16 sums in range); for a
+power-of-two dp this is bitwise the sum divided afterwards. ``average_in_collective`` (Megatron's
+flag) is accepted and computes the same. ``average=False`` gives the plain sum.
 
 ``grad_reduce_in_fp32=False`` reduces a bf16 copy of each bucket (half the bytes) and writes the
 result back into the fp32 buffer; the fp32 buffer still accumulates the microbatches, so only the
@@ -48,6 +58,20 @@ from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 
 __all__ = ["DistributedDataParallel"]
 
+
+def _accumulate(main: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: bool) -> None:
+    """``main = scale * grad`` (``overwrite``) or ``main += scale * grad``, in fp32: one pass."""
+    if not overwrite:
+        main.add_(grad, alpha=scale)  # fp32 accumulation whatever .grad's dtype
+    elif grad.dtype == main.dtype and scale != 1.0:
+        torch.mul(grad, scale, out=main)
+    elif grad.dtype == main.dtype:
+        main.copy_(grad)
+    else:  # widen first: a 16-bit product would be rounded before it reached main_grad
+        main.copy_(grad)
+        if scale != 1.0:
+            main.mul_(scale)
+
 _SITE = "DistributedDataParallel.{phase}:bucket_grads"
 
 
@@ -60,7 +84,8 @@ class DistributedDataParallel(nn.Module):
         overlap_grad_reduce: launch a bucket's reduction from the gradient hooks as soon as the
             bucket is complete on the last microbatch (else all at :meth:`finish_grad_sync`).
         bucket_size: elements per bucket (default ``max(40M, 1M * dp)``, as Megatron).
-        average_in_collective: divide by dp before the SUM instead of after it.
+        average_in_collective: Megatron's flag (average in the collective); contributions are
+            always scaled by 1/dp before the SUM here, which is what it computes.
         grad_reduce_in_fp32: reduce the fp32 buffer; ``False`` reduces a bf16 copy.
         use_distributed_optimizer: reduce-scatter the buckets (each padded to a multiple of dp)
             for :class:`~paraloom.data_parallel.optimizer.DistributedOptimizer`; the parameters'
@@ -108,10 +133,13 @@ class DistributedDataParallel(nn.Module):
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self._synced = False  # finish_grad_sync completed since the last synchronising backward
+        self._scale = 1.0 / dp if average else 1.0
         self._hooks = []
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad_added_to_main_grad = False  # opt in to the layers' fusion protocol
+                param.main_grad_scale = self._scale  # the layers' fused GEMM scales by it too
+                param.overwrite_main_grad = True  # the next gradient replaces main_grad
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
 
     def forward(self, *args, **kwargs):
@@ -123,9 +151,9 @@ class DistributedDataParallel(nn.Module):
             return  # no gradient came (a zero-bubble B step defers it to its W step's hook)
         if param.grad is not None:
             if not param.grad_added_to_main_grad:
-                param.main_grad.add_(param.grad)  # fp32 accumulation whatever .grad's dtype
+                _accumulate(param.main_grad, param.grad, self._scale, param.overwrite_main_grad)
             param.grad = None  # the gradient lives in main_grad from now on
-        param.grad_added_to_main_grad = False
+        param.grad_added_to_main_grad = param.overwrite_main_grad = False
         if not self._sync:
             return
         self._synced = False
@@ -143,8 +171,6 @@ class DistributedDataParallel(nn.Module):
     def _launch(self, bucket: Bucket, phase: str) -> None:
         dp = bucket.axis
         send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
-        if self.average and self.average_in_collective:
-            send.div_(self.dp.size)  # may be the buffer itself: the result overwrites it
         args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=True,
                     bucket=bucket.index, params=list(bucket.names))
         if dp is not self.dp:
@@ -165,8 +191,6 @@ class DistributedDataParallel(nn.Module):
             target = target[lo:hi]
         if result.data_ptr() != target.data_ptr():
             target.copy_(result)
-        if self.average and not self.average_in_collective:
-            target.div_(self.dp.size)
         bucket.pending = None
 
     # ------------------------------------------------------------------ public API
@@ -215,9 +239,8 @@ class DistributedDataParallel(nn.Module):
                 f"Remove them, set requires_grad=False, or make the loss depend on them.")
 
     def zero_grad_buffer(self) -> None:
-        """Zero every ``main_grad`` (start of a step) and forget readiness and pending work."""
-        for buf in self.buffers_:
-            buf.zero_()
+        """Start a step: every ``main_grad`` counts as zero (the next gradient overwrites it; no
+        pass over the buffer) and readiness and pending work are forgotten."""
         for bucket in self.buckets:
             bucket.ready.clear()
             if bucket.pending is not None:
@@ -226,6 +249,7 @@ class DistributedDataParallel(nn.Module):
             for param in bucket.params:
                 param.grad = None
                 param.grad_added_to_main_grad = False
+                param.overwrite_main_grad = True
         self._next, self._synced = 0, False
 
     def broadcast_params(self) -> None:

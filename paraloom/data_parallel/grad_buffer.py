@@ -13,9 +13,11 @@ rest of backward still runs. (The order only affects how early a bucket is compl
 result: every parameter is counted ready by its own hook.)
 
 Buckets close once they hold at least ``bucket_size`` elements; a parameter is never split across
-buckets. A parameter marked ``shared_embedding`` gets a bucket of its own, so that its bucket can be
-all-reduced in full even under the distributed optimizer (its gradient is summed again over the
-embedding group afterwards, which needs every element valid on every rank).
+buckets; the last buckets of backward halve in size (:func:`cut_buckets`), so that the reduction
+left once backward ends is small. A parameter marked ``shared_embedding``
+gets a bucket of its own, so that its bucket can be all-reduced in full even under the
+distributed optimizer (its gradient is summed again over the embedding group afterwards, which
+needs every element valid on every rank).
 
 For the distributed optimizer (ZeRO-1), each bucket is padded to a multiple of ``pad_to`` (the
 data-parallel size), so a reduce-scatter gives every rank an equal contiguous shard, and the
@@ -29,12 +31,50 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "GradBuffer", "default_bucket_size"]
+__all__ = ["Bucket", "GradBuffer", "default_bucket_size", "cut_buckets", "TAIL_SPLITS"]
+
+TAIL_SPLITS = 4
+"""The last buckets of backward halve in size, down to ``bucket_size / 2**TAIL_SPLITS``
+(:func:`cut_buckets`)."""
 
 
 def default_bucket_size(dp: int) -> int:
     """Megatron's default: ``max(40_000_000, 1_000_000 * dp)`` elements per bucket."""
     return max(40_000_000, 1_000_000 * dp)
+
+
+def cut_buckets(params: list[tuple[int, bool]], bucket_size: int,
+                tail_splits: int = TAIL_SPLITS) -> list[list[int]]:
+    """Cut parameters, given in backward order as ``(numel, shared_embedding)``, into buckets:
+    lists of their indices, in launch order. Pure; :mod:`paraloom.analysis.layout` replays it.
+
+    * A bucket closes once it holds at least its limit; a parameter is never split.
+    * A shared embedding gets a bucket of its own.
+    * The limits, counted from the *end* of backward (the first parameters registered), are
+      ``b/2**k, b/2**k, b/2**(k-1), ..., b/2`` for ``b = bucket_size`` and ``k = tail_splits``,
+      then ``b`` for every earlier bucket (the first one launched takes what is left over).
+      The end of backward is where no compute is left to hide a reduction behind: the last
+      bucket's reduction is the part of the step nothing overlaps, so it is kept small, while
+      the buckets before it stay large (few collectives).
+    """
+    limits = [max(1, bucket_size >> tail_splits)] + \
+        [max(1, bucket_size >> k) for k in range(tail_splits, 0, -1)]
+    out: list[list[int]] = []
+    current: list[int] = []
+    held = 0
+    for i in reversed(range(len(params))):  # from the end of backward
+        numel, shared = params[i]
+        if shared and current:
+            out.append(current)
+            current, held = [], 0
+        current.append(i)
+        held += numel
+        if shared or held >= (limits[len(out)] if len(out) < len(limits) else bucket_size):
+            out.append(current)
+            current, held = [], 0
+    if current:
+        out.append(current)
+    return [group[::-1] for group in reversed(out)]  # launch order, backward order inside
 
 
 @dataclass(eq=False)
@@ -114,27 +154,18 @@ class GradBuffer:
         self.pad_to = pad_to
         device = named_params[0][1].device
         self.offsets: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffer
+        order = list(reversed(named_params))  # backward order: last layer first
+        groups = cut_buckets([(p.numel(), getattr(p, "shared_embedding", False))
+                              for _, p in order], bucket_size)
         layout: list[tuple[int, int, list]] = []  # (start, end, [(name, param)])
-        current: list = []
-        start = offset = 0
-
-        def close() -> None:
-            nonlocal start, offset, current
-            if current:
-                offset += -(offset - start) % pad_to  # pad the bucket to a multiple of pad_to
-                layout.append((start, offset, current))
-            start, current = offset, []
-
-        for name, param in reversed(named_params):  # backward order: last layer first
-            shared = getattr(param, "shared_embedding", False)
-            if shared:
-                close()
-            self.offsets[id(param)] = (offset, offset + param.numel())
-            offset += param.numel()
-            current.append((name, param))
-            if shared or offset - start >= bucket_size:
-                close()
-        close()
+        offset = 0
+        for group in groups:
+            start = offset
+            for i in group:
+                self.offsets[id(order[i][1])] = (offset, offset + order[i][1].numel())
+                offset += order[i][1].numel()
+            offset += -(offset - start) % pad_to  # pad the bucket to a multiple of pad_to
+            layout.append((start, offset, [order[i] for i in group]))
         self.numel = offset
         self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
         self.param_data = torch.zeros(offset, dtype=self.dtype, device=device) if hold_params \

@@ -1,9 +1,12 @@
 """Adam(W) on fp32 main parameters and ``main_grad``: replicated, or sharded over dp (ZeRO-1).
 
-Adam is written out in torch ops (:func:`adam_update_`), the same elementwise formula as
-``torch.optim.AdamW`` / ``Adam``, applied to whatever flat or shaped tensors it is given. It is
-elementwise, so updating a shard of a flat buffer gives, element for element, what updating the
-whole parameter gives: the exactness of the distributed optimizer rests on that.
+The update (:func:`adam_step_`) is torch's own fused Adam(W) kernel (``torch._fused_adamw_``,
+the one ``torch.optim.AdamW(fused=True)`` runs; CPU and CUDA) over the list of tensors: one pass
+over memory for the parameter, gradient and both moments, instead of the seven passes of the same
+formula written out in torch ops (:func:`adam_update_`, the fallback where the kernel is missing
+and the reference the tests hold it to; on a 3.3M-parameter GPT on CPU 1.0 ms against 9.9 ms).
+Both are elementwise, so updating a shard of a flat buffer gives, element for element, what
+updating the whole parameter gives: the exactness of the distributed optimizer rests on that.
 
 * :class:`MainParamsOptimizer` keeps, for every parameter, an fp32 master copy (the parameter
   itself when it is already fp32) and the Adam moments; every dp rank repeats the whole update.
@@ -26,7 +29,7 @@ import torch
 from .. import comm
 from .ddp import DistributedDataParallel
 
-__all__ = ["adam_update_", "MainParamsOptimizer", "DistributedOptimizer"]
+__all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer"]
 
 
 def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -44,10 +47,48 @@ def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     param.addcdiv_(exp_avg, denom, value=-lr / bias1)
 
 
+_NO_FUSED: set = set()
+"""``(device type, dtype)`` pairs on which the fused kernel raised: the written-out update runs."""
+
+
+def adam_step_(params: list[torch.Tensor], grads: list[torch.Tensor],
+               exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor], step: int, *,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decoupled: bool, fused: bool | None = None) -> None:
+    """One Adam(W) step in place over lists of fp32 tensors (``step`` counts from 1).
+
+    ``fused=None`` uses torch's fused kernel (``torch._fused_adamw_`` / ``_fused_adam_``) where
+    this torch has one for the tensors' device, else :func:`adam_update_` per tensor; ``True``
+    insists on the kernel, ``False`` runs the written-out formula."""
+    if not params:
+        return
+    kernel = getattr(torch, "_fused_adamw_" if decoupled else "_fused_adam_", None)
+    key = (params[0].device.type, params[0].dtype)
+    if fused is not False and kernel is not None and key not in _NO_FUSED:
+        steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)]
+        try:
+            kernel(params, grads, exp_avgs, exp_avg_sqs, [], steps * len(params), lr=lr,
+                   beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False,
+                   maximize=False)
+            return
+        except (RuntimeError, NotImplementedError):  # no kernel for this device / dtype
+            if fused:
+                raise
+            _NO_FUSED.add(key)
+    elif fused:
+        raise RuntimeError(f"fused=True, but this torch {torch.__version__} has no fused Adam "
+                           f"kernel for {key[0]} {key[1]}")
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs,
+                                                strict=True):
+        adam_update_(param, grad, exp_avg, exp_avg_sq, step, lr=lr, beta1=beta1, beta2=beta2,
+                     eps=eps, weight_decay=weight_decay, decoupled=decoupled)
+
+
 class _AdamBase:
     def __init__(self, ddp: DistributedDataParallel, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decoupled_weight_decay: bool = True) -> None:
+                 weight_decay: float = 0.0, decoupled_weight_decay: bool = True,
+                 fused: bool | None = None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"{type(self).__name__} needs a DistributedDataParallel model (it "
                             f"reads main_grad from its buffers), got {type(ddp).__name__}")
@@ -57,7 +98,9 @@ class _AdamBase:
                              f"0 <= beta < 1)")
         self.ddp, self.step_count = ddp, 0
         self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps,
-                       weight_decay=weight_decay, decoupled=decoupled_weight_decay)
+                       weight_decay=weight_decay, decoupled=decoupled_weight_decay, fused=fused)
+        """``fused``: :func:`adam_step_`'s choice (``None``: torch's fused kernel where there is
+        one)."""
 
     @property
     def lr(self) -> float:
@@ -87,7 +130,8 @@ class _AdamBase:
 
 
 class MainParamsOptimizer(_AdamBase):
-    """Adam(W) replicated on every dp rank, on fp32 master params with ``main_grad``."""
+    """Adam(W) replicated on every dp rank, on fp32 master params with ``main_grad``: one
+    :func:`adam_step_` over every parameter of the wrapper."""
 
     def __init__(self, ddp: DistributedDataParallel, **hp) -> None:
         super().__init__(ddp, **hp)
@@ -105,8 +149,10 @@ class MainParamsOptimizer(_AdamBase):
     def step(self) -> None:
         """Update every parameter from its ``main_grad`` (call after finalize_model_grads)."""
         self.step_count += 1
-        for param, master, exp_avg, exp_avg_sq, fp32 in self.groups:
-            adam_update_(master, param.main_grad, exp_avg, exp_avg_sq, self.step_count, **self.hp)
+        groups = self.groups
+        adam_step_([g[1] for g in groups], [g[0].main_grad for g in groups],
+                   [g[2] for g in groups], [g[3] for g in groups], self.step_count, **self.hp)
+        for param, master, _, _, fp32 in groups:
             if not fp32:
                 param.data.copy_(master)
 
@@ -140,10 +186,11 @@ class DistributedOptimizer(_AdamBase):
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket's parameters."""
         self.step_count += 1
+        shards = self.shards
+        adam_step_([s[3] for s in shards], [b.grad[lo:hi] for b, lo, hi, *_ in shards],
+                   [s[4] for s in shards], [s[5] for s in shards], self.step_count, **self.hp)
         pending = []
-        for bucket, lo, hi, master, exp_avg, exp_avg_sq, copy in self.shards:
-            adam_update_(master, bucket.grad[lo:hi], exp_avg, exp_avg_sq, self.step_count,
-                         **self.hp)
+        for bucket, lo, hi, master, _, _, copy in shards:
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)

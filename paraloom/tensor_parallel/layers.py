@@ -132,7 +132,12 @@ def _weight_grad(weight: torch.Tensor, go: torch.Tensor, x: torch.Tensor, fusion
     if getattr(weight, "main_grad", None) is None:  # no data-parallel buffer provides it
         weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     main = weight.main_grad
-    main.addmm_(go.t().to(main.dtype), x.to(main.dtype))
+    # a data-parallel wrapper's protocol (ddp.py): scale by 1/dp on the way in, and overwrite the
+    # first gradient of a step (beta = 0 ignores what the buffer held) instead of zeroing first
+    overwrite = getattr(weight, "overwrite_main_grad", False)
+    main.addmm_(go.t().to(main.dtype), x.to(main.dtype), beta=0.0 if overwrite else 1.0,
+                alpha=getattr(weight, "main_grad_scale", 1.0))
+    weight.overwrite_main_grad = False
     if hasattr(weight, "grad_added_to_main_grad"):
         # A data-parallel wrapper is listening for this parameter's gradient hook: hand autograd
         # an uninitialised placeholder (no compute) and flag that the real gradient is in main_grad.
@@ -306,12 +311,17 @@ class RowParallelLinear(nn.Module):
         """``x``: ``[s, b, in/tp]`` (or ``[s, b, in]`` if not ``input_is_parallel``). Returns
         ``([s, b, out] or [s/tp, b, out] with sequence parallel, bias or None)``."""
         w = self._where
+        if self.mesh.tp.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
+            bias = None if self.skip_bias_add else self.bias
+            out = linear_with_grad_accumulation_and_async_allreduce(
+                x, self.weight, bias, None, False, False, self.gradient_accumulation_fusion)
+            return out, self.bias if self.skip_bias_add else None
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, w.axis, site=w.site, tag="input",
                                                         module=w.module, split=w.split)
         partial = linear_with_grad_accumulation_and_async_allreduce(
-            x, self.weight, None, w._replace(tag="output") if self.mesh.tp.size > 1 else None,
-            False, False, self.gradient_accumulation_fusion)
+            x, self.weight, None, w._replace(tag="output"), False, False,
+            self.gradient_accumulation_fusion)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(partial, w.axis, site=w.site,
                                                              module=w.module, split=w.split)

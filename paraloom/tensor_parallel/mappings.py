@@ -4,7 +4,8 @@ Each is "forward: X / backward: Y", with Megatron's names. ``axis`` is the tenso
 :class:`~paraloom.mesh.Axis`; ``site`` names the caller (``"RowParallelLinear"``) and ``tag`` the
 tensor (``"output"``), so the ledger reads ``RowParallelLinear.forward:output``. Activations are
 sequence-first ``[s, b, h]``: tensor-parallel splits act on the last dim, sequence-parallel ones
-on dim 0. All-reduces work in place on the tensor they are given (as Megatron's do): the partial
+on dim 0. Over a size-1 axis every mapping is the identity and returns its input (no autograd
+node). All-reduces work in place on the tensor they are given (as Megatron's do): the partial
 output in forward, the incoming gradient in backward; nothing else holds those tensors.
 
 ==========================================  ==========================  ==========================
@@ -158,35 +159,40 @@ def copy_to_tensor_model_parallel_region(x, axis=None, *,
                                          site="copy_to_tensor_model_parallel_region",
                                          tag="input", module=None, split=None):
     """Forward: identity. Backward: all-reduce the gradient over tp (each rank's is partial)."""
-    return _CopyToModelParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _CopyToModelParallelRegion.apply(x, where)
 
 
 def reduce_from_tensor_model_parallel_region(x, axis=None, *,
                                              site="reduce_from_tensor_model_parallel_region",
                                              tag="output", module=None, split=None):
     """Forward: all-reduce the partial sums over tp. Backward: identity."""
-    return _ReduceFromModelParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _ReduceFromModelParallelRegion.apply(x, where)
 
 
 def scatter_to_tensor_model_parallel_region(x, axis=None, *,
                                             site="scatter_to_tensor_model_parallel_region",
                                             tag="input", module=None, split=None):
     """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
-    return _ScatterToModelParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _ScatterToModelParallelRegion.apply(x, where)
 
 
 def gather_from_tensor_model_parallel_region(x, axis=None, *,
                                              site="gather_from_tensor_model_parallel_region",
                                              tag="output", module=None, split=None):
     """Forward: all-gather the last dim. Backward: keep this rank's slice of the gradient."""
-    return _GatherFromModelParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _GatherFromModelParallelRegion.apply(x, where)
 
 
 def scatter_to_sequence_parallel_region(x, axis=None, *,
                                         site="scatter_to_sequence_parallel_region",
                                         tag="input", module=None, split=None):
     """Forward: keep this rank's slice of the sequence (dim 0). Backward: all-gather dim 0."""
-    return _ScatterToSequenceParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _ScatterToSequenceParallelRegion.apply(x, where)
 
 
 def gather_from_sequence_parallel_region(x, axis=None, tensor_parallel_output_grad=True, *,
@@ -194,8 +200,10 @@ def gather_from_sequence_parallel_region(x, axis=None, tensor_parallel_output_gr
                                          tag="input", module=None, split=None):
     """Forward: all-gather the sequence (dim 0). Backward: reduce-scatter dim 0 when the consumer
     was tensor-parallel (``tensor_parallel_output_grad``), else keep this rank's slice."""
-    return _GatherFromSequenceParallelRegion.apply(x, _where(axis, site, tag, module, split),
-                                                   tensor_parallel_output_grad)
+    where = _where(axis, site, tag, module, split)
+    if where.axis.size == 1:
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, where, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x, axis=None, *,
@@ -203,4 +211,5 @@ def reduce_scatter_to_sequence_parallel_region(x, axis=None, *,
                                                tag="output", module=None, split=None):
     """Forward: reduce-scatter dim 0 (sum partial outputs, keep my sequence slice).
     Backward: all-gather dim 0."""
-    return _ReduceScatterToSequenceParallelRegion.apply(x, _where(axis, site, tag, module, split))
+    where = _where(axis, site, tag, module, split)
+    return x if where.axis.size == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, where)

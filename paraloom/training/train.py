@@ -149,25 +149,44 @@ def _counts_once(param, mesh: ParallelMesh) -> bool:
     return getattr(param, "tensor_model_parallel", False) or mesh.tp.rank == 0
 
 
-def _local_sq_norm(run: Run) -> torch.Tensor:
-    """Sum of squared main grads this rank is responsible for (dedup over tp, pp, dp x cp)."""
+def _norm_pieces(run: Run) -> list[tuple]:
+    """``(bucket, lo, hi)``: the contiguous stretches of main grads this rank counts in the
+    global norm (dedup over tp, pp, dp x cp), neighbours merged, so the norm is a few reductions
+    per bucket rather than one per parameter. The layout is fixed for a run: computed once."""
+    pieces = run.extra.get("norm_pieces")
+    if pieces is not None:
+        return pieces
     mesh, zero = run.mesh, run.cfg.distributed_optimizer
-    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    pieces = []
     for ddp in run.ddps:
         for bucket in ddp.buckets:
             axis = bucket.axis  # mesh.dp, or mesh.edp for experts (distinct over ep)
             if not zero and axis.rank != 0:
                 continue  # replicated after the all-reduce: its rank 0 counts it
             lo, hi = bucket.shard(axis.rank, axis.size) if zero else (0, bucket.numel)
-            grad = bucket.grad
-            for param in bucket.params:
+            for param in bucket.params:  # in buffer order: offsets increase
                 if not _counts_once(param, mesh):
                     continue
                 _, a, b = ddp.param_range(param)
                 a, b = max(a, lo), min(b, hi)
-                if a < b:
-                    total += grad[a:b].double().pow(2).sum()
-    return total
+                if a >= b:
+                    continue
+                if pieces and pieces[-1][0] is bucket and pieces[-1][2] == a:
+                    pieces[-1] = (bucket, pieces[-1][1], b)
+                else:
+                    pieces.append((bucket, a, b))
+    run.extra["norm_pieces"] = pieces
+    return pieces
+
+
+def _local_sq_norm(run: Run) -> torch.Tensor:
+    """Sum of squared main grads this rank is responsible for: each stretch's fp32 norm (torch's
+    reduction, no fp64 copy of the gradients), squared and summed in fp64."""
+    grads = [bucket.grad[a:b] for bucket, a, b in _norm_pieces(run)]
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=run.device)
+    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
+    return norms.double().square().sum()
 
 
 def train_step(run: Run, step: int) -> dict:
