@@ -2,8 +2,10 @@
 
 Each trainable parameter gets a ``main_grad`` view into a contiguous fp32 :class:`GradBuffer` and a
 post-accumulate-grad hook. In every backward the hook adds ``param.grad`` into ``main_grad`` and
-drops ``.grad`` (with ``gradient_accumulation_fusion`` the layer has already written ``main_grad``
-and flagged ``grad_added_to_main_grad``; its placeholder ``.grad`` is discarded unread).
+drops ``.grad``. paraloom's parallel linears write their weight gradients into ``main_grad``
+themselves (fp32 weights, or any with ``gradient_accumulation_fusion``) and flag
+``grad_added_to_main_grad``: their hook only marks them ready (see
+:mod:`paraloom.tensor_parallel.weight_grad` for the protocol).
 
 No pass of its own zeroes the buffer or averages it: :meth:`zero_grad_buffer` only flags every
 parameter ``overwrite_main_grad``, and the first gradient of a step is *written* into ``main_grad``
@@ -54,6 +56,7 @@ from torch import nn
 
 from .. import comm
 from ..mesh import ParallelMesh
+from ..tensor_parallel.weight_grad import hooks_fire_without_grad
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
 
 __all__ = ["DistributedDataParallel"]
@@ -135,6 +138,7 @@ class DistributedDataParallel(nn.Module):
         self._synced = False  # finish_grad_sync completed since the last synchronising backward
         self._scale = 1.0 / dp if average else 1.0
         self._hooks = []
+        self._placeholders = not hooks_fire_without_grad()
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad_added_to_main_grad = False  # opt in to the layers' fusion protocol
@@ -147,11 +151,14 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ hooks and launching
     def _on_grad(self, param: nn.Parameter) -> None:
-        if param.grad is None and not param.grad_added_to_main_grad:
+        grad, direct = param.grad, param.grad_added_to_main_grad
+        if grad is None and not direct:
             return  # no gradient came (a zero-bubble B step defers it to its W step's hook)
-        if param.grad is not None:
-            if not param.grad_added_to_main_grad:
-                _accumulate(param.main_grad, param.grad, self._scale, param.overwrite_main_grad)
+        if grad is not None:
+            # with a direct write, .grad is another use's share (a tied embedding), unless the
+            # layer had to hand autograd a placeholder (see tensor_parallel/weight_grad.py)
+            if not (direct and self._placeholders):
+                _accumulate(param.main_grad, grad, self._scale, param.overwrite_main_grad)
             param.grad = None  # the gradient lives in main_grad from now on
         param.grad_added_to_main_grad = param.overwrite_main_grad = False
         if not self._sync:

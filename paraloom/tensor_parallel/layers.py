@@ -18,8 +18,6 @@ Where each layer communicates (tp = tensor-parallel group, activations ``[s, b, 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +35,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from .weight_grad import defer, defer_weight_grads, is_deferring, weight_grad
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "LinearWithGradAccumulationAndAsyncCommunication", "defer_weight_grads",
@@ -74,8 +73,13 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     2. dgrad GEMM ``grad_x = grad_y W``;
     3. sequence parallel: wait for the gather, launch the reduce-scatter of ``grad_x`` (async);
        async_grad_allreduce: launch the all-reduce of ``grad_x`` (async);
-    4. wgrad GEMM ``grad_W = grad_y^T x`` (into fp32 ``weight.main_grad`` with fusion);
+    4. wgrad GEMM ``grad_W = grad_y^T x``, routed by :func:`.weight_grad.weight_grad` (``.grad``,
+       straight into fp32 ``weight.main_grad``, or queued for a zero-bubble W step);
     5. wait for the step-3 communication, which overlapped the wgrad GEMM.
+
+    With no communication (tp = 1) it costs what ``F.linear``'s own backward costs: the same two
+    GEMMs and bias sum, the weight gradient taken by autograd without a copy, or written into
+    ``main_grad`` where a data-parallel wrapper would otherwise copy it there.
     """
 
     @staticmethod
@@ -84,14 +88,15 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.where, ctx.sp, ctx.async_ar = where, sequence_parallel, async_grad_allreduce
         ctx.fusion, ctx.has_bias = gradient_accumulation_fusion, bias is not None
         ctx.save_for_backward(x, weight)  # with sp, x is the local shard: tp times less memory
-        # main_grad lives on the Parameter object itself; under activation recomputation the
-        # saved ``weight`` comes back as another tensor object, so keep the Parameter too.
+        # main_grad and the data-parallel marks live on the Parameter object itself; under
+        # activation recomputation the saved ``weight`` comes back as another tensor object
         ctx.param = weight
-        name = where.site if where else "linear"
-        module = where.module if where else None
         if sequence_parallel:
             x = comm.all_gather(x, where.axis, dim=0, **where.args("forward", "sp"))  # [s, b, h]
-        with _ledger.span(f"{name}.forward:fprop", phase="forward", module=module):
+        if _ledger.active() is None:
+            return F.linear(x, weight, bias)
+        with _ledger.span(f"{where.site if where else 'linear'}.forward:fprop", phase="forward",
+                          module=where.module if where else None):
             return F.linear(x, weight, bias)
 
     @staticmethod
@@ -99,81 +104,35 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         w = ctx.where
         name, module = (w.site, w.module) if w else ("linear", None)
-        gather = None
+        gather = pending = None
         if ctx.sp:  # re-gather the saved shard while the dgrad GEMM runs
             gather = comm.all_gather(x, w.axis, dim=0, async_op=True,
                                      **w.args("backward", "sp", "input (re-gather)"))
-        with _ledger.span(f"{name}.backward:dgrad", phase="backward", module=module):
-            grad_x = grad_out.matmul(weight)
-        x_full = gather.wait() if gather is not None else x
-        pending = None
-        if ctx.sp:
+        grad_x = None
+        if ctx.needs_input_grad[0]:  # not for a first stage's data, say: no dgrad GEMM then
+            with _ledger.span(f"{name}.backward:dgrad", phase="backward", module=module):
+                grad_x = grad_out.matmul(weight)
+        if gather is not None:
+            x = gather.wait()
+        if grad_x is None:
+            pass
+        elif ctx.sp:
             pending = comm.reduce_scatter(grad_x, w.axis, dim=0, async_op=True,
                                           **w.args("backward", "sp"))
         elif ctx.async_ar:
             pending = comm.all_reduce(grad_x, w.axis, async_op=True, **w.args("backward", "tp"))
         go = grad_out.reshape(-1, grad_out.shape[-1])
-        xf = x_full.reshape(-1, x_full.shape[-1])
+        xf = x.reshape(-1, x.shape[-1])
         grad_b = go.sum(0) if ctx.has_bias else None
-        if _DEFERRED is not None:  # zero-bubble B step: the weight gradient waits for its W step
-            _DEFERRED.append((ctx.param, go, xf, ctx.fusion, name, module))
+        if is_deferring():  # zero-bubble B step: the weight gradient waits for its W step
+            defer(ctx.param, go, xf, ctx.fusion, name, module)
             grad_w = None
         else:
             with _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module):
-                grad_w = _weight_grad(ctx.param if ctx.fusion else weight, go, xf, ctx.fusion)
+                grad_w = weight_grad(ctx.param, go, xf, ctx.fusion)
         if pending is not None:
             grad_x = pending.wait()
         return grad_x, grad_w, grad_b, None, None, None, None
-
-
-def _weight_grad(weight: torch.Tensor, go: torch.Tensor, x: torch.Tensor, fusion: bool):
-    if not fusion:
-        return go.t().matmul(x)
-    if getattr(weight, "main_grad", None) is None:  # no data-parallel buffer provides it
-        weight.main_grad = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-    main = weight.main_grad
-    # a data-parallel wrapper's protocol (ddp.py): scale by 1/dp on the way in, and overwrite the
-    # first gradient of a step (beta = 0 ignores what the buffer held) instead of zeroing first
-    overwrite = getattr(weight, "overwrite_main_grad", False)
-    main.addmm_(go.t().to(main.dtype), x.to(main.dtype), beta=0.0 if overwrite else 1.0,
-                alpha=getattr(weight, "main_grad_scale", 1.0))
-    weight.overwrite_main_grad = False
-    if hasattr(weight, "grad_added_to_main_grad"):
-        # A data-parallel wrapper is listening for this parameter's gradient hook: hand autograd
-        # an uninitialised placeholder (no compute) and flag that the real gradient is in main_grad.
-        weight.grad_added_to_main_grad = True
-        return torch.empty(weight.shape, dtype=go.dtype, device=go.device)
-    return None
-
-
-_DEFERRED: list | None = None  # where B steps queue their wgrad GEMMs (one backward at a time)
-
-
-@contextmanager
-def defer_weight_grads():
-    """Split a backward into B and W (zero-bubble pipelines): inside, the parallel linears
-    compute and communicate only the input gradient and queue their wgrad GEMMs; the yielded
-    callable, called later (the ``W`` step), runs them and hands each weight gradient to
-    autograd's accumulation (``.grad``, or ``main_grad`` with fusion), so data-parallel hooks
-    fire as in an undivided backward. Gradients of other parameters (norms, biases,
-    embeddings) are computed in B as usual."""
-    global _DEFERRED
-    saved, queue = _DEFERRED, []
-    _DEFERRED = queue
-    try:
-        yield lambda: _run_deferred(queue)
-    finally:
-        _DEFERRED = saved
-
-
-def _run_deferred(queue: list) -> None:
-    while queue:
-        param, go, xf, fusion, name, module = queue.pop(0)
-        with (torch.no_grad(),  # as inside autograd's backward: the saved input requires grad
-              _ledger.span(f"{name}.backward:wgrad", phase="backward", module=module)):
-            grad = _weight_grad(param, go, xf, fusion)
-        if grad is not None:  # accumulate as autograd would, firing the parameter's hooks
-            torch.autograd.backward(param, grad_tensors=grad)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, where=None,
