@@ -74,15 +74,15 @@ class Handle:
     def wait(self):
         if self._done:
             return self._result
-        event = self._event
-        if event is not None:
-            event["t_wait"] = _ledger.active().now() if _ledger.active() else event["t_wait"]
+        event, led = self._event, _ledger.active()
+        if event is not None and led is not None:
+            event["t_wait"] = led.stamp()
         for work in self._works:
             _wait(work, self._desc)
         if self._finish is not None:
             self._result = self._finish(self._result)
-        if event is not None and _ledger.active() is not None:
-            event["t_end"] = _ledger.active().now()
+        if event is not None and led is not None:
+            event["t_end"] = led.stamp()  # on CUDA: after the stream was made to wait
         self._done = True
         return self._result
 
@@ -258,10 +258,10 @@ class _P2PHandle(Handle):
     def wait(self):
         led = _ledger.active()
         for event in self._events:
-            event["t_wait"] = led.now() if led else event["t_wait"]
+            event["t_wait"] = led.stamp() if led else event["t_wait"]
         result = super().wait()
         for event in self._events:
-            event["t_end"] = led.now() if led else event["t_end"]
+            event["t_end"] = led.stamp() if led else event["t_end"]
         return result
 
 

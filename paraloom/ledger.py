@@ -7,8 +7,13 @@ DESIGN.md (the contract), written by :meth:`Ledger.dump` and merged over ranks b
 
 Times are seconds since the ledger's ``t0`` on the wall clock (``time.time``), which all ranks of a
 local run share; a launcher that wants one origin for every rank passes the same ``t0`` to each.
-On CPU the wall clock is exact enough; CUDA runs record host-side launch/wait times (no
-synchronisation is ever added).
+On CPU the wall clock is exact enough: operations run when the host calls them. On CUDA the host
+only enqueues kernels, so a ledger built with ``event_type`` (``torch.cuda.Event`` with timing,
+from :func:`paraloom.launch.timing_event_type`) stamps each ``t_start`` / ``t_wait`` / ``t_end``
+with an event recorded on the current stream -- when the GPU reaches that point -- and
+:meth:`Ledger.resolve` turns the events into seconds after the step, against an anchor event
+recorded when the ledger was made (the one moment host and device clocks are tied). Recording adds
+no synchronisation: :meth:`Ledger.dump` resolves after a step whose loss was already read back.
 """
 
 from __future__ import annotations
@@ -47,9 +52,16 @@ def recording(ledger: Ledger) -> Iterator[Ledger]:
 class Ledger:
     """Events of one rank, in the order they were launched (``seq``)."""
 
-    def __init__(self, rank: int = 0, t0: float | None = None) -> None:
+    def __init__(self, rank: int = 0, t0: float | None = None, event_type=None) -> None:
         self.rank = rank
         self.t0 = time.time() if t0 is None else t0
+        self._event_type = event_type
+        """``None``: stamps are wall-clock seconds; else a class whose instances ``record()`` a
+        point on the device stream and give ``elapsed_time(other)`` in ms (``torch.cuda.Event``)."""
+        self._anchor = None
+        if event_type is not None:  # host time and device time at one moment (device idle)
+            self._anchor = (event_type(), self.now())
+            self._anchor[0].record()
         self.events: list[dict] = []
         self.next_seq = 0
         """``seq`` of the next event: it keeps counting when ``events`` is cleared after a flush
@@ -60,7 +72,32 @@ class Ledger:
         """True while activation recomputation re-runs a forward (events get ``recompute``)."""
 
     def now(self) -> float:
+        """Host wall-clock seconds since ``t0``."""
         return time.time() - self.t0
+
+    def stamp(self):
+        """The time of "now" for an event field: :meth:`now` on CPU; on CUDA an event recorded on
+        the current stream (what the device reaches next), turned into seconds by
+        :meth:`resolve`."""
+        if self._event_type is None:
+            return time.time() - self.t0
+        event = self._event_type()
+        event.record()
+        return event
+
+    def resolve(self) -> None:
+        """Replace every event stamp in :attr:`events` by seconds since ``t0`` (device events:
+        anchor time + elapsed device time). Waits for those events only (they are done once the
+        step's loss was read back)."""
+        if self._anchor is None:
+            return
+        anchor, anchor_t = self._anchor
+        for event in self.events:
+            for key in ("t_start", "t_wait", "t_end"):
+                mark = event[key]
+                if not isinstance(mark, (int, float)):
+                    mark.synchronize()
+                    event[key] = anchor_t + anchor.elapsed_time(mark) / 1e3
 
     @contextmanager
     def at(self, *, step: int | None = None, microbatch: int | None = None) -> Iterator[None]:
@@ -84,7 +121,7 @@ class Ledger:
         if tensor is not None:
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
             nbytes = nbytes or tensor.numel() * tensor.element_size()
-        t = self.now()
+        t = self.stamp()
         event = {"rank": self.rank, "seq": self.next_seq, "step": self.step,
                  "microbatch": self.microbatch, "phase": phase, "kind": kind, "op": op,
                  "site": site, "module": module, "split": split, "async": async_op,
@@ -107,6 +144,7 @@ class Ledger:
 
     def dump(self, path: str | Path, mode: str = "w") -> None:
         """Write the events as JSON Lines (``mode="a"`` appends, for per-step flushing)."""
+        self.resolve()
         with open(path, mode) as f:
             for event in self.events:
                 f.write(json.dumps(event) + "\n")
@@ -126,7 +164,7 @@ class _Span:
         return self._event
 
     def __exit__(self, *exc) -> None:
-        self._event["t_wait"] = self._event["t_end"] = self._ledger.now()
+        self._event["t_wait"] = self._event["t_end"] = self._ledger.stamp()
 
 
 _NO_SPAN = nullcontext()  # reusable; ``as`` gives None

@@ -112,3 +112,50 @@ def test_bad_shapes_are_named(world4):
     assert all(world4.run(bad_reduce_scatter))
     with pytest.raises(ValueError, match="timeout must be positive"):
         comm.set_timeout(0)
+
+
+class _DeviceClock:
+    """A stand-in for a GPU stream: ``record`` enqueues at the device's time, which runs
+    ``lag`` seconds behind the host (queued kernels), and ``synchronize`` is counted."""
+
+    lag = 0.0
+    now = 0.0
+    syncs = 0
+
+    def __init__(self) -> None:
+        self.at = None
+
+    def record(self) -> None:
+        self.at = _DeviceClock.now + _DeviceClock.lag
+
+    def synchronize(self) -> None:
+        _DeviceClock.syncs += 1
+
+    def elapsed_time(self, end: _DeviceClock) -> float:  # ms, like torch.cuda.Event
+        return (end.at - self.at) * 1e3
+
+
+def test_cuda_event_stamps_resolve_to_device_times(tmp_path):
+    """With an event type (CUDA), every t_start/t_wait/t_end is an event on the stream, turned
+    into anchor time + device elapsed time when the ledger is dumped: the recorded times are when
+    the device got there, not when the host enqueued the work."""
+    _DeviceClock.now, _DeviceClock.lag = 0.0, 0.0
+    led = Ledger(rank=0, t0=0.0, event_type=_DeviceClock)
+    anchor_host = led._anchor[1]
+    with recording(led):
+        _DeviceClock.now, _DeviceClock.lag = 1.0, 0.25  # the host runs ahead of the device
+        with ledger.span("gemm", phase="forward"):
+            _DeviceClock.now = 1.5
+        event = led.record(op="all_reduce", phase="backward", kind="dp", site="s", nbytes=4)
+        _DeviceClock.now = 2.0
+        event["t_wait"] = led.stamp()
+        _DeviceClock.now = 3.0
+        event["t_end"] = led.stamp()
+    assert not isinstance(led.events[0]["t_start"], float)  # unresolved until the step is done
+    led.dump(tmp_path / "l.jsonl")
+    span, comm_event = load(tmp_path / "l.jsonl")
+    assert span["t_start"] == pytest.approx(anchor_host + 1.25)
+    assert span["t_end"] == pytest.approx(anchor_host + 1.75)
+    assert (comm_event["t_start"], comm_event["t_wait"], comm_event["t_end"]) == pytest.approx(
+        (anchor_host + 1.75, anchor_host + 2.25, anchor_host + 3.25))
+    assert _DeviceClock.syncs >= 5  # each event waited for (not the device as a whole)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..launch import timing_event_type
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from ..tensor_parallel.random import rng_state_dict
@@ -96,7 +97,7 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
         comm.all_reduce(last, mesh.world, phase="setup", kind="world", op="max",
                         site="run_rank:resumed_ledger_time")
         t0 -= float(last.item())
-    ledger = Ledger(rank=rank, t0=t0)
+    ledger = Ledger(rank=rank, t0=t0, event_type=timing_event_type(run.device))
     ledger.next_seq = next_seq
     first_recorded = 0 if keep_ledger else start
     bad = 0

@@ -87,8 +87,11 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     chunks = []
     for c, layers in enumerate(stage_layers(L, p.pp, mesh.pp.rank, vpp)):
         role = stage_role(L, p.pp, mesh.pp.rank, vpp, c)
-        chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
-                               post_process=role.is_last, options=options).to(device))
+        # parameters are created (and initialised) on the device itself: a 1B-parameter model's
+        # counter-based initialisation takes a second on a GPU and minutes on a few CPU cores
+        with torch.device(device):
+            chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
+                                   post_process=role.is_last, options=options))
     if init_from_hf is not None:
         from ..models.hf import load_hf_weights
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
