@@ -14,6 +14,8 @@ What it measures
       ``clip_grad_norm_``, ``torch.optim.AdamW`` (its default implementation on CPU, or
       ``--plain-optimizer fused`` / ``foreach``).
 
+    Both run in one process, under the allocator settings every paraloom rank applies
+    (:func:`paraloom.launch.tune_allocator`; ``--default-malloc`` leaves glibc's defaults).
     Both start from the same weights (copied from paraloom's model), read the same batches and
     use the same hyper-parameters (lr schedule, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
     every parameter, clip 1.0); their losses are checked to agree before timing. Iterations
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+from paraloom.launch import tune_allocator
 from paraloom.mesh import ParallelMesh
 from paraloom.training.data import Corpus, load_corpus
 from paraloom.training.schedule_lr import learning_rate
@@ -156,8 +159,12 @@ def main() -> None:
     ap.add_argument("--plain-optimizer", choices=("default", "fused", "foreach"),
                     default="default", help="torch.optim.AdamW implementation of the plain loop")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's allocator as it is (paraloom's ranks tune it)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if not args.default_malloc:  # what every paraloom rank does (launch.init_distributed); the
+        tune_allocator()         # plain loop shares this process, so it gets the same allocator
     cfg, run, plain, opt = make(args)
     ours = lambda s: train_step(run, s)  # noqa: E731
     theirs = lambda s: plain_step(cfg, run.corpus, plain, opt, s)  # noqa: E731
