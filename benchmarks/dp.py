@@ -100,6 +100,8 @@ def _step(model, ids, targets, zero, sync, update) -> tuple[float, float, float,
 
 
 def bench(rank: int, world: int, args) -> None:
+    if args.tuned_malloc:  # what `paraloom train` does in its ranks; both sides share the process
+        launch.tune_allocator()
     mesh = ParallelMesh(dp=world)
     torch.manual_seed(0)
     cfg = (args.vocab, args.hidden, args.layers, args.heads, args.seq)
@@ -194,6 +196,8 @@ def main() -> None:
     ap.add_argument("--torch-optimizer", choices=("default", "fused", "none"), default="default",
                     help="torch side's AdamW (default: torch.optim.AdamW's CPU default, the "
                          "per-parameter loop; fused: the kernel paraloom uses; none: no update)")
+    ap.add_argument("--tuned-malloc", action="store_true",
+                    help="apply paraloom.launch.tune_allocator in every rank (both sides share it)")
     args = ap.parse_args()
     launch.spawn(bench, args.dp, args)
 

@@ -56,7 +56,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from paraloom.launch import spawn
+from paraloom.launch import spawn, tune_allocator
 from paraloom.ledger import Ledger, recording
 from paraloom.mesh import ParallelMesh
 from paraloom.pipeline_parallel import forward_backward_pipelining_without_interleaving
@@ -248,7 +248,9 @@ def _check_same_grads(runs, rank) -> None:
                                            msg=lambda m, n=name, i=i: f"{n}, block {i}: {m}")
 
 
-def main(rank: int, world: int, iters: int, picture: str | None) -> None:
+def main(rank: int, world: int, iters: int, picture: str | None, tuned: bool = False) -> None:
+    if tuned:  # what `paraloom train` does in its ranks; every run here shares the process
+        tune_allocator()
     mesh = ParallelMesh(pp=P)
     ids = layer_range(L, P, rank)
     batches = data()
@@ -339,8 +341,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--picture", default="pp_schedule.png")
+    parser.add_argument("--tuned-malloc", action="store_true",
+                        help="paraloom.launch.tune_allocator in both ranks (shared by all runs)")
     parser.add_argument("--microbatches", type=int, default=M,
                         help=f"m (default {M}; the goals are stated for it)")
     args = parser.parse_args()
     M = args.microbatches  # the forked ranks inherit it
-    spawn(main, P, args.iters, args.picture or None)
+    spawn(main, P, args.iters, args.picture or None, args.tuned_malloc)

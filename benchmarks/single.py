@@ -14,8 +14,8 @@ What it measures
       ``clip_grad_norm_``, ``torch.optim.AdamW`` (its default implementation on CPU, or
       ``--plain-optimizer fused`` / ``foreach``).
 
-    Both run in one process, under the allocator settings every paraloom rank applies
-    (:func:`paraloom.launch.tune_allocator`; ``--default-malloc`` leaves glibc's defaults).
+    Both run in one process, under glibc's default allocator (``--tuned-malloc``: the settings
+    ``paraloom train`` applies in its ranks, :func:`paraloom.launch.tune_allocator`, for both).
     Both start from the same weights (copied from paraloom's model), read the same batches and
     use the same hyper-parameters (lr schedule, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
     every parameter, clip 1.0); their losses are checked to agree before timing. Iterations
@@ -159,12 +159,13 @@ def main() -> None:
     ap.add_argument("--plain-optimizer", choices=("default", "fused", "foreach"),
                     default="default", help="torch.optim.AdamW implementation of the plain loop")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--default-malloc", action="store_true",
-                    help="leave glibc's allocator as it is (paraloom's ranks tune it)")
+    ap.add_argument("--tuned-malloc", action="store_true",
+                    help="apply paraloom.launch.tune_allocator (as `paraloom train` does) to the "
+                         "process both run in")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.default_malloc:  # what every paraloom rank does (launch.init_distributed); the
-        tune_allocator()         # plain loop shares this process, so it gets the same allocator
+    if args.tuned_malloc:  # what `paraloom train` does in every rank; the plain loop shares
+        tune_allocator()   # this process, so it gets the same allocator
     cfg, run, plain, opt = make(args)
     ours = lambda s: train_step(run, s)  # noqa: E731
     theirs = lambda s: plain_step(cfg, run.corpus, plain, opt, s)  # noqa: E731

@@ -71,7 +71,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     backend = backend or ("nccl" if _cuda_usable() else "gloo")
     if backend == "nccl":
         get_device("nccl")
-    tune_allocator()
     comm.set_timeout(timeout_s)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
@@ -93,8 +92,10 @@ def tune_allocator() -> bool:
     (allocations below 256 MiB from the heap, trimming only past 1 GiB free) keeps the pages;
     resident memory then stays at the step's peak, which a training process reaches anyway.
     CUDA memory is untouched (PyTorch's caching allocator already does this on the GPU).
-    ``PARALOOM_MALLOC_TUNING=0`` leaves the allocator alone. Returns whether it was applied;
-    called by :func:`init_distributed`, in every rank."""
+    ``PARALOOM_MALLOC_TUNING=0`` leaves the allocator alone. Returns whether it was applied.
+    ``paraloom train`` and ``eval`` call it in every rank; a library user calls it (or not) in
+    their own processes, and the benchmarks, which run paraloom and PyTorch side by side in one
+    process, leave it to a flag (both sides then share the setting)."""
     if os.environ.get("PARALOOM_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
         return False
     try:

@@ -9,12 +9,15 @@ whose hooks do not fire for a missing gradient, the placeholder protocol must gi
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from paraloom.data_parallel import DistributedDataParallel
+from paraloom.ledger import Ledger, recording
 from paraloom.mesh import ParallelMesh
 from paraloom.tensor_parallel import ColumnParallelLinear, RowParallelLinear, weight_grad
 from paraloom.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
@@ -56,13 +59,12 @@ def _ids(seed: int):
 
 
 def _run(ref, model, ddp, microbatches: int):
+    """``microbatches`` backwards of both; ``model``'s under a ledger, so that at tp = 1 its
+    layers run their autograd function (as at tp > 1) rather than ``F.linear``."""
     ddp.zero_grad_buffer()
     for m in range(microbatches):
         ref(_ids(m)).backward()
-        if m < microbatches - 1:
-            with ddp.no_sync():
-                ddp(_ids(m)).backward()
-        else:
+        with recording(Ledger()), ddp.no_sync() if m < microbatches - 1 else nullcontext():
             ddp(_ids(m)).backward()
     ddp.finish_grad_sync()
 
@@ -123,3 +125,25 @@ def test_without_a_wrapper_the_gradient_stays_in_grad():
     model = Net(ParallelMesh())
     model(_ids(0)).backward()
     assert model.fc1.weight.grad is not None and not hasattr(model.fc1.weight, "main_grad")
+
+
+def test_a_zero_bubble_forward_builds_a_splittable_backward_at_tp1():
+    """At tp = 1 the layers use F.linear, unless the backward may be split: inside a
+    zero-bubble schedule's forward the weight gradient must wait for the W step."""
+    from paraloom.tensor_parallel.weight_grad import defer_weight_grads, need_layer_function
+
+    torch.manual_seed(0)
+    model = Net(ParallelMesh())
+    x = _ids(0)
+    with need_layer_function():
+        loss = model(x)
+    with defer_weight_grads() as run_w:
+        loss.backward()
+    assert model.fc1.weight.grad is None and model.fc2.weight.grad is None  # deferred
+    assert model.fc1.bias.grad is not None  # computed in B
+    run_w()
+    ref = Net(ParallelMesh())
+    ref.load_state_dict(model.state_dict())
+    ref(x).backward()  # the plain path (F.linear)
+    for (name, p), want in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, want.grad, rtol=0, atol=0, msg=name)

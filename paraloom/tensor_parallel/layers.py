@@ -35,7 +35,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from .weight_grad import defer, defer_weight_grads, is_deferring, weight_grad
+from .weight_grad import defer, defer_weight_grads, is_deferring, layer_function_needed, weight_grad
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding",
            "LinearWithGradAccumulationAndAsyncCommunication", "defer_weight_grads",
@@ -145,6 +145,19 @@ def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, wher
         gradient_accumulation_fusion)
 
 
+def _local_linear(x, weight, bias, fusion: bool):
+    """A linear layer at tp = 1. The autograd function above is needed only for what it adds
+    there -- the ledger's fprop/dgrad/wgrad spans while recording, the GEMM into ``main_grad``
+    (fusion), the split backward of a zero-bubble ``B`` step, a whole re-run under recomputation
+    (:func:`.weight_grad.need_layer_function`); otherwise ``F.linear``, whose
+    backward runs in C++ and computes the same GEMMs (bitwise the same gradients), saves the
+    Python function's ~30-50 us a call (1-3 % of a one-rank step, ``benchmarks/single.py``)."""
+    if fusion or layer_function_needed() or _ledger.active() is not None:
+        return linear_with_grad_accumulation_and_async_allreduce(x, weight, bias, None, False,
+                                                                 False, fusion)
+    return F.linear(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """``Y = X A + b`` with ``A`` split by columns (output dim): rank ``i`` holds ``A_i``,
     ``[out/tp, in]``.
@@ -203,14 +216,16 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor):
         """``x``: ``[s, b, in]`` (``[s/tp, b, in]`` with sequence parallel). Returns
         ``([s, b, out/tp] or [s, b, out] if gather_output, bias or None)``."""
-        w = self._where
-        if self.mesh.tp.size > 1 and not (self.async_grad_allreduce or self.sequence_parallel):
+        w, tp = self._where, self.mesh.tp.size
+        bias = None if self.skip_bias_add else self.bias
+        if tp == 1:
+            out = _local_linear(x, self.weight, bias, self.gradient_accumulation_fusion)
+            return out, (self.bias if self.skip_bias_add else None)
+        if not (self.async_grad_allreduce or self.sequence_parallel):
             x = copy_to_tensor_model_parallel_region(x, w.axis, site=w.site, module=w.module,
                                                      split=w.split)
-        bias = None if self.skip_bias_add else self.bias
         out = linear_with_grad_accumulation_and_async_allreduce(
-            x, self.weight, bias, w if self.mesh.tp.size > 1 else None,
-            self.sequence_parallel and self.mesh.tp.size > 1, self.async_grad_allreduce,
+            x, self.weight, bias, w, self.sequence_parallel, self.async_grad_allreduce,
             self.gradient_accumulation_fusion)
         if self.gather_output:
             out = gather_from_tensor_model_parallel_region(out, w.axis, site=w.site,
@@ -272,8 +287,7 @@ class RowParallelLinear(nn.Module):
         w = self._where
         if self.mesh.tp.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
             bias = None if self.skip_bias_add else self.bias
-            out = linear_with_grad_accumulation_and_async_allreduce(
-                x, self.weight, bias, None, False, False, self.gradient_accumulation_fusion)
+            out = _local_linear(x, self.weight, bias, self.gradient_accumulation_fusion)
             return out, self.bias if self.skip_bias_add else None
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, w.axis, site=w.site, tag="input",

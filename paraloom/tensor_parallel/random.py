@@ -114,6 +114,7 @@ def checkpoint(function, *args):
     from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
     from .. import ledger as _ledger
+    from .weight_grad import need_layer_function
 
     tracker = get_rng_tracker()
     saved = {name: state.clone() for name, state in tracker.states.items()}
@@ -122,7 +123,8 @@ def checkpoint(function, *args):
     def run(*inputs):
         calls[0] += 1
         if calls[0] == 1:
-            return function(*inputs)
+            with need_layer_function():  # both runs the same layers (see weight_grad.py)
+                return function(*inputs)
         current = tracker.states
         tracker.states = {name: state.clone() for name, state in saved.items()}
         led = _ledger.active()
@@ -130,7 +132,8 @@ def checkpoint(function, *args):
         if led:
             led.recompute = True
         try:
-            return function(*inputs)
+            with need_layer_function():
+                return function(*inputs)
         finally:
             tracker.states = current
             if led:

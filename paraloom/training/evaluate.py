@@ -117,6 +117,9 @@ def _train_config(args, model, ckpt):
 def _rank(rank, world, cfg, ckpt, split, batches, hf=None) -> None:
     import torch.distributed as dist
 
+    from ..launch import tune_allocator
+    tune_allocator()
+
     from ..mesh import ParallelMesh
     from .checkpoint import load_checkpoint
     from .data import Corpus, eval_batches, load_tokens

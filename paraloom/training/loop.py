@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..launch import timing_event_type
+from ..launch import timing_event_type, tune_allocator
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from ..tensor_parallel.random import rng_state_dict
@@ -71,6 +71,7 @@ def _save(run, out: Path, step: int) -> None:
 def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary.
     ``init_from_hf``: start from a Hugging Face GPT-2 checkpoint folder's weights."""
+    tune_allocator()
     out = Path(cfg.out)
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
