@@ -20,12 +20,22 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-if [ -z "${PYTHON:-}" ]; then  # a venv with CUDA torch if there is one, else the system python
-  PYTHON=python3
-  if [ -x .venv/bin/python ] && .venv/bin/python -c \
-      "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
-    PYTHON=.venv/bin/python
+if [ -z "${PYTHON:-}" ]; then  # the first of the venv's and the system's python that sees CUDA
+  for candidate in .venv/bin/python python3; do
+    if command -v "$candidate" >/dev/null && "$candidate" -c \
+        "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then
+      PYTHON=$candidate
+      break
+    fi
+  done
+  if [ -z "${PYTHON:-}" ]; then
+    PYTHON=python3
+    [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
   fi
+fi
+if ! "$PYTHON" -c "import torch" 2>/dev/null; then
+  echo "gpu.sh: $PYTHON cannot import torch (set PYTHON=... to a python with PyTorch)" >&2
+  exit 1
 fi
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT_DIR:-runs/gpu}
