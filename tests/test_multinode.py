@@ -6,6 +6,10 @@
 * A different folder per node (no shared filesystem, the usual case): both agents exit 0, node 0
   has the reports with every rank's events, node 1 its ranks' raw ledgers and a note; asking
   for checkpoints there is refused with a message that says why (checked without agents).
+* A ``--tokenizer`` folder only node 0 has: the ranks of node 1 find it missing while reading
+  their flags, before the world exists, and still join it to say so: both nodes stop at once
+  (exit code 2 in every rank), each node's log says why, instead of node 0 waiting for node 1
+  until the timeout and ending without a reason.
 
 Each agent is a real ``python -m torch.distributed.run`` process with a timeout.
 """
@@ -37,19 +41,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_nodes(out0: Path, out1: Path, *flags: str) -> list[tuple[int, str]]:
-    """Start node 0 and node 1 (2 ranks each); ``[(exit code, output)]`` per node."""
+def _two_nodes(out0: Path, out1: Path, *flags: str, cwds: tuple = (None, None),
+               base: list[str] = FLAGS) -> list[tuple[int, str]]:
+    """Start node 0 and node 1 (2 ranks each), in ``cwds`` (default: this one);
+    ``[(exit code, output)]`` per node."""
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
         "PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
            "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo"}
     procs = []
-    for node, out in enumerate((out0, out1)):
+    for node, (out, cwd) in enumerate(zip((out0, out1), cwds, strict=True)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
                str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), "-m", "paraloom", "train", *FLAGS, "--out", str(out),
+               "--master-port", str(port), "-m", "paraloom", "train", *base, "--out", str(out),
                *flags]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, cwd=cwd,
                                       stderr=subprocess.STDOUT, text=True))
     results = []
     try:
@@ -120,3 +126,30 @@ def test_checkpoints_refuse_a_folder_not_every_rank_sees(tmp_path):
     assert "shared filesystem" in text and "--save-every 0" in text
     needs_shared_folder(split, 0)
     needs_shared_folder(RunFolder(tmp_path, [True] * 4), 1)
+
+
+def test_a_folder_only_some_nodes_have_stops_every_node_with_the_reason(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    (node0 / "tok").mkdir(parents=True)
+    node1.mkdir()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 4, trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(node0 / "tok" / "tokenizer.json"))
+    flags = [f for f in FLAGS if f not in ("--vocab", "256")]  # the tokenizer's vocabulary
+    assert len(flags) == len(FLAGS) - 2
+    (rc0, log0), (rc1, log1) = _two_nodes(
+        Path("out"), Path("out"), "--steps", "1", "--save-every", "0", "--tokenizer", "tok",
+        cwds=(node0, node1), base=flags)
+    assert rc0 != 0 and rc1 != 0, log0[-3000:] + log1[-3000:]
+    assert "exitcode  : 2" in log0 and "exitcode  : 2" in log1  # refused, not crashed
+    assert "wait timeout" not in log0 + log1 and "timed out" not in log0 + log1
+    missing = "--tokenizer 'tok' is not a folder"
+    assert "the inputs are not readable on every rank" in log0
+    assert f"ranks 2, 3 on {socket.gethostname()}: {missing}" in log0
+    assert f"ranks 0, 1 on {socket.gethostname()} had no problem" in log0
+    assert f"rank 2: {missing}" in log1
+    assert not (node0 / "out" / "metrics.jsonl").exists()

@@ -331,6 +331,9 @@ def train_main(args, argv: list[str] | None = None) -> int:
             if args.nprocs != world:
                 raise ValueError(f"--nprocs {args.nprocs} does not match {layout}")
     except ValueError as err:
+        if launch.under_torchrun():  # the other ranks may see no problem: tell them, not hang
+            from .nodes import refuse_under_torchrun
+            return refuse_under_torchrun("paraloom train", str(err), args.timeout_s)
         print(f"paraloom train: error: {err}", file=sys.stderr)
         return 2
     if launch.under_torchrun():

@@ -15,8 +15,11 @@ it may or may not be on a filesystem every node sees. Here is what each case get
   and rank 0 the index, so a checkpoint is only whole where every rank wrote into the same folder.
   A run that would save (``--save-every`` > 0) without one stops before the first step, on every
   rank, with :class:`SetupError` (exit code 2), instead of leaving checkpoints nobody can load.
-  ``--resume`` and ``--data`` are checked on every rank (:func:`agree`): if some ranks do not see
-  the checkpoint or the file, every rank stops with one message that names them.
+  ``--resume``, ``--data``, ``--tokenizer`` and ``--init-from-hf`` are checked on every rank
+  (:func:`agree`): if some ranks do not see the checkpoint, file or folder, every rank stops
+  with one message that names them. A rank that finds its problem while reading the flags, before
+  the world exists, still joins it to say so (:func:`refuse_under_torchrun`): the others would
+  otherwise wait for it until the timeout and end without a reason.
 * **A clean end** is :func:`paraloom.launch.shutdown` after a barrier (see there).
 """
 
@@ -37,7 +40,7 @@ import torch
 from .. import comm
 
 __all__ = ["SetupError", "RunFolder", "prepare_run_folder", "needs_shared_folder", "agree",
-           "same_everywhere", "local_rank", "run_under_torchrun"]
+           "same_everywhere", "local_rank", "run_under_torchrun", "refuse_under_torchrun"]
 
 TOKEN_FILE = ".paraloom-folder-token"
 SEE_PATIENCE_S = 3.0
@@ -78,8 +81,9 @@ def agree(error: str | None, world, *, what: str) -> None:
     if not failed.any():
         return
     texts = comm.gather_objects((socket.gethostname(), error), world)
-    if texts is None:
-        raise SetupError(f"{what}: see rank 0's message")
+    if texts is None:  # rank 0 has every rank's problem; the other nodes still hear their own
+        raise SetupError(f"{what} (rank 0's message names every rank's); rank {world.rank}: "
+                         f"{error if error is not None else 'no problem here'}")
     by_error: dict[str, list[int]] = {}
     for rank, (_, text) in enumerate(texts):
         if text is not None:
@@ -210,7 +214,8 @@ def same_everywhere(value: str, world, *, what: str) -> None:
         return
     values = comm.gather_objects((socket.gethostname(), value), world)
     if values is None:
-        raise SetupError(f"{what}: see rank 0's message")
+        raise SetupError(f"{what} (rank 0's message says which ranks saw what); rank "
+                         f"{world.rank} sees {value}")
     hosts = [h for h, _ in values]
     by_value: dict[str, list[int]] = {}
     for rank, (_, v) in enumerate(values):
@@ -236,7 +241,8 @@ def run_under_torchrun(prog: str, timeout_s: float, check, body, resume: str | N
     checkpoint), agree on the result (and on the checkpoint ``resume`` resolves to), run
     ``body()``, and end cleanly; returns the exit code.
 
-    A :class:`SetupError` (known to every rank alike) is printed once and gives 2 on every rank;
+    A :class:`SetupError` (known to every rank) is printed once per node (rank 0's names every
+    rank's problem) and gives 2 on every rank;
     any other exception propagates (torchrun reports the rank). After a good run every rank meets
     in a barrier before the process groups are destroyed (:func:`paraloom.launch.shutdown`).
     """
@@ -256,9 +262,24 @@ def run_under_torchrun(prog: str, timeout_s: float, check, body, resume: str | N
         clean = True
         return 0
     except SetupError as err:
-        if world.rank == 0:
+        if local_rank() == 0:  # once per node: a node's own log says why it stopped
             print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         clean = True
         return 2
     finally:
         launch.shutdown(barrier=clean)
+
+
+def refuse_under_torchrun(prog: str, error: str, timeout_s: float) -> int:
+    """Exit code 2 for a rank that found ``error`` before joining torchrun's world (reading its
+    flags: a ``--tokenizer`` or ``--init-from-hf`` folder, a ``--resume`` checkpoint only some
+    nodes have). It joins the world anyway and reports the problem in the agreement the other
+    ranks hold after their own checks, so every rank stops at once with rank 0's message naming
+    the ranks and their hosts, instead of the others waiting for it until the timeout."""
+    def check():
+        raise ValueError(error)
+    timeout_s = timeout_s if timeout_s and timeout_s > 0 else 120.0  # the problem may be --timeout
+
+    def unreachable():
+        raise AssertionError("refuse_under_torchrun: the agreement let a failed rank through")
+    return run_under_torchrun(prog, timeout_s, check, unreachable)
