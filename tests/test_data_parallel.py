@@ -440,3 +440,60 @@ def test_fused_adam_step_equals_the_written_out_update_and_torch(decoupled):
     before = [p.clone() for p in fused]
     adam_step_(fused, grads[0], state[0], state[1], 5, **hp, fused=False)  # the fallback runs
     assert all(not torch.equal(a, b) for a, b in zip(before, fused, strict=True))
+
+
+# --------------------------------------------------------------------------- weight decay
+def decay_case(distributed):
+    """3 steps with a large weight decay that ``no_weight_decay_cond`` keeps off biases and
+    LayerNorm weights; returns the largest difference from torch AdamW with the same two groups
+    and from AdamW decaying everything (which must be large: the rule has to matter here)."""
+    from paraloom.data_parallel import no_weight_decay_cond
+    mesh = _mesh(1, 4)
+    hp = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=1.0)
+    model = Net(mesh, fusion=True)
+    ddp = DistributedDataParallel(model, mesh, bucket_size=BUCKET,
+                                  use_distributed_optimizer=distributed)
+    opt = (DistributedOptimizer if distributed else MainParamsOptimizer)(
+        ddp, **hp, no_weight_decay_cond=no_weight_decay_cond)
+    refs, ref_opts = [], []
+    for rule in (no_weight_decay_cond, lambda name, p: False):
+        ref = Net(ONE, fusion=False)
+        named = list(ref.named_parameters())
+        groups = [{"params": [p for n, p in named if not rule(n, p)]},
+                  {"params": [p for n, p in named if rule(n, p)], "weight_decay": 0.0}]
+        refs.append(ref)
+        ref_opts.append(torch.optim.AdamW(groups, **hp, foreach=False))
+    for step in range(3):
+        x, target = _batch(step)
+        for ref, ref_opt in zip(refs, ref_opts, strict=True):
+            ref_opt.zero_grad()
+            ref(x, target).backward()
+            ref_opt.step()
+        opt.zero_grad()
+        ddp(_local(x, mesh.dp, 1, 0), _local(target, mesh.dp, 1, 0)).backward()
+        finalize_model_grads([ddp], mesh)
+        opt.step()
+    diffs = []
+    for ref in refs:
+        want = dict(ref.named_parameters())
+        diffs.append(max(float((p.detach() - want[n].detach()).abs().max())
+                         for n, p in model.named_parameters()))
+    split = sorted({decayed for decayed, _ in opt.lists})
+    return dict(diffs=diffs, split=split,
+                undecayed=sorted(n for n, d in opt.decays.items() if not d))
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain", "distopt"])
+def test_no_weight_decay_on_biases_and_norms(world4, distributed):
+    """Megatron-Core's rule, as ``paraloom train`` uses it: the update equals torch AdamW with a
+    decayed group (matrices) and an undecayed one (biases, 1-D), also when a ZeRO-1 shard of a
+    bucket cuts through parameters of both kinds; decaying everything would differ."""
+    for out in world4.run(decay_case, distributed):
+        ours_vs_groups, ours_vs_all = out["diffs"]
+        assert ours_vs_groups < 1e-5, out
+        assert ours_vs_all > 1e-3, out
+        assert out["split"] == [False, True]
+        assert out["undecayed"] == sorted(
+            [f"blocks.{i}.{m}" for i in range(LAYERS) for m in
+             ("ln.weight", "ln.bias", "fc1.bias", "fc2.bias")]
+            + ["ln_f.weight", "ln_f.bias", "head.bias"])

@@ -3,8 +3,14 @@
 from .ddp import DistributedDataParallel
 from .finalize import finalize_model_grads
 from .grad_buffer import Bucket, GradBuffer, default_bucket_size
-from .optimizer import DistributedOptimizer, MainParamsOptimizer, adam_step_, adam_update_
+from .optimizer import (
+    DistributedOptimizer,
+    MainParamsOptimizer,
+    adam_step_,
+    adam_update_,
+    no_weight_decay_cond,
+)
 
 __all__ = ["DistributedDataParallel", "finalize_model_grads", "GradBuffer", "Bucket",
            "default_bucket_size", "DistributedOptimizer", "MainParamsOptimizer", "adam_step_",
-           "adam_update_"]
+           "adam_update_", "no_weight_decay_cond"]

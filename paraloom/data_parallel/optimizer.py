@@ -8,6 +8,11 @@ and the reference the tests hold it to; on a 3.3M-parameter GPT on CPU 1.0 ms ag
 Both are elementwise, so updating a shard of a flat buffer gives, element for element, what
 updating the whole parameter gives: the exactness of the distributed optimizer rests on that.
 
+Weight decay applies to every parameter unless ``no_weight_decay_cond(name, param)`` says
+otherwise (``paraloom train`` passes :func:`no_weight_decay_cond`: Megatron-Core's default). The
+update then runs as two kernel calls, one per setting, over views fixed at construction; under
+the distributed optimizer a shard is cut where its parameters' settings change.
+
 * :class:`MainParamsOptimizer` keeps, for every parameter, an fp32 master copy (the parameter
   itself when it is already fp32) and the Adam moments; every dp rank repeats the whole update.
   State: ``2 * N * 4`` bytes (+ ``N * 4`` for non-fp32 parameters).
@@ -29,7 +34,14 @@ import torch
 from .. import comm
 from .ddp import DistributedDataParallel
 
-__all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer"]
+__all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer",
+           "no_weight_decay_cond"]
+
+
+def no_weight_decay_cond(name: str, param: torch.Tensor) -> bool:
+    """Megatron-Core's default rule (and nanoGPT's): biases and every 1-D parameter (LayerNorm
+    and RMSNorm weights) get no weight decay; matrices and embeddings do."""
+    return name.endswith(".bias") or param.dim() == 1
 
 
 def adam_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -88,7 +100,7 @@ class _AdamBase:
     def __init__(self, ddp: DistributedDataParallel, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, decoupled_weight_decay: bool = True,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, no_weight_decay_cond=None) -> None:
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"{type(self).__name__} needs a DistributedDataParallel model (it "
                             f"reads main_grad from its buffers), got {type(ddp).__name__}")
@@ -101,6 +113,28 @@ class _AdamBase:
                        weight_decay=weight_decay, decoupled=decoupled_weight_decay, fused=fused)
         """``fused``: :func:`adam_step_`'s choice (``None``: torch's fused kernel where there is
         one)."""
+        cond = no_weight_decay_cond or (lambda name, param: False)
+        self.decays = {name: not cond(name, param) for name, param in ddp.named_main_params()}
+        """Whether each parameter (by name) is decayed."""
+        self.lists: list[tuple[bool, tuple[list, list, list, list]]] = []
+        """``(decayed, (params, grads, exp_avgs, exp_avg_sqs))``: what one kernel call updates
+        (fixed views: the step builds no list)."""
+
+    def _group_lists(self, runs) -> None:
+        """``runs``: ``(decayed, param, grad, exp_avg, exp_avg_sq)`` views, in order."""
+        by = {}
+        for decayed, *views in runs:
+            lists = by.setdefault(decayed, ([], [], [], []))
+            for lst, view in zip(lists, views, strict=True):
+                lst.append(view)
+        self.lists = sorted(by.items(), key=lambda kv: not kv[0])
+
+    def _update(self) -> None:
+        """One Adam(W) step over :attr:`lists` (no weight decay where a parameter has none)."""
+        self.step_count += 1
+        for decayed, lists in self.lists:
+            hp = self.hp if decayed else {**self.hp, "weight_decay": 0.0}
+            adam_step_(*lists, self.step_count, **hp)
 
     @property
     def lr(self) -> float:
@@ -136,11 +170,14 @@ class MainParamsOptimizer(_AdamBase):
     def __init__(self, ddp: DistributedDataParallel, **hp) -> None:
         super().__init__(ddp, **hp)
         self.groups = []  # (param, master, exp_avg, exp_avg_sq)
-        for _, param in ddp.named_main_params():
+        runs = []
+        for name, param in ddp.named_main_params():
             fp32 = param.dtype == torch.float32
             master = param.data if fp32 else param.data.float()
-            self.groups.append((param, master, torch.zeros_like(master),
-                                torch.zeros_like(master), fp32))
+            group = (param, master, torch.zeros_like(master), torch.zeros_like(master), fp32)
+            self.groups.append(group)
+            runs.append((self.decays[name], master, param.main_grad, group[2], group[3]))
+        self._group_lists(runs)
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for p, m, a, b, fp32 in self.groups for t in ((a, b) if fp32 else (m, a, b))]
@@ -148,11 +185,8 @@ class MainParamsOptimizer(_AdamBase):
     @torch.no_grad()
     def step(self) -> None:
         """Update every parameter from its ``main_grad`` (call after finalize_model_grads)."""
-        self.step_count += 1
-        groups = self.groups
-        adam_step_([g[1] for g in groups], [g[0].main_grad for g in groups],
-                   [g[2] for g in groups], [g[3] for g in groups], self.step_count, **self.hp)
-        for param, master, _, _, fp32 in groups:
+        self._update()
+        for param, master, _, _, fp32 in self.groups:
             if not fp32:
                 param.data.copy_(master)
 
@@ -171,13 +205,41 @@ class DistributedOptimizer(_AdamBase):
                              "use_distributed_optimizer=True): its buckets must be padded to a "
                              "multiple of dp, reduce-scattered, and the parameters held flat")
         self.shards = []  # (bucket, lo, hi, master, exp_avg, exp_avg_sq, is_copy)
+        runs = []
         for bucket in ddp.buckets:  # expert buckets are sharded over mesh.edp (bucket.axis)
             lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
             values = bucket.param_data[lo:hi]
             copy = values.dtype != torch.float32
             master = values.float() if copy else values  # fp32 params: update in place
-            self.shards.append((bucket, lo, hi, master, torch.zeros_like(master),
-                                torch.zeros_like(master), copy))
+            shard = (bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
+                     copy)
+            self.shards.append(shard)
+            grad = bucket.grad[lo:hi]
+            for a, b, decayed in self._decay_runs(bucket, lo, hi):
+                runs.append((decayed, *(t[a:b] for t in (master, grad, shard[4], shard[5]))))
+        self._group_lists(runs)
+
+    def _decay_runs(self, bucket, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """Shard-relative ``[a, b)`` pieces of ``[lo, hi)`` with one weight-decay setting each,
+        covering it (padding joins the piece before it: its value and gradient are zero)."""
+        pieces = []
+        for name, param in zip(bucket.names, bucket.params, strict=True):
+            _, p_lo, p_hi = self.ddp.param_range(param)
+            a, b = max(p_lo, lo) - lo, min(p_hi, hi) - lo
+            if a < b:
+                pieces.append((a, b, self.decays[name]))
+        runs: list[list] = []
+        for a, b, decayed in sorted(pieces):
+            if runs and runs[-1][2] == decayed:
+                runs[-1][1] = b
+            else:
+                if runs:
+                    runs[-1][1] = a
+                runs.append([0 if not runs else a, b, decayed])
+        if not runs:
+            return [(0, hi - lo, True)]  # padding only
+        runs[-1][1] = hi - lo
+        return [tuple(r) for r in runs]
 
     def state_tensors(self) -> list[torch.Tensor]:
         return [t for *_, m, a, b, copy in self.shards for t in ((m, a, b) if copy else (a, b))]
@@ -185,12 +247,9 @@ class DistributedOptimizer(_AdamBase):
     @torch.no_grad()
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket's parameters."""
-        self.step_count += 1
-        shards = self.shards
-        adam_step_([s[3] for s in shards], [b.grad[lo:hi] for b, lo, hi, *_ in shards],
-                   [s[4] for s in shards], [s[5] for s in shards], self.step_count, **self.hp)
+        self._update()
         pending = []
-        for bucket, lo, hi, master, _, _, copy in shards:
+        for bucket, lo, hi, master, _, _, copy in self.shards:
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)

@@ -48,7 +48,9 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--lr", type=float, default=_DEFAULTS["lr"])
     a("--min-lr", type=float, default=3e-4)
     a("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=5)
-    a("--weight-decay", type=float, default=0.1)
+    a("--weight-decay", type=float, default=0.1,
+      help="AdamW weight decay of matrices and embeddings; biases and norm weights get none "
+           "(Megatron-Core's rule)")
     a("--clip-grad", type=float, default=1.0)
     a("--seed", type=int, default=1234)
     a("--dropout", "--hidden-dropout", dest="dropout", type=float, default=0.0)

@@ -26,6 +26,7 @@ from ..data_parallel import (
     DistributedOptimizer,
     MainParamsOptimizer,
     finalize_model_grads,
+    no_weight_decay_cond,
 )
 from ..launch import get_device
 from ..mesh import ParallelMesh
@@ -101,7 +102,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
             for chunk in chunks]
     opt_cls = DistributedOptimizer if zero else MainParamsOptimizer
     optimizers = [opt_cls(d, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=cfg.weight_decay) for d in ddps]
+                          weight_decay=cfg.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
+                  for d in ddps]
     return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device)
 
 
