@@ -42,6 +42,12 @@ def _cuda_usable() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def default_backend() -> str:
+    """The backend :func:`init_distributed` picks when none is given: NCCL where CUDA is usable,
+    else gloo (local :func:`spawn` worlds always use gloo)."""
+    return "nccl" if _cuda_usable() else "gloo"
+
+
 def get_device(backend: str | None = None) -> torch.device:
     """``cuda:LOCAL_RANK`` when the backend is NCCL (or unset and CUDA is present), else CPU."""
     backend = backend or (dist.get_backend() if dist.is_initialized() else None)
@@ -68,7 +74,7 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
                                "local run")
         rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         init_method = init_method or "env://"
-    backend = backend or ("nccl" if _cuda_usable() else "gloo")
+    backend = backend or default_backend()
     if backend == "nccl":
         get_device("nccl")
     comm.set_timeout(timeout_s)

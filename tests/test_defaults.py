@@ -94,3 +94,27 @@ def test_switches_of_the_other_defaults(flags, field, want):
     got = {"fusion": cfg.parallel.gradient_accumulation_fusion,
            "overlap": cfg.overlap_grad_reduce, "p2p": cfg.overlap_p2p_comm}[field]
     assert got is want
+
+
+def test_overlapped_p2p_on_cuda_is_refused_before_the_ranks_train(monkeypatch):
+    """Under torchrun with CUDA (NCCL), an explicit --overlap-p2p-communication is refused while
+    the flags are read, and the refusal goes through the world's agreement (every rank stops
+    with the message), not as a ValueError raised inside every rank's schedule."""
+    from paraloom import launch
+    from paraloom.training import nodes
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(launch, "_cuda_usable", lambda: True)
+    refused = []
+    monkeypatch.setattr(nodes, "refuse_under_torchrun",
+                        lambda prog, error, timeout_s: refused.append(error) or 2)
+    monkeypatch.setattr(nodes, "run_under_torchrun", lambda *a, **k: pytest.fail("it ran"))
+    assert train_main(parse("--overlap-p2p-communication")) == 2
+    assert "--overlap-p2p-communication is for gloo" in refused[0]
+    assert "--no-overlap-p2p-communication" in refused[0]
+    ran = []
+    monkeypatch.setattr(nodes, "run_under_torchrun", lambda *a, **k: ran.append(a) or 0)
+    assert train_main(parse()) == 0 and train_main(parse("--pp", "1", "--dp", "4",
+                                                         "--overlap-p2p-communication")) == 0
+    assert len(ran) == 2 and len(refused) == 1

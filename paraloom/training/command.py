@@ -324,6 +324,13 @@ def train_main(args, argv: list[str] | None = None) -> int:
         c = cfg.parallel
         layout = f"tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {world}"
         if launch.under_torchrun():
+            if cfg.overlap_p2p_comm and c.pp > 1 and launch.default_backend() == "nccl":
+                raise ValueError(
+                    "--overlap-p2p-communication is for gloo (CPU); under torchrun with CUDA the "
+                    "ranks use NCCL, which runs a pair of stages' sends and receives in the order "
+                    "they were posted, so a receive posted ahead would wait for a peer that waits "
+                    "on its send. Leave the flag out (off on CUDA) or pass "
+                    "--no-overlap-p2p-communication")
             check_cp_world(c.cp, int(os.environ["WORLD_SIZE"]), "torchrun's WORLD_SIZE")
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(f"torchrun started WORLD_SIZE = {os.environ['WORLD_SIZE']} "
