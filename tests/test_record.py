@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from paraloom.ledger import load
+from paraloom.ledger import Ledger, load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,16 +155,17 @@ def runs(tmp_path_factory):
                               options=("--steps", "2")),
                "torchrun": _start(tmp, FAILING, "fine", name="joined", torchrun=True),
                "plain": _start(tmp, "print('no distributed here')\n", nproc=1, name="plain")}
-    done = {}
+    done, stdout = {}, {}
     try:
         for name, (proc, out) in started.items():
-            _, err = proc.communicate(timeout=180)
+            stdout[name], err = proc.communicate(timeout=180)
             done[name] = (proc.returncode, err, out)
     finally:
         for proc, _ in started.values():  # a run that timed out: its ranks too
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     done["facts"] = tmp / "facts.json"
+    done["stdout"] = stdout
     return done
 
 
@@ -288,6 +289,35 @@ def test_steps_stops_recording_and_torchrun_join(runs):
     events = load(out / "ledger.jsonl")  # merged by rank 0 from both ranks' files
     assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce"), (1, "all_reduce")]
     assert (out / "comm_table.md").is_file() and (out / "trace.json").is_file()
+    # rank 0 says what it merged, as a local record does (the other rank prints nothing)
+    assert runs["stdout"]["torchrun"].count(f"paraloom record: 2 events from 2 ranks -> {out}") \
+        == 1, runs["stdout"]["torchrun"]
+
+
+def test_joined_rank0_names_the_ranks_whose_files_never_came(tmp_path, monkeypatch, capsys):
+    """Rank 0 of a torchrun-joined record on two nodes with their own --out: the other node's
+    ranks never show up in its folder. It waits (bounded), merges what is there, and says which
+    ranks are missing and why, instead of blaming them for exit code 1."""
+    from paraloom.record import bootstrap, command
+
+    def program(out, steps, compute, target):  # rank 0's own recorded run: one event
+        (tmp_path / "rec" / "ledger").mkdir(parents=True, exist_ok=True)
+        event = Ledger(rank=0).record(op="all_reduce", phase="other", kind="dp",
+                                      site="x.py:1", nbytes=64, group=[0, 1, 2, 3])
+        (tmp_path / "rec" / "ledger" / "rank0.jsonl").write_text(json.dumps(event) + "\n")
+        (tmp_path / "rec" / "ledger" / "rank0.status.json").write_text(json.dumps(
+            {"rank": 0, "exit": 0, "error": None, "init": True, "time": 0.0}))
+        return 0
+    monkeypatch.setattr(bootstrap, "run_program", program)
+    monkeypatch.setattr(command, "_JOIN_WAIT_S", 0.3)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert command.record_main(["--out", str(tmp_path / "rec"), "--", __file__]) == 0
+    out, err = capsys.readouterr()
+    assert "3 of 4 ranks (1-3) left no status" in err and "every node shares" in err
+    assert "exited with code" not in err
+    assert "1 events from 1 ranks" in out
+    assert len(load(tmp_path / "rec" / "ledger.jsonl")) == 1
 
 
 def test_program_without_process_group(runs):

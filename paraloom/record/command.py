@@ -31,6 +31,8 @@ from ..ledger import load, merge
 __all__ = ["record_main", "finish"]
 
 _GRACE_S = 5.0
+_JOIN_WAIT_S = 60.0
+"""How long rank 0 of a joined (torchrun) record waits for the other ranks' status files."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -259,13 +261,18 @@ def record_main(argv: list[str] | None = None) -> int:
     codes, stopped = _launch(args, target, out)
     events = finish(out)
     code = _report(out, codes, stopped)
+    _summary(out, events, len(codes), code)
+    return code
+
+
+def _summary(out: Path, events: list[dict], ranks: int, code: int) -> None:
+    """The last line of a successful record."""
     if code == 0 and not events:
         print("paraloom record: the program initialised a process group but issued no "
               f"communication: {out}/ledger.jsonl is empty (no table or trace)")
     elif code == 0:
-        print(f"paraloom record: {len(events)} events from {args.nproc} ranks -> {out} "
+        print(f"paraloom record: {len(events)} events from {ranks} ranks -> {out} "
               f"(report.html, ledger.jsonl, comm_table.md, trace.json)")
-    return code
 
 
 def _join(args, target: list[str], out: Path) -> int:
@@ -276,10 +283,32 @@ def _join(args, target: list[str], out: Path) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
     if rank != 0:
         return code
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline and not all(
-            (out / "ledger" / f"rank{r}.status.json").exists() for r in range(world)):
+    deadline = time.monotonic() + _JOIN_WAIT_S
+
+    def absent() -> list[int]:
+        return [r for r in range(world) if not (out / "ledger" / f"rank{r}.status.json").exists()]
+    while time.monotonic() < deadline and absent():
         time.sleep(0.2)
-    codes = {r: _status(out, r).get("exit", 1) for r in range(world)}
-    finish(out)
-    return _report(out, codes) or code
+    missing = absent()
+    if missing:  # another node with its own --out, or ranks that never got to write
+        print(f"paraloom record: {len(missing)} of {world} ranks ({_ranks(missing)}) left no "
+              f"status in {out}/ledger within {_JOIN_WAIT_S:g} s; the merged ledger holds the "
+              f"{world - len(missing)} ranks whose files are here. Ranks on other nodes write "
+              f"into their node's --out: give a folder every node shares to merge them all",
+              file=sys.stderr)
+    codes = {r: _status(out, r).get("exit", 1) for r in range(world) if r not in missing}
+    events = finish(out)
+    code = _report(out, codes) or code
+    _summary(out, events, len(codes), code)
+    return code
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``0-3, 6`` for ``[0, 1, 2, 3, 6]``."""
+    spans, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            spans.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(spans)
