@@ -231,15 +231,21 @@ def test_pipeline_only_send_recv_with_the_right_peers(run):
         part = _part(events, "pipeline_part", rank=rank)
         assert part and {e["op"] for e in part} <= {"send", "recv"}, part
         assert {e["peer"] for e in part} == {peer}
-        # after the stages' shape exchange, the 4 microbatches' activations [2, 16] go
-        # 0 -> 1 and their gradients 1 -> 0 (pipelining posts them between module calls and
-        # outside the autograd engine, so their phase is honestly "other")
+        # after the stages' shape exchange (phase "other"), the 4 microbatches' activations
+        # [2, 16] go 0 -> 1 (phase forward) and their gradients 1 -> 0 (backward): pipelining
+        # posts them outside module calls and autograd; the stage method that made each op
+        # tells which it is
         data = [e for e in part if e["shape"] == [2, 16]]
         assert [e["bytes"] for e in data] == [2 * 16 * 4] * 8
         sends = [e for e in data if e["op"] == "send"]
         assert len(sends) == 4 and all(e["async"] for e in data)
         first = "send" if rank == 0 else "recv"
         assert data[0]["op"] == first
+        forward = "send" if rank == 0 else "recv"
+        assert [(e["op"], e["phase"]) for e in data if e["op"] == forward] == \
+            [(forward, "forward")] * 4
+        assert {e["phase"] for e in data if e["op"] != forward} == {"backward"}
+        assert {e["phase"] for e in part if e not in data} == {"other"}
 
 
 def test_ranks_merged_and_reports_work_on_the_folder(run):

@@ -59,6 +59,9 @@ class Recorder:
                                           getattr(pg, "group_desc", "") or "")
         ranks, desc = known
         phase = self.tracker.phase()
+        if op in ("send", "recv") and tensors:  # pipelining's p2p: its stage method's role
+            role = pipeline.p2p_phase(tensors[0])
+            phase = role if role is not None and phase == "other" else phase
         extra = {}
         if peer is not None:
             extra["peer"] = ranks[peer] if 0 <= peer < len(ranks) else peer
@@ -150,6 +153,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     intercept.install(rec)
     rec.kinds.install()
     rec.tracker.install()
+    pipeline.install_phases()
     if compute:
         pipeline.install(ledger)
     _CURRENT = rec
@@ -165,6 +169,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     finally:
         rec.on = False
         pipeline.uninstall()
+        pipeline.uninstall_phases()
         rec.tracker.uninstall()
         rec.kinds.uninstall()
         intercept.uninstall()

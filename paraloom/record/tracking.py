@@ -4,7 +4,8 @@
   hooks, so every optimizer is seen), ``backward`` while the autograd engine runs a graph task on
   this thread (``torch._C._current_graph_task_id() != -1``; true on autograd's device threads
   too, and during activation recomputation), ``forward`` while an ``nn.Module``'s forward runs,
-  else ``other``. Nothing is guessed from names.
+  else ``other`` (``torch.distributed.pipelining``'s sends and receives: the role of the stage
+  method that made them, see :mod:`.pipeline`). Nothing is guessed from names.
 * step — optimizer steps seen so far (post-hooks).
 * module — the path (``layers.0.mlp.fc1``, from the outermost module's ``named_modules``) of the
   innermost module whose forward is running; in backward, the module whose forward produced the
