@@ -89,6 +89,14 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
                  "--global-batch-size", "4", "--micro-batch-size", "2", "--batches", "2"]) == 0
     line = [x for x in capfd.readouterr().out.splitlines() if x.startswith("{")][-1]
     assert json.loads(line)["loss"] == pytest.approx(summary["held_out_loss_after"], rel=1e-5)
+    capfd.readouterr()  # export-hf takes the tokenizer along: transformers reads its tokens
+    assert main(["export-hf", str(out), str(tmp_path / "hf")]) == 0
+    assert "tokenizer files from" in capfd.readouterr().out
+    import transformers
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert hf_tok(corpus_docs[0]).input_ids == tok.encode(corpus_docs[0]).ids
+    assert transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "hf")).config.vocab_size >= len(hf_tok)
     parser = argparse.ArgumentParser()  # --resume takes the tokenizer back; --data replaces
     add_train_parser(parser.add_subparsers(dest="command"))  # the saved --data-path
     for argv, data, data_path in ((["--resume", str(out)], None, prefix),
@@ -219,3 +227,13 @@ def test_bad_tokenizers_and_inputs_exit_2(tmp_path, bpe, capsys, no_ranks):
     assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer",
                  str(folder), "--output-prefix", str(tmp_path / "nowhere" / "p")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_says_when_the_tokenizer_is_not_there(tmp_path, bpe):
+    from paraloom.training.hf_export import _copy_tokenizer
+    folder, _ = bpe
+    assert "byte-level" in _copy_tokenizer(None, tmp_path)
+    assert "NOT copied" in _copy_tokenizer(str(tmp_path / "gone"), tmp_path)
+    assert not (tmp_path / "tokenizer.json").exists()
+    assert _copy_tokenizer(str(folder), tmp_path).endswith(": tokenizer.json")
+    assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()

@@ -4,7 +4,11 @@
 Reads the checkpoint in this one process (no ranks: DCP assembles every tensor from its tp
 shards, whatever layout wrote it), maps it with :func:`paraloom.models.hf.to_hf_state_dict` and
 writes ``OUT_DIR/model.safetensors`` + ``OUT_DIR/config.json``, which
-``transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)`` loads::
+``transformers.GPT2LMHeadModel.from_pretrained(OUT_DIR)`` loads. A run trained with
+``--tokenizer DIR`` gets that folder's tokenizer files copied along (``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``, ``vocab.json``, ``merges.txt``: what it
+has of them), so ``AutoTokenizer.from_pretrained(OUT_DIR)`` reads the same tokens; a byte-level run
+has no tokenizer to copy (its token ids are the bytes)::
 
     paraloom export-hf runs/latest gpt2-out
     python -c "import transformers as t; t.GPT2LMHeadModel.from_pretrained('gpt2-out')"
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import warnings
 from pathlib import Path
@@ -50,11 +55,17 @@ def load_full_params(checkpoint: str | Path):
     return cfg, params, ckpt
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write ``model.safetensors`` and ``config.json`` for ``run_dir``'s latest checkpoint."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "vocab.json", "merges.txt")
+
+
+def export_hf(run_dir: str | Path, out_dir: str | Path) -> tuple[Path, str]:
+    """Write ``model.safetensors`` and ``config.json`` for ``run_dir``'s latest checkpoint, and
+    the run's tokenizer files; returns the checkpoint and a sentence on the tokenizer."""
     from safetensors.torch import save_file
 
     from ..models.hf import hf_config_from_model, to_hf_state_dict
+    from .checkpoint import find_checkpoint
     cfg, params, ckpt = load_full_params(run_dir)
     hf_config = hf_config_from_model(cfg)  # ValueError for a model with no HF architecture
     out = Path(out_dir)
@@ -62,17 +73,31 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> Path:
     save_file(to_hf_state_dict(params, cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))
-    return ckpt
+    return ckpt, _copy_tokenizer(find_checkpoint(ckpt)[1]["config"].get("tokenizer"), out)
+
+
+def _copy_tokenizer(folder: str | None, out: Path) -> str:
+    if folder is None:
+        return "no tokenizer (a byte-level run: token ids are bytes)"
+    src = Path(folder)
+    files = [src / name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not files:
+        return (f"tokenizer NOT copied: the run's --tokenizer {folder!r} is not readable here; "
+                f"copy its tokenizer.json next to the model yourself")
+    for file in files:
+        shutil.copyfile(file, out / file.name)
+    return f"tokenizer files from {folder}: {', '.join(f.name for f in files)}"
 
 
 def export_hf_main(argv) -> int:
     p = argparse.ArgumentParser(prog="paraloom export-hf", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir", help="run folder or checkpoint folder (its latest checkpoint)")
-    p.add_argument("out_dir", help="folder to write model.safetensors and config.json into")
+    p.add_argument("out_dir", help="folder to write model.safetensors, config.json and the "
+                                   "run's tokenizer files into")
     args = p.parse_args(argv)
     try:
-        ckpt = export_hf(args.run_dir, args.out_dir)
+        ckpt, tokenizer = export_hf(args.run_dir, args.out_dir)
     except ImportError as err:
         print(f"paraloom export-hf: error: {err}; install the extra: pip install "
               f"'paraloom[hf]'", file=sys.stderr)
@@ -80,5 +105,6 @@ def export_hf_main(argv) -> int:
     except ValueError as err:
         print(f"paraloom export-hf: error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {Path(args.out_dir) / 'model.safetensors'} and config.json from {ckpt}")
+    print(f"wrote {Path(args.out_dir) / 'model.safetensors'} and config.json from {ckpt}; "
+          f"{tokenizer}")
     return 0
