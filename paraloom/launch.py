@@ -136,6 +136,16 @@ def shutdown(*, barrier: bool = False) -> None:
 _WORLD_ENDED = False
 
 
+def skip_finalization() -> None:
+    """Let :func:`exit_process` end this torchrun worker with ``os._exit`` although paraloom did
+    not shut a world down itself: ``paraloom record`` joined to a world, once the user's program
+    has ended and the ledger is written. A program that leaves its process group for the
+    interpreter to tear down aborts there the same way (measured: rank 1 of a joined record of a
+    program that exits without ``destroy_process_group``, now and then)."""
+    global _WORLD_ENDED
+    _WORLD_ENDED = True
+
+
 def exit_process(code: int) -> None:
     """End a ``torchrun`` worker once its world was shut down cleanly: flush, then ``os._exit``.
 

@@ -316,6 +316,8 @@ def test_joined_rank0_names_the_ranks_whose_files_never_came(tmp_path, monkeypat
         return 0
     monkeypatch.setattr(bootstrap, "run_program", program)
     monkeypatch.setattr(command, "_JOIN_WAIT_S", 0.3)
+    from paraloom import launch
+    monkeypatch.setattr(launch, "_WORLD_ENDED", False)  # restored: _join marks the end
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert command.record_main(["--out", str(tmp_path / "rec"), "--", __file__]) == 0

@@ -277,9 +277,10 @@ def _summary(out: Path, events: list[dict], ranks: int, code: int) -> None:
 
 def _join(args, target: list[str], out: Path) -> int:
     """Record this rank; rank 0 then waits (bounded) for every rank's status and merges."""
+    from ..launch import skip_finalization
     from .bootstrap import run_program
-
     code = run_program(str(out), args.steps, args.compute, target)
+    skip_finalization()  # the program's groups must not abort the exit (as local ranks do)
     rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
     if rank != 0:
         return code
