@@ -9,7 +9,8 @@
 * A ``--tokenizer`` folder only node 0 has: the ranks of node 1 find it missing while reading
   their flags, before the world exists, and still join it to say so: both nodes stop at once
   (exit code 2 in every rank), each node's log says why, instead of node 0 waiting for node 1
-  until the timeout and ending without a reason.
+  until the timeout and ending without a reason. A problem every rank has (a bad flag) is said
+  once per node, as it is.
 
 Each agent is a real ``python -m torch.distributed.run`` process with a timeout.
 """
@@ -153,3 +154,8 @@ def test_a_folder_only_some_nodes_have_stops_every_node_with_the_reason(tmp_path
     assert f"ranks 0, 1 on {socket.gethostname()} had no problem" in log0
     assert f"rank 2: {missing}" in log1
     assert not (node0 / "out" / "metrics.jsonl").exists()
+    # the same problem on every rank (a bad flag): each node's log just says it
+    (rc0, log0), (rc1, log1) = _two_nodes(Path("out"), Path("out"), "--heads", "3",
+                                          cwds=(node0, node1))
+    bad = "paraloom train: error: hidden_size = 32 is not divisible by num_attention_heads = 3\n"
+    assert rc0 != 0 and rc1 != 0 and log0.count(bad) == 1 and log1.count(bad) == 1, log0 + log1

@@ -82,6 +82,8 @@ def agree(error: str | None, world, *, what: str) -> None:
         return
     texts = comm.gather_objects((socket.gethostname(), error), world)
     if texts is None:  # rank 0 has every rank's problem; the other nodes still hear their own
+        if failed.all():  # a problem on every rank (a bad flag, most often): just say it
+            raise SetupError(error)
         raise SetupError(f"{what} (rank 0's message names every rank's); rank {world.rank}: "
                          f"{error if error is not None else 'no problem here'}")
     by_error: dict[str, list[int]] = {}
