@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -33,6 +34,11 @@ def _add_schedule(sub) -> None:
     cmd.add_argument("--out", default="sched.png", help="PNG to write (default sched.png)")
 
 
+_MAX_DRAWN, _MAX_STAGES = 4096, 64
+"""The largest ``pp * vpp * microbatches``, and ``pp``, ``paraloom schedule`` simulates and
+draws."""
+
+
 def _schedule(args) -> int:
     from pathlib import Path
 
@@ -55,6 +61,18 @@ def _schedule(args) -> int:
 
         p, m, v = args.pp, args.microbatches, args.vpp
         name = args.schedule or ("none" if p == 1 else "interleaved" if v > 1 else "1f1b")
+        if name == "interleaved" and v < 2:  # what train refuses, not drawn either
+            raise ValueError("--schedule interleaved needs --vpp >= 2 (virtual stages per "
+                             "pipeline rank)")
+        if name == "zb-h1" and p < 2:
+            raise ValueError(f"--schedule zb-h1 (zero bubble) needs --pp >= 2, got --pp {p}")
+        if p > _MAX_STAGES:
+            raise ValueError(f"--pp {p}: at most {_MAX_STAGES} stages are simulated and drawn "
+                             f"(one row each); paraloom plan gives the bubble of big pipelines")
+        if p * v * m > _MAX_DRAWN:
+            raise ValueError(f"--pp {p} x --vpp {v} x --microbatches {m} = {p * v * m} "
+                             f"forward steps: too many to simulate and draw (at most "
+                             f"{_MAX_DRAWN}); paraloom plan gives the bubble of big pipelines")
         slots = tt.timetable(name, p, m, v)
         blocks, rows = plots.timetable_blocks(slots)
         bubble = tt.bubble_fraction(slots, p)
@@ -104,6 +122,22 @@ _HELP = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``paraloom`` command; Ctrl-C ends it with 130 and one line, and a closed output pipe
+    (``paraloom plan ... | head``) quietly, instead of a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\nparaloom: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away: nothing more to say to it
+        try:  # and Python's own flush at exit must not find the broken pipe either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - until the process ends
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in _FORWARDED:
         import importlib

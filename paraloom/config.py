@@ -6,6 +6,7 @@ any process group or rank is started.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["ParallelConfig", "ModelConfig", "TrainConfig", "check_layout"]
@@ -388,7 +389,9 @@ class TrainConfig:
             raise ValueError(f"schedule zb-h1 (zero bubble) needs pp >= 2, got pp = {p.pp}")
         if self.schedule == "interleaved":
             if (p.vpp or 1) < 2:
-                raise ValueError(f"schedule interleaved needs vpp >= 2, got vpp = {p.vpp}")
+                raise ValueError("schedule interleaved needs vpp >= 2 (--vpp, virtual stages per "
+                                 "pipeline rank), got " + (f"vpp = {p.vpp}" if p.vpp else
+                                                            "no vpp"))
             if self.num_microbatches % p.pp:
                 raise ValueError(f"the interleaved schedule needs the number of microbatches "
                                  f"({self.num_microbatches}) to be a multiple of pp = {p.pp}")
@@ -396,15 +399,27 @@ class TrainConfig:
             raise ValueError(f"vpp = {p.vpp} needs schedule interleaved, got {self.schedule!r}")
         if self.schedule == "none" and p.pp > 1:
             raise ValueError(f"schedule none (no pipelining) needs pp = 1, got pp = {p.pp}")
-        if not self.lr > 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr = {self.lr}, "
-                             f"min_lr = {self.min_lr}")
-        if self.warmup_steps < 0 or self.save_every < 0 or self.clip_grad < 0:
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr (--lr) must be a positive number, got {self.lr}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr (--min-lr) must be between 0 and lr = {self.lr} (the "
+                             f"schedule decays from lr down to it), got {self.min_lr}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got "
+                             f"{self.weight_decay}")
+        if self.bucket_size is not None:
+            _positive_int("bucket_size (--bucket-size, elements)", self.bucket_size)
+        if isinstance(self.ledger_steps, bool) or not isinstance(self.ledger_steps, int) or (
+                self.ledger_steps < 1 and self.ledger_steps != -1):
+            raise ValueError(f"ledger_steps (--ledger-steps) must be a positive number of steps "
+                             f"or -1 (every step), got {self.ledger_steps!r}")
+        if self.warmup_steps < 0 or self.save_every < 0 or not self.clip_grad >= 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}), save_every ({self.save_every}) "
                              f"and clip_grad ({self.clip_grad}) must be >= 0")
         _positive_int("max_bad_steps", self.max_bad_steps)
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got "
+                             f"{self.timeout_s}")
 
     @property
     def num_microbatches(self) -> int:

@@ -165,8 +165,24 @@ def exit_process(code: int) -> None:
     sys.exit(code)
 
 
+def _die_with(launcher: int) -> None:
+    """Make the kernel SIGKILL this rank when the launcher ends, however it ends (SIGTERM or
+    SIGKILL included; ``PR_SET_PDEATHSIG``, Linux): orphaned ranks would train on unseen. If
+    the launcher is already gone, stop now."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != launcher:
+        os._exit(1)
+
+
 def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads: int, fn, args,
-               errors) -> None:
+               errors, launcher: int) -> None:
+    _die_with(launcher)
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # gloo connects the ranks over TCP: keep a local world on the loopback interface
@@ -227,6 +243,7 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
     If any rank raises or dies, the others get ``grace_s`` seconds to report (their own errors
     are usually just "peer went away"), then every survivor is killed; the ``RuntimeError`` names
     the rank that caused it (its own exception first, then a killed rank) with its traceback.
+    Ranks end with the launcher: a signal that ends it (SIGTERM, SIGKILL) ends them too.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -238,7 +255,8 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
     os.close(fd)
     os.unlink(store)  # the file store creates it; a stale file would confuse the rendezvous
     procs = [ctx.Process(target=_rank_main, daemon=True, name=f"paraloom-rank-{rank}",
-                         args=(rank, world_size, store, timeout_s, threads, fn, args, errors))
+                         args=(rank, world_size, store, timeout_s, threads, fn, args, errors,
+                               os.getpid()))
              for rank in range(world_size)]
     failures: dict[int, tuple] = {}
     try:

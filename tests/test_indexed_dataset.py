@@ -123,6 +123,9 @@ def test_documents_are_joined_with_one_eod_between(tmp_path):
             w.add_document(doc)
     got = join_documents(IndexedDataset(tmp_path / "d"), eod).tolist()
     assert got == [5, 6, 3, 7, 3, 8, 3, 9, 9]
+    for suffix in (".bin", ".idx"):  # a file of the dataset given instead of its prefix
+        with pytest.raises(ValueError, match=f"give the prefix without '\\{suffix}': "):
+            IndexedDataset(f"{tmp_path / 'd'}{suffix}")
 
 
 def _corrupt(prefix, how):

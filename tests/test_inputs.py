@@ -156,3 +156,33 @@ def test_resume_of_a_missing_path_or_an_empty_folder_is_told_apart(tmp_path, cap
     assert main([command, "--resume", str(empty)]) == 2
     assert f"--resume {str(empty)!r}: no complete paraloom checkpoint there" in (
         capsys.readouterr().err)
+
+
+def test_eval_resume_scores_the_runs_own_data_from_any_folder(tmp_path, capfd, monkeypatch):
+    """A run trained on ``--data notes.txt`` (a relative path) stores the absolute path, and
+    ``eval --resume RUN`` from another folder scores that file, not the bundled corpus."""
+    home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+    home.mkdir()
+    elsewhere.mkdir()
+    (home / "notes.txt").write_bytes(bytes(range(32, 127)) * 8 + b"the end of the notes\n" * 9)
+    monkeypatch.chdir(home)
+    assert main(["train", "--data", "notes.txt", "--tp", "1", "--pp", "1", "--dp", "1",
+                 "--layers", "1", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+                 "--global-batch-size", "2", "--micro-batch-size", "1", "--steps", "1",
+                 "--warmup-steps", "0", "--out", "run"]) == 0
+    config = json.loads((home / "run" / "config.json").read_text())
+    assert config["data"] == str(home / "notes.txt")
+    monkeypatch.chdir(elsewhere)
+    capfd.readouterr()
+
+    def loss(*extra) -> tuple[float, str]:
+        assert main(["eval", "--resume", str(home / "run"), "--batches", "1",
+                     "--global-batch-size", "2", *extra]) == 0
+        out = capfd.readouterr()
+        return json.loads([x for x in out.out.splitlines() if x.startswith("{")][-1]), out.err
+
+    implicit, notes = loss()
+    assert f"scoring the run's own data, --data {str(home / 'notes.txt')!r}" in notes, notes
+    explicit, _ = loss("--data", str(home / "notes.txt"))
+    assert implicit == explicit
+    assert implicit["windows"] < 10  # the file's held-out 5 %, not the bundled corpus's

@@ -237,3 +237,28 @@ def test_export_says_when_the_tokenizer_is_not_there(tmp_path, bpe):
     assert not (tmp_path / "tokenizer.json").exists()
     assert _copy_tokenizer(str(folder), tmp_path).endswith(": tokenizer.json")
     assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+
+def test_resume_with_another_tokenizer_names_the_checkpoint(bpe):
+    """The vocabulary of a resumed run is the checkpoint's, not a --vocab flag."""
+    folder, _ = bpe
+    parser = argparse.ArgumentParser()
+    args = add_train_parser(parser.add_subparsers()).parse_args(
+        ["--resume", "old-run", "--tokenizer", str(folder)])
+    args.vocab = 256  # what resume_args takes from a byte-level checkpoint
+    with pytest.raises(ValueError, match=r"--resume 'old-run' holds a model with a vocabulary "
+                                         r"of 256, but --tokenizer .* has 300 tokens"):
+        config_from_args(args)
+
+
+def test_export_refuses_a_file_as_out_dir_and_names_moe(tmp_path, capsys):
+    from paraloom.config import ModelConfig
+    from paraloom.models.hf import hf_config_from_model
+    target = tmp_path / "model.bin"
+    target.write_text("not a folder")
+    assert main(["export-hf", str(tmp_path / "run"), str(target)]) == 2
+    assert "exists and is not a folder" in capsys.readouterr().err
+    moe = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,
+                      seq_length=16, num_experts=4)
+    with pytest.raises(ValueError, match="mixture-of-experts model .num_experts = 4."):
+        hf_config_from_model(moe)

@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from dataclasses import replace
 
@@ -162,14 +163,25 @@ BAD = [
     (["--hidden", "0"], "hidden_size must be a positive integer, got 0"),
     (["--vocab", "100"], "--vocab 100"),
     (["--dropout", "1.5"], "dropout must be in [0, 1), got 1.5"),
-    (["--lr", "0"], "lr = 0.0"),
+    (["--lr", "0"], "lr (--lr) must be a positive number, got 0.0"),
+    (["--lr", "-1"], "lr (--lr) must be a positive number, got -1.0"),
+    (["--lr", "nan"], "lr (--lr) must be a positive number, got nan"),
+    (["--min-lr", "1"], "min_lr (--min-lr) must be between 0 and lr = 0.003"),
+    (["--weight-decay", "-1"], "weight_decay (--weight-decay) must be >= 0, got -1.0"),
+    (["--bucket-size", "0"], "bucket_size (--bucket-size, elements) must be a positive integer"),
+    (["--ledger-steps", "0"], "(--ledger-steps) must be a positive number of steps or -1"),
+    (["--ledger-steps", "-5"], "(--ledger-steps) must be a positive number of steps or -1"),
+    (["--clip-grad", "nan"], "clip_grad (nan) must be >= 0"),
+    (["--out", __file__], "exists and is not a folder"),
     (["--tp", "2", "--pp", "1", "--dp", "1", "--nprocs", "4"], "--nprocs 4 does not match"),
     (["--schedule", "none"], "schedule none (no pipelining) needs pp = 1, got pp = 2"),
-    (["--schedule", "interleaved"], "needs vpp >= 2, got vpp = None"),
+    (["--schedule", "interleaved"],
+     "needs vpp >= 2 (--vpp, virtual stages per pipeline rank), got no vpp"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
     (["--resume", "/nonexistent/run"], "/nonexistent/run"),
     (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
-    (["--timeout", "0"], "timeout_s must be positive, got 0.0"),
+    (["--timeout", "0"], "timeout_s (--timeout) must be a positive number of seconds, got 0.0"),
+    (["--timeout", "nan"], "must be a positive number of seconds, got nan"),
 ]
 
 
@@ -198,3 +210,37 @@ def test_unknown_flag_and_foreign_resume_folder(tmp_path, capsys):
     empty.write_text("")
     assert main(["train", "--data", str(empty)]) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def test_moe_flags_without_experts_are_noted(capsys):
+    assert main(["train", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.5", "--tp",
+                 "0"]) == 2  # stopped by --tp 0 after the flags were read
+    err = capsys.readouterr().err
+    assert ("--moe-aux-loss-coeff, --moe-router-topk have no effect without --num-experts"
+            in err), err
+
+
+def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(monkeypatch, capsys):
+    import paraloom.cli as cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_main", interrupted)
+    assert cli.main(["train"]) == 130
+    assert capsys.readouterr().err.strip() == "paraloom: interrupted"
+    r, w = os.pipe()  # stdout a pipe whose reader is gone: plan | head
+    os.close(r)
+    out = os.fdopen(w, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+
+    def closed(argv):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "_main", closed)
+    try:
+        assert cli.main(["plan"]) == 141
+        out.write("after the reader left\n")
+        out.flush()  # stdout now goes nowhere instead of raising again
+    finally:
+        out.close()

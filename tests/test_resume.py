@@ -175,3 +175,54 @@ def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
     assert [m["step"] for m in got] == [3, 4, 5]
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
+
+
+def test_a_new_run_in_a_used_folder_sets_the_old_checkpoints_aside(runs, capfd):
+    """A new run into a folder whose checkpoints came from another run renames them, so
+    ``--resume FOLDER`` finds the new run's, never the old model."""
+    from paraloom.training.checkpoint import find_checkpoint
+    root, _, _ = runs
+    used = root / "used"
+    assert main(["train", *FLAGS, "--steps", "4", "--out", str(used)]) == 0
+    assert (used / "checkpoints" / "step_4").is_dir()
+    capfd.readouterr()
+    assert main(["train", *FLAGS, "--steps", "2", "--save-every", "2", "--hidden", "16",
+                 "--out", str(used)]) == 0
+    err = capfd.readouterr().err  # printed by rank 0
+    assert "held 1 checkpoint(s) of an earlier run in this folder (step_4)" in err, err
+    ckpt, meta = find_checkpoint(str(used))
+    assert ckpt.name == "step_2" and meta["config"]["model"]["hidden_size"] == 16
+    assert (used / "checkpoints" / "superseded_step_4").is_dir()
+
+
+def test_ranks_end_with_a_killed_launcher(tmp_path):
+    """SIGKILL to the ``paraloom train`` process (not its process group) ends its ranks too."""
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-m", "paraloom", "train", *FLAGS, "--steps",
+                             "1000000", "--save-every", "0", "--out", str(tmp_path / "run")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        while time.monotonic() < deadline and not (metrics.is_file() and metrics.read_text()):
+            time.sleep(0.05)
+        ranks = _ranks_of(proc.pid)
+        assert len(ranks) == 2 and proc.poll() is None
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{r}").exists() and b"Z" not in
+                                                  _state(r) for r in ranks):
+            time.sleep(0.05)
+        assert not [r for r in ranks if Path(f"/proc/{r}").exists() and b"Z" not in _state(r)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _state(pid: int) -> bytes:
+    """The state letter of ``/proc/PID/stat`` (``Z``: a zombie, i.e. ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return b"Z"

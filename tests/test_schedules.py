@@ -181,6 +181,13 @@ def test_cli_schedule_picture(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["schedule", "--pp", "zero"])
     assert info.value.code == 2 and "'zero'" in capsys.readouterr().err
+    # what train refuses is not drawn, and a size that would take minutes is refused at once
+    for argv, message in ((["--schedule", "interleaved", "--pp", "4"], "needs --vpp >= 2"),
+                          (["--schedule", "zb-h1", "--pp", "1"], "needs --pp >= 2, got --pp 1"),
+                          (["--pp", "65"], "--pp 65: at most 64 stages"),
+                          (["--pp", "64", "--microbatches", "65"], "= 4160 forward steps")):
+        assert cli.main(["schedule", *argv, "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
 
 
 def test_cli_schedule_from_ledger(tmp_path, capsys):

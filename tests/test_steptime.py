@@ -142,6 +142,16 @@ def test_search_1024_gpus_in_seconds_and_cli(capsys):
     assert "--top must be >= 1" in capsys.readouterr().err
 
 
+def test_search_says_why_no_layout_splits_the_job(capsys):
+    argv = ["--search", "--gpus", "3", "--layers", "4", "--hidden", "64", "--heads", "4",
+            "--seq-len", "64", "--global-batch-size", "16"]
+    assert plan_main(argv) == 1
+    out = capsys.readouterr().out
+    assert "no layout of 3 GPUs splits this job (memory is not the problem)" in out, out
+    assert "pp must divide --layers 4" in out and "GPU counts that do: 1, 2, 4" in out
+    assert "nothing fits" not in out
+
+
 def test_plan_prints_step_time_and_json(capsys):
     argv = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--seq-len", "2048",
             "--global-batch-size", "64", "--micro-batch-size", "1", "--tp", "2", "--pp", "2",

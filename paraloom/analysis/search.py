@@ -107,6 +107,22 @@ def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
                                     yield tp, cp, pp, dp, v, b, sp, rc, zero
 
 
+def no_valid_layout(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
+                    global_batch: int) -> str:
+    """Why no ``tp * cp * pp * dp = gpus`` splits the job, and the nearest GPU counts that do."""
+    def valid(n: int) -> bool:
+        return any(True for _ in layouts(n, layers=layers, hidden=hidden, heads=heads,
+                                         seq_len=seq_len, global_batch=global_batch,
+                                         cps=cp_sizes(n, seq_len)))
+    near = [n for n in sorted(range(1, 2 * gpus + 1), key=lambda n: (abs(n - gpus), n))
+            if n != gpus and valid(n)][:3]
+    return (f"no layout of {gpus} GPUs splits this job (memory is not the problem): tp must "
+            f"divide --heads {heads} and --hidden {hidden}, pp must divide --layers {layers}, "
+            f"micro-batch x dp must divide --global-batch-size {global_batch}, and cp must cut "
+            f"--seq-len {seq_len} into 2 cp equal chunks"
+            + (f"; GPU counts that do: {', '.join(map(str, sorted(near)))}" if near else ""))
+
+
 def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
            global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
            dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=None, cp_comm_type="p2p",
@@ -249,8 +265,12 @@ def search_main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(fits)} layouts fit {human_bytes(0.9 * hw.hbm_bytes)} of {hw.name} "
           f"({too_big} valid ones do not); searched in {took:.2f} s")
-    if not fits:
+    if not fits and too_big:
         print("nothing fits: more GPUs, a shorter sequence or a smaller model")
+        return 1
+    if not fits:
+        print(no_valid_layout(a.gpus, layers=a.layers, hidden=a.hidden, heads=a.heads,
+                              seq_len=a.seq_len, global_batch=a.global_batch_size))
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
         ("tp", 3), ("cp", 3), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),

@@ -125,7 +125,7 @@ class IndexedDataset:
             raise ValueError(f"{flag} {self.prefix!r}: {' and '.join(missing)} not found (an "
                              f"indexed dataset is PREFIX.bin + PREFIX.idx, as `paraloom "
                              f"preprocess --output-prefix PREFIX` or Megatron's "
-                             f"preprocess_data.py write)")
+                             f"preprocess_data.py write)" + _suffix_hint(self.prefix))
         raw = idx.read_bytes()
         bad = lambda why: ValueError(f"{flag} {self.prefix!r}: {idx} is not a Megatron index "
                                      f"file: {why}")
@@ -187,3 +187,12 @@ class IndexedDataset:
         start = int(self.sequence_pointers[lo]) // self.dtype.itemsize
         count = int(self.sequence_lengths[lo:hi].astype(np.int64).sum())
         return np.asarray(self.tokens[start:start + count])
+
+
+def _suffix_hint(prefix: str) -> str:
+    """A hint when the prefix names a file of the dataset instead of the dataset."""
+    for suffix in (".bin", ".idx"):
+        stem = prefix.removesuffix(suffix)
+        if stem != prefix and idx_path(stem).is_file() and bin_path(stem).is_file():
+            return f"; give the prefix without {suffix!r}: {stem!r}"
+    return ""

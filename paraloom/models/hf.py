@@ -106,6 +106,10 @@ def model_config_from_hf(hf: dict, *, seq_length: int | None = None,
 def hf_config_from_model(cfg: ModelConfig) -> dict:
     """A ``config.json`` for ``transformers.GPT2LMHeadModel`` (a Llama-shaped ``cfg``:
     ``LlamaForCausalLM``) with ``cfg``'s shape."""
+    if cfg.num_experts:
+        raise ValueError(f"this is a mixture-of-experts model (num_experts = "
+                         f"{cfg.num_experts}): GPT-2 and Llama, the Hugging Face architectures "
+                         f"paraloom exports to, have dense MLPs; there is no export for it")
     if is_llama(cfg):
         return llama_hf_config(cfg)
     if cfg != ModelConfig(**{k: getattr(cfg, k) for k in _GPT2_FIELDS}):

@@ -20,6 +20,7 @@ __all__ = ["add_train_parser", "train_main", "config_from_args"]
 
 _DEFAULTS = dict(tp=2, pp=2, dp=2, layers=4, hidden=64, heads=4, seq_len=64, vocab=256,
                  global_batch_size=16, micro_batch_size=2, steps=150, lr=3e-3)
+_MIN_LR = 3e-4
 
 
 def add_train_parser(sub) -> argparse.ArgumentParser:
@@ -46,7 +47,8 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
            "--seq-len may shorten it")
     a("--steps", "--train-iters", dest="steps", type=int, default=_DEFAULTS["steps"])
     a("--lr", type=float, default=_DEFAULTS["lr"])
-    a("--min-lr", type=float, default=3e-4)
+    a("--min-lr", type=float, default=None,
+      help=f"the cosine schedule's final learning rate (default: {_MIN_LR:g}, or --lr if lower)")
     a("--warmup-steps", "--lr-warmup-iters", dest="warmup_steps", type=int, default=5)
     a("--weight-decay", type=float, default=0.1,
       help="AdamW weight decay of matrices and embeddings; biases and norm weights get none "
@@ -177,25 +179,37 @@ def config_from_args(args):
     if vocab is None and model.vocab_size < 256:
         raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
                          f"least 256")
+    if vocab is not None and model.vocab_size < vocab and args.resume is not None:
+        raise ValueError(f"--resume {args.resume!r} holds a model with a vocabulary of "
+                         f"{model.vocab_size}, but --tokenizer {args.tokenizer!r} has {vocab} "
+                         f"tokens: a checkpoint keeps its vocabulary; resume with the tokenizer "
+                         f"the run was trained with (or none, for a byte-level run)")
     if vocab is not None and model.vocab_size < vocab:
         src = f"--init-from-hf {args.init_from_hf!r} has" if args.init_from_hf else "--vocab"
         raise ValueError(f"{src} {model.vocab_size}: --tokenizer {args.tokenizer!r} has a "
                          f"vocabulary of {vocab}; leave --vocab out to take the tokenizer's")
     return TrainConfig(model=model, parallel=parallel, global_batch_size=args.global_batch_size,
                        micro_batch_size=args.micro_batch_size, steps=args.steps, lr=args.lr,
-                       min_lr=min(args.min_lr, args.lr), warmup_steps=args.warmup_steps,
+                       min_lr=min(_MIN_LR, args.lr) if args.min_lr is None else args.min_lr,
+                       warmup_steps=args.warmup_steps,
                        weight_decay=args.weight_decay, clip_grad=args.clip_grad, seed=args.seed,
                        dtype=args.dtype, recompute=args.recompute, schedule=schedule,
                        overlap_grad_reduce=args.overlap_grad_reduce,
                        overlap_p2p_comm=args.overlap_p2p_comm,
                        distributed_optimizer=args.distributed_optimizer,
-                       bucket_size=args.bucket_size, data=args.data, out=args.out,
+                       bucket_size=args.bucket_size, data=absolute(args.data), out=args.out,
                        save_every=args.save_every, resume=args.resume,
                        ledger_steps=args.ledger_steps, timeout_s=args.timeout_s,
                        max_bad_steps=args.max_bad_steps,
-                       init_from_hf=args.init_from_hf, tokenizer=args.tokenizer,
-                       data_path=args.data_path,
+                       init_from_hf=absolute(args.init_from_hf),
+                       tokenizer=absolute(args.tokenizer), data_path=absolute(args.data_path),
                        tensorboard_dir=args.tensorboard_dir, log_interval=args.log_interval)
+
+
+def absolute(path: str | None) -> str | None:
+    """``path`` made absolute: the run's config and checkpoints name its inputs so that
+    ``--resume``, ``eval --resume`` and ``export-hf`` find them from any working folder."""
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
 def _tokenizer_vocab(args) -> int | None:
@@ -244,9 +258,24 @@ def _model_config(args):
     return model
 
 
+def _check_out(out: str) -> None:
+    """The run folder must be a folder this process can create (nothing is created here: a
+    refused run leaves no folder) and write."""
+    from pathlib import Path
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out!r} exists and is not a folder; give a run folder")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--out {out!r} cannot be created: {str(existing)!r} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out!r} cannot be written: {str(existing)!r} is not writable")
+
+
 def _check_inputs(cfg) -> None:
     from .checkpoint import find_checkpoint
     from .data import check_data
+    _check_out(cfg.out)
     for note in check_data(cfg.data, cfg.model.seq_length, "train", data_path=cfg.data_path,
                            tokenizer=cfg.tokenizer):  # not in 8 ranks later
         print(f"paraloom train: note: {note}", file=sys.stderr)
@@ -317,6 +346,13 @@ def train_main(args, argv: list[str] | None = None) -> int:
             for note in resume_args(args, explicit_dests(argv, args)):
                 if os.environ.get("RANK", "0") == "0":  # once under torchrun
                     print(f"paraloom train: note: {note}", file=sys.stderr)
+        if args.num_experts is None and os.environ.get("RANK", "0") == "0":
+            from .resume import explicit_dests
+            moe = sorted(d for d in explicit_dests(argv, args) if d.startswith("moe_"))
+            if moe:
+                print(f"paraloom train: note: {', '.join('--' + d.replace('_', '-') for d in moe)}"
+                      f" ha{'s' if len(moe) == 1 else 've'} no effect without --num-experts (the "
+                      f"model is dense)", file=sys.stderr)
         cfg = config_from_args(args)
         if not launch.under_torchrun():  # under torchrun every rank checks what it can read
             _check_inputs(cfg)

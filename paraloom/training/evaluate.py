@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", "--seq-length", dest="seq_len", type=int, default=None,
                    help="with --hf: tokens per sample (default: its n_positions)")
     p.add_argument("--data", dest="data", default=None,
-                   help="text file (default: the bundled corpus)")
+                   help="text file (default: with --resume, the run's own --data or "
+                        "--data-path; else the bundled corpus)")
     p.add_argument("--data-path", dest="data_path", metavar="PREFIX", default=None,
                    help="a Megatron indexed dataset PREFIX.bin + PREFIX.idx; needs a tokenizer")
     p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", metavar="DIR",
@@ -77,6 +78,15 @@ def _config(args):
     if args.tokenizer is None and meta["config"].get("tokenizer"):  # the run's own tokenizer
         args.tokenizer = meta["config"]["tokenizer"]
         flag = "the checkpoint's --tokenizer"
+    saved = meta["config"]
+    if args.data is None and args.data_path is None and (saved.get("data")
+                                                          or saved.get("data_path")):
+        # the run's own text: its held-out 5 % is what training never saw
+        args.data, args.data_path = saved.get("data"), saved.get("data_path")
+        print(f"paraloom eval: note: scoring the run's own data, "
+              f"{'--data' if args.data else '--data-path'} "
+              f"{args.data or args.data_path!r} (from the checkpoint); give --data or "
+              f"--data-path for another", file=sys.stderr)
     _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of", flag)
     return _train_config(args, model, ckpt), ckpt
 

@@ -66,10 +66,16 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> tuple[Path, str]:
 
     from ..models.hf import hf_config_from_model, to_hf_state_dict
     from .checkpoint import find_checkpoint
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"OUT_DIR {str(out)!r} exists and is not a folder; give a folder to "
+                         f"write model.safetensors and config.json into")
     cfg, params, ckpt = load_full_params(run_dir)
     hf_config = hf_config_from_model(cfg)  # ValueError for a model with no HF architecture
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"OUT_DIR {str(out)!r} cannot be created: {err.strerror}") from None
     save_file(to_hf_state_dict(params, cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))

@@ -52,11 +52,11 @@ def _resume(run, path: str) -> tuple[int, Path, dict]:
     finish(meta)
     run.tokens = int(meta["tokens"])
     start = int(meta["step"])
+    # under another layout the flags' check already said so (resume.resume_args)
     if not restore_rng(ckpt, meta, run, dist.get_rank(), start) and run.cfg.model.dropout > 0 \
-            and dist.get_rank() == 0:
-        print(f"note: dropout RNG streams re-seeded from (seed, step {start}): "
-              + ("the layout differs from the checkpoint's" if not same_layout(meta, run.cfg)
-                 else "the checkpoint has none for this rank"), file=sys.stderr, flush=True)
+            and dist.get_rank() == 0 and same_layout(meta, run.cfg):
+        print(f"note: dropout RNG streams re-seeded from (seed, step {start}): the checkpoint "
+              f"has none for this rank", file=sys.stderr, flush=True)
     return start, ckpt, meta
 
 

@@ -182,7 +182,8 @@ def same_run(out: Path, ckpt: Path) -> bool:
 def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world: int) -> None:
     """Rank 0, before the ranks write: keep the metrics of steps before ``start`` (none in a
     branch), remove the ledger files that the continuation does not extend, and move aside the
-    run's checkpoints after ``start`` (when resuming from an earlier one than its newest)."""
+    run's checkpoints after ``start`` (when resuming from an earlier one than its newest), or all
+    of them when this is not a continuation of the folder's run (a new run, or a branch)."""
     metrics = out / "metrics.jsonl"
     kept = [line for line in read_json_lines(metrics) if same and line.get("step", start) < start]
     metrics.write_text("".join(json.dumps(line) + "\n" for line in kept))
@@ -190,14 +191,21 @@ def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world:
     for stale in folder.glob("rank_*.jsonl") if folder.is_dir() else ():
         if not keep_ledger or int(stale.stem[5:]) >= world:
             stale.unlink()
-    if same:  # checkpoints of the replaced steps: kept aside, never picked by --resume RUN again
-        for ckpt in (out / "checkpoints").glob("step_*"):
-            if ckpt.name[5:].isdigit() and int(ckpt.name[5:]) > start:
-                aside = ckpt.with_name("superseded_" + ckpt.name)
-                shutil.rmtree(aside, ignore_errors=True)
-                ckpt.rename(aside)
-                print(f"note: {str(ckpt)!r} was written by the steps now replaced: moved to "
-                      f"{aside.name!r}", file=sys.stderr, flush=True)
+    # checkpoints of the replaced steps (resuming from an earlier one than the newest), or of an
+    # earlier run in this folder (a new run, or a branch from another): kept aside, never picked
+    # by --resume RUN again
+    moved = []
+    for ckpt in sorted((out / "checkpoints").glob("step_*"), key=lambda c: c.name):
+        if ckpt.name[5:].isdigit() and (not same or int(ckpt.name[5:]) > start):
+            aside = ckpt.with_name("superseded_" + ckpt.name)
+            shutil.rmtree(aside, ignore_errors=True)
+            ckpt.rename(aside)
+            moved.append(ckpt.name)
+    if moved:
+        whose = "the steps now replaced" if same else "an earlier run in this folder"
+        print(f"note: {out / 'checkpoints'} held {len(moved)} checkpoint(s) of {whose} "
+              f"({', '.join(moved)}): renamed superseded_step_N, so --resume {out} continues "
+              f"this run", file=sys.stderr, flush=True)
 
 
 def continue_ledger(ledger_file: Path, start: int, keep_ledger: bool) -> tuple[int, float]:
