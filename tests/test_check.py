@@ -162,6 +162,16 @@ def test_check_rejects_bad_run_folders(runs, tmp_path, capsys):
     assert "rank 3 dp all_reduce optimizer" in capsys.readouterr().out
 
 
+def test_check_says_a_recorded_folder_has_no_formulas(tmp_path, capsys):
+    (tmp_path / "ledger").mkdir()
+    (tmp_path / "ledger.jsonl").write_text("")
+    (tmp_path / "ledger" / "rank0.status.json").write_text("{}")
+    assert check_main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "recorded by paraloom record" in err and "no formulas" in err
+    assert "written by paraloom train" not in err
+
+
 def test_check_skipped_step_expects_no_parameter_all_gather(runs, tmp_path, capsys):
     """A non-finite step skips the optimizer step (metrics.jsonl ``skipped``), so the
     distributed optimizer all-gathers nothing; the check expects exactly that."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import textwrap
 
+import pytest
+
 from paraloom.explain import explain, explain_main
 from paraloom.explain.rules import UNKNOWN
 
@@ -109,6 +111,13 @@ def test_line_range_resolves_names_from_the_whole_file(tmp_path):
     one = explain("-", stdin=io.StringIO("def f(t): dist.all_reduce(t)\n"))
     [s] = one["sites"]
     assert s["op"] == "all_reduce" and "not imported" in s["assumed"]
+
+
+def test_reversed_line_range_is_named_reversed(tmp_path):
+    from paraloom.explain.source import SourceError, load_snippet
+    _write(tmp_path, {"a.py": "x = 1\n" * 12})
+    with pytest.raises(SourceError, match="line range 9-4 is reversed.*did you mean 4-9"):
+        load_snippet(f"{tmp_path / 'a.py'}:9-4")
 
 
 # ---------------------------------------------------------------- 3. collectives not dist.*

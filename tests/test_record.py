@@ -97,26 +97,46 @@ PROGRAM = textwrap.dedent('''
 
 
 FAILING = '''
-    import os, signal, sys
+    import os, signal, sys, time
     import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    how = sys.argv[1]
+    if how == "mesh":  # the group made by init_device_mesh (which never calls the patched name)
+        dist.all_reduce(torch.ones(4), group=init_device_mesh("cpu", (2,)).get_group())
+        sys.exit(0)
     dist.init_process_group("gloo")
     t = torch.ones(4)
     dist.all_reduce(t)
-    how = sys.argv[1]
-    if how == "exit":  # recorded with --steps 2: the third step's all-reduce is not recorded
+    if how == "exit":  # recorded with --steps 2 --compute: the third step is not recorded
         p = torch.nn.Parameter(torch.ones(2))
+        layer = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD([p], lr=0.1)
         for _ in range(3):
             dist.all_reduce(t)
+            layer(p).sum().backward()
             opt.step()
         sys.exit(3)
     if how == "fine":
+        time.sleep(2 * dist.get_rank())  # rank 0 ends first and must wait for rank 1's status
         sys.exit(0)
     if dist.get_rank() == 1:
         if how == "raise":
             raise ValueError("rank one is broken")
+        if how == "quit":  # its own exit code, while rank 0 only sees its peer go away
+            sys.exit(3)
+        if how == "hang":
+            time.sleep(600)
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)  # rank 0 waits for a peer that is gone: the launcher stops it
+'''
+
+NO_GROUP = '''
+    import multiprocessing
+    print("no distributed here")
+    if __name__ == "__main__":  # a worker of its own, which the record cannot see
+        child = multiprocessing.get_context("fork").Process(target=print, args=("worker",))
+        child.start()
+        child.join()
 '''
 
 
@@ -148,13 +168,24 @@ def _start(tmp: Path, program: str, *args: str, nproc: int = 2, name: str = "rec
 def runs(tmp_path_factory):
     """Every recorded run of this module, started together: name -> (code, stderr, out)."""
     tmp = tmp_path_factory.mktemp("record")
+    old = tmp / "joined" / "ledger"  # an older 4-rank record in the joined run's folder
+    old.mkdir(parents=True)
+    for rank in range(4):
+        (old / f"rank{rank}.jsonl").write_text(json.dumps(Ledger(rank=rank).record(
+            op="broadcast", phase="other", kind="dp", site="old.py:1", nbytes=4,
+            group=[0, 1, 2, 3])) + "\n")
+        (old / f"rank{rank}.status.json").write_text(json.dumps(
+            {"rank": rank, "exit": 5, "error": None, "init": True, "time": 0.0}))
     started = {"main": _start(tmp, PROGRAM, str(tmp / "facts.json"), options=("--compute",)),
                "raise": _start(tmp, FAILING, "raise", name="raise"),
                "kill": _start(tmp, FAILING, "kill", name="kill"),
                "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit",
-                              options=("--steps", "2")),
+                              options=("--steps", "2", "--compute")),
+               "quit": _start(tmp, FAILING, "quit", name="quit"),
+               "hang": _start(tmp, FAILING, "hang", name="hang", options=("--timeout", "25")),
+               "mesh": _start(tmp, FAILING, "mesh", name="mesh"),
                "torchrun": _start(tmp, FAILING, "fine", name="joined", torchrun=True),
-               "plain": _start(tmp, "print('no distributed here')\n", nproc=1, name="plain")}
+               "plain": _start(tmp, NO_GROUP, nproc=1, name="plain")}
     done, stdout = {}, {}
     try:
         for name, (proc, out) in started.items():
@@ -276,6 +307,9 @@ def test_ranks_merged_and_reports_work_on_the_folder(run):
     ("raise", 1, "rank 1 exited with code 1 (ValueError: rank one is broken)"),
     ("kill", 128 + 9, "rank 1 was killed by SIGKILL"),
     ("exit", 3, "rank 0 exited with code 3"),
+    ("quit", 3, "rank 1 exited with code 3;"),
+    ("hang", 124, "the run was stopped after --timeout 25 s; ranks 0-1 still running got "
+                  "SIGTERM"),
 ])
 def test_failing_program_keeps_partial_ledger(runs, how, code, says):
     returncode, err, out = runs[how]
@@ -289,10 +323,13 @@ def test_failing_program_keeps_partial_ledger(runs, how, code, says):
 def test_steps_stops_recording_and_torchrun_join(runs):
     _, _, out = runs["exit"]
     events = load(out / "ledger.jsonl")
-    assert [(e["op"], e["step"]) for e in events] == [("all_reduce", 0)] * 2 + [("all_reduce", 1)]
+    assert [(e["op"], e["step"]) for e in events if e["op"] != "compute"] == \
+        [("all_reduce", 0)] * 2 + [("all_reduce", 1)]
+    spans = [e for e in events if e["op"] == "compute"]  # --compute: none from step 2 on
+    assert spans and {e["step"] for e in spans} == {0, 1}, spans
     code, err, out = runs["torchrun"]
-    assert code == 0, err
-    events = load(out / "ledger.jsonl")  # merged by rank 0 from both ranks' files
+    assert code == 0, err  # not the older record's rank 1 status (exit 5)
+    events = load(out / "ledger.jsonl")  # merged by rank 0 from both ranks' files, only
     assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce"), (1, "all_reduce")]
     assert (out / "comm_table.md").is_file() and (out / "trace.json").is_file()
     # rank 0 says what it merged, as a local record does (the other rank prints nothing)
@@ -331,11 +368,29 @@ def test_joined_rank0_names_the_ranks_whose_files_never_came(tmp_path, monkeypat
 def test_program_without_process_group(runs):
     code, err, _ = runs["plain"]
     assert code == 2
-    assert "never called torch.distributed.init_process_group" in err
+    assert "never created a torch.distributed process group" in err
+    assert "started processes of its own" in err and "--nproc N" in err
 
 
-def test_bad_arguments_are_named(tmp_path):
+def test_group_from_init_device_mesh_is_recorded(runs):
+    code, err, out = runs["mesh"]
+    assert code == 0, err
+    events = load(out / "ledger.jsonl")
+    assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce"), (1, "all_reduce")]
+
+
+def test_bad_arguments_are_named(tmp_path, capsys):
     from paraloom.record.command import record_main
     assert record_main(["--nproc", "2", "--", str(tmp_path / "missing.py")]) == 2
     assert record_main(["--nproc", "0", "--", __file__]) == 2
     assert record_main(["--nproc", "2"]) == 2
+    capsys.readouterr()
+    (tmp_path / "afile").write_text("")
+    for options, says in (
+            (["--out", str(tmp_path / "afile")], "is an existing file, not a folder"),
+            (["--out", "/proc/nope"], "'/proc/nope' cannot be created"),
+            (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+            (["--timeout", "-5"], "got -5"), (["--timeout", "nan"], "got nan")):
+        assert record_main(["--nproc", "2", *options, "--", __file__]) == 2, options
+        assert says in capsys.readouterr().err
+    assert not (tmp_path / "afile").is_dir()

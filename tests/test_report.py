@@ -103,6 +103,11 @@ def test_group_folds_identical_layers_only(runs):
     assert "x2 layers" not in render_table(altered, group=True).split("backward")[0]
 
 
+def test_table_without_ledger_names_both_writers(tmp_path, capsys):
+    assert table_main([str(tmp_path)]) == 2
+    assert "written by paraloom train or paraloom record" in capsys.readouterr().err
+
+
 def test_table_main_reads_run_dir_and_rejects_bad_values(runs, tmp_path, capsys):
     with open(tmp_path / "ledger.jsonl", "w") as f:
         for e in runs["async"]:

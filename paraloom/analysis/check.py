@@ -155,6 +155,10 @@ def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:
     from ..ledger import load
 
     root = Path(run_dir)
+    if not (root / "config.json").is_file() and any(root.glob("ledger/rank*.status.json")):
+        raise ValueError(f"{run_dir!r} was recorded by paraloom record: a recorded program has "
+                         f"no formulas to check its ledger against (no config.json); read it "
+                         f"with paraloom table, trace or report")
     for name in ("config.json", "ledger.jsonl"):
         if not (root / name).is_file():
             raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "

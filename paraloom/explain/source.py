@@ -67,6 +67,9 @@ def load_snippet(spec: str, stdin=None) -> Snippet:
     lines = text.splitlines()
     if first is None:
         return Snippet(path, text, 1, max(len(lines), 1))
+    if first > last:
+        raise SourceError(f"line range {first}-{last} is reversed: START must not be after END "
+                          f"(did you mean {last}-{first}?)")
     if not 1 <= first <= last <= len(lines):
         raise SourceError(f"line range {first}-{last} is outside {path!r}, which has "
                           f"{len(lines)} lines (need 1 <= START <= END <= {len(lines)})")

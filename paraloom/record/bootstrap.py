@@ -4,8 +4,8 @@ The recorder is installed before the program imports anything, so import-time al
 (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``), DDP, FSDP2, DTensor and
 pipelining all run with it in place. The program runs as ``__main__`` (``runpy``) with its own
 ``sys.argv``; its exit code is this process's. Next to the rank's ledger it leaves
-``rank{R}.status.json``: the exit code, the error line if it raised, and whether it ever called
-``init_process_group`` — what the launcher reports.
+``rank{R}.status.json``: the exit code, the error line if it raised, whether it ever created a
+process group and whether it started processes of its own — what the launcher reports.
 
     python -m paraloom.record.bootstrap OUT STEPS COMPUTE (-m MODULE | SCRIPT) [ARGS...]
 """
@@ -22,53 +22,93 @@ from pathlib import Path
 
 __all__ = ["run_program"]
 
+_KEEP: list = []
+"""What the program leaves behind, held until the rank ends with ``os._exit``: the globals
+``runpy`` returns, or the exception it ended with (its traceback's frames hold the program's
+globals). Freeing them when the program returns runs its objects' destructors while gloo's
+threads still work: ``~Reducer`` (a module-level DDP) joins a gloo thread while holding the GIL,
+and that thread, finishing an ``AsyncAllreduceWork``, waits for the GIL to drop a Python
+reference — a deadlock seen in 2-3 of 12 runs of a DDP program. Never freed, they cannot."""
 
-def _watch_init() -> dict:
-    """Note whether the program initialises a process group (patched before it imports)."""
+
+def _watch(seen: dict) -> None:
+    """Note whether the program creates a process group, and whether it starts processes of its
+    own (patched before it imports).
+
+    ``init_process_group`` is wrapped for programs that call it, but a module may hold its own
+    reference, taken at import (``device_mesh`` imports it by name, so ``init_device_mesh``
+    never calls the patched attribute); c10d's ``_update_default_pg``, which c10d looks up as a
+    global on every call, sees the default group being set either way. The caller also counts
+    ``dist.is_initialized()`` and any recorded communication. Started processes
+    (``multiprocessing``, hence ``torch.multiprocessing.spawn``) are not recorded: the launcher
+    says so when they are why nothing was."""
+    import multiprocessing.process
+
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    seen = {"init": False}
-    orig = c10d.init_process_group
+    init = c10d.init_process_group
 
     def init_process_group(*args, **kwargs):
         seen["init"] = True
-        return orig(*args, **kwargs)
+        return init(*args, **kwargs)
 
     dist.init_process_group = c10d.init_process_group = init_process_group
-    return seen
+    update = getattr(c10d, "_update_default_pg", None)
+    if update is not None:
+        def _update_default_pg(pg):
+            seen["init"] = seen["init"] or pg is not None
+            return update(pg)
+        c10d._update_default_pg = _update_default_pg
+    start = multiprocessing.process.BaseProcess.start
+
+    def start_process(self):
+        seen["children"] = True
+        return start(self)
+
+    multiprocessing.process.BaseProcess.start = start_process
 
 
 def run_program(out: str, steps: int | None, compute: bool, target: list[str],
                 t0: float | None = None) -> int:
     """Run ``target`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``) under
     ``record_comms``; returns the program's exit code (1 if it raised)."""
+    import torch.distributed as dist
+
     from .recorder import record_comms
 
     rank = int(os.environ.get("RANK", "0"))
     status = Path(out) / "ledger" / f"rank{rank}.status.json"
     status.parent.mkdir(parents=True, exist_ok=True)
-    seen = _watch_init()
+    status.unlink(missing_ok=True)  # an older record's: rank 0 of a joined world must not read it
+    seen = {"init": False, "children": False}
+    _watch(seen)
     code, error = 0, None
-    with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0):
+    with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0) as ledger:
         try:
             if target[0] == "-m":
                 sys.argv = [target[1], *target[2:]]
-                runpy.run_module(target[1], run_name="__main__", alter_sys=True)
+                if os.getcwd() not in sys.path and "" not in sys.path:
+                    sys.path.insert(0, os.getcwd())  # as python -m: the working directory first
+                _KEEP.append(runpy.run_module(target[1], run_name="__main__", alter_sys=True))
             else:
                 sys.argv = list(target)
                 sys.path.insert(0, os.path.dirname(os.path.abspath(target[0])))
-                runpy.run_path(target[0], run_name="__main__")
+                _KEEP.append(runpy.run_path(target[0], run_name="__main__"))
         except SystemExit as stop:
+            _KEEP.append(stop)
             code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if not isinstance(stop.code, (int, type(None))):
                 error = str(stop.code)
         except BaseException as err:  # noqa: BLE001 - the program's failure, reported
+            _KEEP.append(err)
             traceback.print_exc()
             sys.stderr.flush()
             code, error = 1, f"{type(err).__name__}: {err}".splitlines()[0]
-    status.write_text(json.dumps({"rank": rank, "exit": code, "error": error,
-                                  "init": seen["init"], "time": time.time()}))
+        init = seen["init"] or dist.is_initialized() \
+            or any(e["op"] != "compute" for e in ledger.events)
+    status.write_text(json.dumps({"rank": rank, "exit": code, "error": error, "init": init,
+                                  "children": seen["children"], "time": time.time()}))
     return code
 
 

@@ -103,9 +103,11 @@ def uninstall_phases() -> None:
     _PHASES.clear()
 
 
-def _wrap(orig, site: str, phase: str, ledger):
+def _wrap(orig, site: str, phase: str, ledger, recording):
     @functools.wraps(orig)
     def run(stage, chunk_id, *args, **kwargs):
+        if not recording():
+            return orig(stage, chunk_id, *args, **kwargs)
         event = ledger.record(op="compute", phase=phase, kind="compute", site=site,
                               stage=stage.stage_index)
         event["microbatch"] = chunk_id
@@ -116,14 +118,15 @@ def _wrap(orig, site: str, phase: str, ledger):
     return run
 
 
-def install(ledger) -> None:
-    """Wrap the stage methods (imports torch.distributed.pipelining; only with ``compute``)."""
+def install(ledger, recording=lambda: True) -> None:
+    """Wrap the stage methods (imports torch.distributed.pipelining; only with ``compute``);
+    a chunk run while ``recording()`` is false gets no span."""
     from torch.distributed.pipelining.stage import _PipelineStageBase as Stage
 
     for name, site, phase in (("forward_one_chunk", "pipeline.forward", "forward"),
                               ("backward_one_chunk", "pipeline.backward", "backward")):
         orig = _SAVED.setdefault(name, getattr(Stage, name))
-        setattr(Stage, name, _wrap(orig, site, phase, ledger))
+        setattr(Stage, name, _wrap(orig, site, phase, ledger, recording))
 
 
 def uninstall() -> None:

@@ -94,6 +94,7 @@ class Recorder:
         intercept.prune()
         if self.steps is not None and step >= self.steps:
             self.on = False
+            self.tracker.stop_compute()  # no compute spans past the last recorded step either
         self.flush()
 
     def flush(self) -> None:
@@ -155,7 +156,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     rec.tracker.install()
     pipeline.install_phases()
     if compute:
-        pipeline.install(ledger)
+        pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
     old_term = None
     if path is not None:

@@ -99,6 +99,10 @@ class Tracker:
             handle.remove()
         self._handles = []
 
+    def stop_compute(self) -> None:
+        """Record no more compute spans (the spans already open still get their end)."""
+        self._compute = False
+
     def phase(self) -> str:
         if self._optimizer:
             return "optimizer"
@@ -145,8 +149,7 @@ class Tracker:
     def _post(self, module, args, output) -> None:
         if self._stack:
             path = self._stack.pop()
-            if self._compute and self._spans and self._spans[-1]["module"] == path \
-                    and not module._modules:
+            if self._spans and self._spans[-1]["module"] == path and not module._modules:
                 span = self._spans.pop()
                 span["t_wait"] = span["t_end"] = self._ledger.now()
             for out in output if isinstance(output, (tuple, list)) else (output,):
@@ -155,7 +158,7 @@ class Tracker:
                     fn.metadata.setdefault(_KEY, path)
 
     def _bwd_pre(self, module, grad_output) -> None:
-        if self._ledger is not None and not module._modules:
+        if self._compute and self._ledger is not None and not module._modules:
             path = self._names.get(id(module))
             self._ledger.record(op="compute", phase="backward", kind="compute",
                                 site=f"{type(module).__name__}.backward", module=path)

@@ -245,7 +245,7 @@ def table_main(argv: list[str] | None = None) -> int:
     try:
         if not path.is_file():
             raise ValueError(f"no ledger at {path} (RUN_DIR {args.run_dir!r} must hold "
-                             f"ledger.jsonl, written by paraloom train)")
+                             f"ledger.jsonl, written by paraloom train or paraloom record)")
         text = render_table(load(path), rank=args.rank, step=args.step, lang=args.lang,
                             fmt=args.fmt, group=args.group)
     except (ValueError, KeyError, json.JSONDecodeError) as err:
