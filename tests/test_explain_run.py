@@ -145,3 +145,46 @@ def test_bad_input_exits_2(case, tmp_path, capsys):
     assert "--rank 7: the run in" in capsys.readouterr().err
     assert main(["explain", str(src), "--run", str(run), "--rank", "x"]) == 2
     assert "expected a rank number or 'all'" in capsys.readouterr().err
+
+
+DTENSOR = '''\
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+class MLP(torch.nn.Module):
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+mesh = init_device_mesh("cpu", (2,))
+m = parallelize_module(MLP(), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+m(torch.ones(4, 8)).sum().backward()
+'''
+
+
+def test_a_dtensor_plans_collectives_are_given_to_its_site(tmp_path):
+    """torch's plan code communicates, so the recorder names the lines of FILE that ran it
+    (the forward call, ``backward()``): they belong to the plan's static sites, by op and phase,
+    not to 'missed by the static reading'."""
+    src = tmp_path / "tp.py"
+    src.write_text(DTENSOR)
+    facts = explain(str(src))
+    plan = [(s["op"], s["phase"]) for s in facts["sites"] if s["via"]]
+    assert sorted(plan) == [("all_reduce", "backward"), ("all_reduce", "forward")], facts["sites"]
+    rows = [("scatter", "other", f"{src}:12 <module>"),  # the plan distributing the weights
+            ("all_reduce", "forward", f"{src}:8 MLP.forward"),
+            ("all_reduce", "backward", f"{src}:13 <module>")]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.jsonl").write_text("".join(
+        json.dumps(ev(0, i, op, ph, site, asy=op == "all_reduce")) + "\n"
+        for i, (op, ph, site) in enumerate(rows)))
+    marked = annotate(facts, str(run), rank=0)
+    got = {facts["sites"][v["site"]]["phase"]: [e["line"] for e in v["events"]]
+           for v in marked["via"]}
+    assert got == {"forward": [8], "backward": [13]}
+    assert [e["op"] for e in marked["missed"]] == ["scatter"]
+    text = render_run(facts, marked)
+    assert "defined outside this file; recorded where this file runs it, line 13" in text, text

@@ -9,8 +9,11 @@ Only *direct* sites (a ``torch.distributed`` call written in FILE) can receive e
 reached through helpers of FILE (``via``) points at the direct site its chain ends in, where its
 events are counted (when the static reading merged several paths into one site, no single line
 is named), and a region helper defined elsewhere (Megatron's ``*_region``) communicates in its
-own file, so its events carry that file's site. Recorded events in FILE (and in the snippet's
-line range) that no direct site covers are listed as *missed by the static reading*.
+own file, so its events carry that file's site -- unless that file is torch's: the recorder
+names the innermost frame outside torch, so a DTensor plan's collectives (``ColwiseParallel``)
+carry the line of FILE that ran the module (its forward call, ``backward()``); they are given to
+the plan's site by op and phase. Recorded events in FILE (and in the snippet's line range) that
+no site takes are listed as *missed by the static reading*.
 
 Per site and rank: count, phase, async, bytes and the order index ``#k`` (position in that
 rank's communication sequence, compute spans excluded — the index ``paraloom diff`` prints).
@@ -133,8 +136,13 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
         if span and inner and span[0] <= inner <= span[1]:
             to = next((j for j, d, r in direct if r[0] <= inner <= r[1] and d["op"] == s["op"]),
                       None)
-        via.append({"site": i, "line": s["line"], "to": to,
-                    "elsewhere": None if span else s["via"][-1]})
+        entry = {"site": i, "line": s["line"], "to": to, "events": [],
+                 "elsewhere": None if span else s["via"][-1]}
+        if entry["elsewhere"]:  # e.g. DTensor's ColwiseParallel: torch's code communicates, and
+            # the recorded site is the line of FILE that ran it (a module's forward, backward())
+            entry["events"] = [e for e in missed if (e["op"], e["phase"]) == (s["op"], s["phase"])]
+            missed = [e for e in missed if not any(e is c for c in entry["events"])]
+        via.append(entry)
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
             "via": via, "missed": missed, "files": files, "matched": len(here)}
 
@@ -182,6 +190,10 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
             out.append(f"{head} -> via {chain}: at line {by_site[v['to']]['line']} (all its "
                        f"callers): "
                        + (_summary(evs) if evs else "not run in the recorded run"))
+        elif v.get("elsewhere") and v.get("events"):
+            lines = ", ".join(str(n) for n in sorted({e["line"] for e in v["events"]}))
+            out.append(f"{head} -> via {chain}: defined outside this file; recorded where this "
+                       f"file runs it, line {lines}: {_summary(v['events'])}")
         elif v.get("elsewhere"):
             out.append(f"{head} -> via {chain}: {v['elsewhere']} is not defined in this file; "
                        f"its calls carry its own file's site")
