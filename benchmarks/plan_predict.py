@@ -51,7 +51,7 @@ def _world(flags: list[str]) -> int:
 def measure(flags: list[str], steps: int, skip: int) -> tuple[float, dict]:
     """Median step time of a real run, and its config.json."""
     with tempfile.TemporaryDirectory(prefix="plan-predict-") as out:
-        cmd = [sys.executable, "-m", "paraloom.cli", "train", *MODEL, *flags, "--steps",
+        cmd = [sys.executable, "-m", "paraloom", "train", *MODEL, *flags, "--steps",
                str(steps), "--ledger-steps", "1", "--save-every", "0", "--out", out]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                        env={**os.environ, "PYTHONPATH": os.getcwd()})

@@ -1,6 +1,6 @@
 """``python -m paraloom ...`` (what ``torchrun -m paraloom train ...`` runs)."""
 
-from .cli import main
+from .commands import main
 from .launch import exit_process
 
 exit_process(main())

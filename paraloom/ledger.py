@@ -188,4 +188,5 @@ def load(path: str | Path) -> list[dict]:
 
 def merge(per_rank: Iterable[Iterable[dict]]) -> list[dict]:
     """All ranks' events in one list ordered by ``(rank, seq)``, as the ledger file stores them."""
-    return sorted((e for events in per_rank for e in events), key=lambda e: (e["rank"], e["seq"]))
+    return sorted((e for events in per_rank for e in events),
+                  key=lambda e: (e["rank"], e.get("seq", 0)))

@@ -1,8 +1,9 @@
-"""Tiny helpers shared by every layer: exact division with errors that name both numbers."""
+"""Tiny helpers shared by every layer: exact division with errors that name both numbers, divisors,
+and the words lists are written in."""
 
 from __future__ import annotations
 
-__all__ = ["divide", "ensure_divisibility"]
+__all__ = ["divide", "ensure_divisibility", "divisors", "either"]
 
 
 def ensure_divisibility(numerator: int, denominator: int, what: str = "") -> None:
@@ -27,3 +28,17 @@ def divide(numerator: int, denominator: int, what: str = "") -> int:
     """
     ensure_divisibility(numerator, denominator, what)
     return numerator // denominator
+
+
+def divisors(n: int) -> list[int]:
+    """Every positive divisor of ``n``, ascending (``divisors(12) == [1, 2, 3, 4, 6, 12]``)."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"divisors needs a positive integer, got {n!r}")
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
+def either(values) -> str:
+    """``"2"``, ``"2 or 4"``, ``"1, 2 or 4"``: the valid choices in an error message."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

@@ -1,7 +1,7 @@
 """``paraloom check`` on real ``paraloom train`` runs: the formulas equal the ledger exactly.
 
 Six tiny runs (one recorded step each) are trained once for the module through the real command
-line (``paraloom.cli.main(["train", ...])`` forks the local ranks) and shared by every test: tp
+line (``paraloom.commands.main(["train", ...])`` forks the local ranks) and shared by every test: tp
 with dp (synchronous column all-reduce, overlap off, several small buckets), sp with full
 recomputation and dp, pp 1F1B with tp (the default switches: async column all-reduce),
 interleaved pp, pp with the distributed optimizer (and Megatron-Core's blocking p2p batches),
@@ -17,7 +17,7 @@ import pytest
 
 from paraloom.analysis.check import check_main, config_from_run
 from paraloom.analysis.layout import chunk_buckets, chunk_params
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.ledger import load
 from paraloom.report.table import render_table, table_rows
 

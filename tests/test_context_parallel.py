@@ -126,7 +126,7 @@ def test_cp_attention_matches_causal_attention(world4, cp, comm_type):
 ])
 def test_bad_cp_input_exits_2_before_ranks_start(monkeypatch, capsys, argv, message):
     from paraloom import launch
-    from paraloom.cli import main
+    from paraloom.commands import main
 
     def refuse(*args, **kwargs):
         raise AssertionError("a rank was started for input that should be refused before")

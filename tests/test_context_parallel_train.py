@@ -81,7 +81,7 @@ def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):
 def test_hf_gpt2_under_cp_scores_like_transformers(tmp_path, capfd):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from paraloom.cli import main
+    from paraloom.commands import main
     torch.manual_seed(0)
     seq = 16
     cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=256, n_positions=seq,

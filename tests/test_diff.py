@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.record.diff import compare, load_runs, sequences
 
 S, B, H = 8, 2, 16

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.explain import explain
 from paraloom.explain.run import annotate, parse_site, render_run
 

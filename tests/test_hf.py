@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.models.hf import (
     HFReader,

@@ -25,7 +25,7 @@ from _megatron_shim import preload
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from paraloom import launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from paraloom.data.stream import join_documents
 

@@ -15,7 +15,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from paraloom import launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.training.data import Corpus, check_data, eval_batches, load_corpus, min_bytes
 
 SEQ = 64

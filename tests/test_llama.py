@@ -18,7 +18,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from paraloom import comm, launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.mesh import ParallelMesh
 from paraloom.models.gpt import GPTModel, ParallelOptions
@@ -289,7 +289,7 @@ def test_arch_llama_flags(tmp_path, capfd):
     # train --resume refills the architecture from the saved config.json
     from dataclasses import asdict
 
-    from paraloom.training.arch_flags import architecture_from_args, flags_of_model
+    from paraloom.commands.arch_flags import architecture_from_args, flags_of_model
     for model in (LLAMA, replace(LLAMA, num_query_groups=None, attention="sdpa"),
                   ModelConfig()):
         args = argparse.Namespace(**flags_of_model(asdict(model)))

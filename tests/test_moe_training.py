@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from paraloom.cli import main
+from paraloom.commands import main
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 import paraloom
-from paraloom.cli import main
+from paraloom.commands import main
 
 ROOT = Path(paraloom.__file__).resolve().parent.parent
 MODEL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq-len", "16", "--vocab", "256"]

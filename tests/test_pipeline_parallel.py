@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from paraloom import cli, comm
+from paraloom import comm
+from paraloom import commands as cli
 from paraloom.ledger import Ledger, merge, recording
 from paraloom.mesh import ParallelMesh
 from paraloom.pipeline_parallel import p2p, schedules

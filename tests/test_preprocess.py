@@ -19,7 +19,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paraloom import launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.data.preprocess import read_documents
 from paraloom.data.stream import load_tokens
 from paraloom.data.tokenizer import HFTokenizer

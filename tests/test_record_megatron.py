@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from _megatron_shim import block_inputs
 from _megatron_source import megatron_file
 
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.explain import explain
 from paraloom.explain.run import annotate, render_run
 from paraloom.ledger import load

@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from paraloom import launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
@@ -221,7 +221,7 @@ def test_moe_flags_without_experts_are_noted(capsys):
 
 
 def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(monkeypatch, capsys):
-    import paraloom.cli as cli
+    import paraloom.commands as cli
 
     def interrupted(argv):
         raise KeyboardInterrupt

@@ -188,7 +188,7 @@ def test_tensorboard_scalars_read_back(runs):
 
 
 def test_cli_errors_and_options(runs, tmp_path, monkeypatch, capsys):
-    from paraloom.cli import main
+    from paraloom.commands import main
     assert main(["report", str(tmp_path)]) == 2
     assert "no ledger" in capsys.readouterr().err
     out = tmp_path / "r.html"

@@ -4,7 +4,7 @@ on, so the RNG streams in the checkpoint matter too); flags typed with ``--resum
 are named; ``--out`` elsewhere branches.
 
 The killed run is a real ``python -m paraloom train`` subprocess; the other runs fork their ranks
-from this process through the same CLI entry point (``paraloom.cli.main``).
+from this process through the same CLI entry point (``paraloom.commands.main``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from paraloom import launch
-from paraloom.cli import main
+from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.training.resume import explicit_dests
 

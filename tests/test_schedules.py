@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from paraloom import cli
+import paraloom.commands as cli
 from paraloom.pipeline_parallel import schedules
 from paraloom.pipeline_parallel import stage as st
 from paraloom.pipeline_parallel import timetable as tt

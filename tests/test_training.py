@@ -78,7 +78,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_eval_gives_the_same_loss_under_any_layout(tmp_path, capfd):
-    from paraloom.cli import main
+    from paraloom.commands import main
     train(tmp_path, "run", tp=2, pp=2, steps=2, save_every=2)
     capfd.readouterr()
     results = []

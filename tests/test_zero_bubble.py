@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from paraloom import cli
+import paraloom.commands as cli
 from paraloom.pipeline_parallel import timetable as tt
 
 PM = [(2, 4), (4, 8), (2, 2), (3, 3), (3, 7), (4, 4), (4, 16), (8, 8), (8, 16)]

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from paraloom import cli, launch
+from paraloom import commands as cli
+from paraloom import launch
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.pipeline_parallel import timetable as tt
 from paraloom.training.command import add_train_parser, train_main

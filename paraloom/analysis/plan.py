@@ -164,7 +164,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
-    from ..training.arch_flags import add_architecture_flags
+    from ..commands.arch_flags import add_architecture_flags
     add_architecture_flags(ap)
     ap.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="context-parallel size (each rank holds seq-len / cp tokens)")
@@ -246,7 +246,7 @@ def _config(a: argparse.Namespace) -> CommConfig:
 
 def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:
     """The Llama-family switches of the flags (``--arch llama`` ...); problems appended."""
-    from ..training.arch_flags import architecture_from_args
+    from ..commands.arch_flags import architecture_from_args
     try:
         fields = architecture_from_args(a)
     except ValueError as err:

@@ -220,7 +220,7 @@ def search_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--moe-layer-freq", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     add_hardware_args(ap)
-    from ..training.arch_flags import add_architecture_flags, architecture_from_args
+    from ..commands.arch_flags import add_architecture_flags, architecture_from_args
     add_architecture_flags(ap)
     a = ap.parse_args(argv)
     try:

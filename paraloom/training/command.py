@@ -101,7 +101,7 @@ def add_train_parser(sub) -> argparse.ArgumentParser:
     a("--tensorboard-dir", default=None, metavar="DIR",
       help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
     a("--log-interval", type=int, default=1, help="TensorBoard scalars every N steps")
-    from .arch_flags import add_architecture_flags
+    from ..commands.arch_flags import add_architecture_flags
     add_architecture_flags(cmd)
     add_cp_flags(cmd)
     add_moe_flags(cmd)
@@ -165,7 +165,7 @@ def config_from_args(args):
                               async_grad_allreduce=args.async_grad_allreduce,
                               gradient_accumulation_fusion=args.grad_accum_fusion,
                               cp=args.cp, cp_comm_type=args.cp_comm_type, ep=args.ep)
-    from .arch_flags import architecture_from_args
+    from ..commands.arch_flags import architecture_from_args
     given = lambda name: _DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
     vocab = _tokenizer_vocab(args)
     model = _model_config(args) if args.init_from_hf else ModelConfig(
@@ -174,7 +174,7 @@ def config_from_args(args):
         num_attention_heads=given("heads"), ffn_hidden_size=args.ffn,
         seq_length=given("seq_len"), dropout=args.dropout, **architecture_from_args(args),
         **moe_fields(args))
-    from .flags import check_layout_flags
+    from ..commands.layout_flags import check_layout_flags
     check_layout_flags(model, parallel, shape_from="--init-from-hf" if args.init_from_hf else None)
     if vocab is None and model.vocab_size < 256:
         raise ValueError(f"--vocab {model.vocab_size}: byte-level data needs a vocabulary of at "
@@ -250,7 +250,7 @@ def _model_config(args):
     try:
         from ..models.hf import check_hf_checkpoint
         check_hf_checkpoint(args.init_from_hf, model)
-        from .arch_flags import apply_architecture
+        from ..commands.arch_flags import apply_architecture
         model = apply_architecture(model, args, f"--init-from-hf {args.init_from_hf!r}")
     except ImportError as err:
         raise ValueError(f"--init-from-hf needs safetensors ({err}): pip install "

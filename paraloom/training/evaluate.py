@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch-size", type=int, default=8)
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0)
-    from .arch_flags import add_architecture_flags
+    from ..commands.arch_flags import add_architecture_flags
     add_architecture_flags(p)  # only --attention may differ from the checkpoint's model
     from .command import add_cp_flags
     add_cp_flags(p)
@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args):
+    from ..commands.arch_flags import apply_architecture
     from ..config import ModelConfig
-    from .arch_flags import apply_architecture
     from .checkpoint import find_checkpoint
     if args.batches < 1:
         raise ValueError(f"--batches must be a positive integer, got {args.batches}")
@@ -109,8 +109,8 @@ def _check_vocab(args, vocab_size: int, what: str, flag: str = "--tokenizer") ->
 
 
 def _train_config(args, model, ckpt):
+    from ..commands.layout_flags import check_layout_flags
     from ..config import ParallelConfig, TrainConfig
-    from .flags import check_layout_flags
     vpp = args.vpp if args.vpp and args.vpp > 1 else None
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, dp=args.dp, vpp=vpp,
                               sequence_parallel=args.sequence_parallel, cp=args.cp,

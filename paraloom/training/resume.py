@@ -93,7 +93,7 @@ def resume_args(args: argparse.Namespace, explicit: set[str]) -> list[str]:
                 setattr(args, dest, _get(saved, path))
             except KeyError:  # a checkpoint from before the setting existed: keep the default
                 pass
-    from .arch_flags import flags_of_model
+    from ..commands.arch_flags import flags_of_model
     for dest, value in flags_of_model(saved["model"]).items():  # the architecture
         if dest not in explicit:
             setattr(args, dest, value)

@@ -8,11 +8,9 @@ be valid.
 
 from __future__ import annotations
 
+from ..utils import divisors, either
+
 __all__ = ["check_layout_flags"]
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_layout_flags(model, parallel, *, shape_from: str | None = None) -> None:
@@ -29,12 +27,12 @@ def check_layout_flags(model, parallel, *, shape_from: str | None = None) -> Non
         chunks = f"--pp {pp} * --vpp {vpp} = {pp * vpp}" if vpp > 1 else f"--pp {pp}"
         fixes = []
         if vpp > 1 and L % pp == 0:
-            good = [v for v in _divisors(L // pp) if v > 1]
-            fixes.append(f"with --pp {pp}, --vpp can be {_either(good)}" if good else
+            good = [v for v in divisors(L // pp) if v > 1]
+            fixes.append(f"with --pp {pp}, --vpp can be {either(good)}" if good else
                          f"with --pp {pp} and {L} layers there is one layer per stage: drop --vpp")
-        good_pp = [p for p in _divisors(L) if p > 1 and L % (p * vpp) == 0]
+        good_pp = [p for p in divisors(L) if p > 1 and L % (p * vpp) == 0]
         if good_pp:
-            fixes.append(f"--pp can be {_either(good_pp)}" + (f" with --vpp {vpp}" * (vpp > 1)))
+            fixes.append(f"--pp can be {either(good_pp)}" + (f" with --vpp {vpp}" * (vpp > 1)))
         if not shape_from:
             fixes.append(f"or use a multiple of {pp * vpp} for --num-layers")
         problems.append(f"--num-layers {L}{src} is not divisible by {chunks} (every one of the "
@@ -42,8 +40,3 @@ def check_layout_flags(model, parallel, *, shape_from: str | None = None) -> Non
                         + "; ".join(fixes))
     if problems:
         raise ValueError("; ".join(problems))
-
-
-def _either(values: list[int]) -> str:
-    words = [str(v) for v in values]
-    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

@@ -1,0 +1,148 @@
+"""The run folder (DESIGN.md, "Run folder"): its paths, and the one reader of its JSON files.
+
+``paraloom train`` and ``paraloom record`` write the same folder::
+
+    RUN/config.json          the run's settings (train) or the recorded program (record)
+    RUN/metrics.jsonl        one line per optimizer step (train)
+    RUN/ledger/rank_R.jsonl  each rank's events, appended as they happen (a crash keeps them)
+    RUN/ledger/rank_R.status.json   how a recorded rank ended (record)
+    RUN/ledger.jsonl         every rank's events merged, ordered by (rank, seq)
+    RUN/trace.json, comm_table.md, report.html, loss.png, summary.json, checkpoints/step_N/
+
+Every JSON-lines file is read by :func:`read_json_lines`: a last line cut short (the writer was
+killed mid-line) is dropped silently, as it is what a crash leaves; any other line that is not
+JSON is an error naming the file and the line (``strict``), or is skipped (``strict=False``, for
+files a run rewrites as it goes). Every problem is a :class:`RunFolderError` (a ``ValueError``)
+whose message names the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from .ledger import merge
+
+__all__ = ["RunFolderError", "CONFIG", "METRICS", "LEDGER", "LEDGER_DIR", "SUMMARY",
+           "rank_ledger", "rank_status", "rank_ledgers", "read_json_lines", "write_json_lines",
+           "read_json", "load_events", "write_events"]
+
+CONFIG, METRICS, LEDGER, LEDGER_DIR, SUMMARY = ("config.json", "metrics.jsonl", "ledger.jsonl",
+                                                "ledger", "summary.json")
+
+
+class RunFolderError(ValueError):
+    """A run folder or one of its files is missing or damaged; the message names the path."""
+
+
+def rank_ledger(out: str | Path, rank: int) -> Path:
+    """``out/ledger/rank_R.jsonl``: rank ``rank``'s own events."""
+    return Path(out) / LEDGER_DIR / f"rank_{rank}.jsonl"
+
+
+def rank_status(out: str | Path, rank: int) -> Path:
+    """``out/ledger/rank_R.status.json``: how a recorded rank ended."""
+    return Path(out) / LEDGER_DIR / f"rank_{rank}.status.json"
+
+
+def rank_ledgers(out: str | Path) -> dict[int, Path]:
+    """``{rank: path}`` of every per-rank ledger file in ``out/ledger``, by rank."""
+    folder = Path(out) / LEDGER_DIR
+    found = {}
+    for path in folder.glob("rank_*.jsonl") if folder.is_dir() else ():
+        tag = path.name[len("rank_"):-len(".jsonl")]
+        if tag.isdigit():
+            found[int(tag)] = path
+    return dict(sorted(found.items()))
+
+
+def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
+    """The JSON objects of a JSON-lines file (``[]`` when it does not exist).
+
+    The last line is dropped if it does not parse (a writer stopped mid-line); another line that
+    does not parse raises :class:`RunFolderError` naming the file and its line number, unless
+    ``strict=False`` (then it is skipped). A line holding JSON that is not an object is an error
+    either way: the file is not what it is named."""
+    path = Path(path)
+    if not path.is_file():
+        if path.exists():
+            raise RunFolderError(f"{str(path)!r} is not a file")
+        return []
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunFolderError(f"{str(path)!r} cannot be read: {err}") from None
+    lines = text.splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) or not strict:
+                continue
+            raise RunFolderError(f"{str(path)!r} line {number} is not JSON ({err.msg}); the "
+                                 f"file is damaged") from None
+        if not isinstance(value, dict):
+            raise RunFolderError(f"{str(path)!r} line {number} holds {type(value).__name__}, "
+                                 f"not a JSON object")
+        out.append(value)
+    return out
+
+
+def write_json_lines(path: str | Path, rows: Iterable[dict], mode: str = "w") -> None:
+    """Write (``mode="a"``: append) one JSON object per line."""
+    with open(path, mode) as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_json(path: str | Path, what: str = "a JSON object") -> dict | None:
+    """The JSON object in ``path`` (``None`` when the file does not exist)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RunFolderError(f"{str(path)!r} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise RunFolderError(f"{str(path)!r} holds {type(value).__name__}, not {what}")
+    return value
+
+
+def _check_events(path: Path, events: list[dict]) -> list[dict]:
+    for i, e in enumerate(events):
+        if "rank" not in e or "op" not in e:
+            raise RunFolderError(f"{str(path)!r}: event {i + 1} is not a ledger event (needs at "
+                                 f"least 'rank' and 'op')")
+    return events
+
+
+def load_events(path: str | Path) -> list[dict]:
+    """Every rank's events of a run or record folder (its ``ledger.jsonl``, else the per-rank
+    files a run left while it ran) or of a ledger file, ordered by ``(rank, seq)``."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / LEDGER).is_file():
+            p = p / LEDGER
+        else:
+            files = rank_ledgers(p)
+            if not files:
+                raise RunFolderError(f"{str(path)!r} is a folder without {LEDGER} or "
+                                     f"{LEDGER_DIR}/rank_*.jsonl (give a run or record folder, "
+                                     f"or a ledger file)")
+            return merge(_check_events(f, read_json_lines(f)) for f in files.values())
+    elif not p.is_file():
+        raise RunFolderError(f"{str(path)!r} does not exist (give a run or record folder, or a "
+                             f"ledger file)")
+    return merge([_check_events(p, read_json_lines(p))])
+
+
+def write_events(out: str | Path, events: list[dict]) -> Path:
+    """``out/ledger.jsonl``: the merged events of every rank."""
+    path = Path(out) / LEDGER
+    write_json_lines(path, events)
+    return path
