@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paraloom import launch
+from paraloom import device, launch
 from paraloom.data_parallel import (
     DistributedDataParallel,
     MainParamsOptimizer,
@@ -101,7 +101,7 @@ def _step(model, ids, targets, zero, sync, update) -> tuple[float, float, float,
 
 def bench(rank: int, world: int, args) -> None:
     if args.tuned_malloc:  # what `paraloom train` does in its ranks; both sides share the process
-        launch.tune_allocator()
+        device.tune_allocator()
     mesh = ParallelMesh(dp=world)
     torch.manual_seed(0)
     cfg = (args.vocab, args.hidden, args.layers, args.heads, args.seq)
@@ -197,7 +197,7 @@ def main() -> None:
                     help="torch side's AdamW (default: torch.optim.AdamW's CPU default, the "
                          "per-parameter loop; fused: the kernel paraloom uses; none: no update)")
     ap.add_argument("--tuned-malloc", action="store_true",
-                    help="apply paraloom.launch.tune_allocator in every rank (both sides share it)")
+                    help="apply paraloom.device.tune_allocator in every rank (both sides share it)")
     args = ap.parse_args()
     launch.spawn(bench, args.dp, args)
 

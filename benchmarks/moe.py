@@ -44,9 +44,9 @@ def _timed(owner, name: str, acc: list) -> None:
 
 def _rank(rank, world, args) -> None:
     from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+    from paraloom.data import Corpus, load_corpus
     from paraloom.mesh import ParallelMesh
     from paraloom.moe import token_dispatcher as td
-    from paraloom.training.data import Corpus, load_corpus
     from paraloom.training.train import build, train_step
 
     torch.set_num_threads(args.threads)
@@ -55,7 +55,7 @@ def _rank(rank, world, args) -> None:
                         moe_router_topk=args.topk)
     runs = {}
     for ep in (1, 2):
-        cfg = TrainConfig(model=model, parallel=ParallelConfig(dp=2, ep=ep),
+        cfg = TrainConfig().replace(model=model, parallel=ParallelConfig(dp=2, ep=ep),
                           global_batch_size=args.global_batch_size,
                           micro_batch_size=args.micro_batch_size, steps=10**6, save_every=0,
                           schedule="none")

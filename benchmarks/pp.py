@@ -56,7 +56,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from paraloom.launch import spawn, tune_allocator
+from paraloom.device import tune_allocator
+from paraloom.launch import spawn
 from paraloom.ledger import Ledger, recording
 from paraloom.mesh import ParallelMesh
 from paraloom.pipeline_parallel import forward_backward_pipelining_without_interleaving
@@ -342,7 +343,7 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--picture", default="pp_schedule.png")
     parser.add_argument("--tuned-malloc", action="store_true",
-                        help="paraloom.launch.tune_allocator in both ranks (shared by all runs)")
+                        help="paraloom.device.tune_allocator in both ranks (shared by all runs)")
     parser.add_argument("--microbatches", type=int, default=M,
                         help=f"m (default {M}; the goals are stated for it)")
     args = parser.parse_args()

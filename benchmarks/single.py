@@ -15,7 +15,7 @@ What it measures
       ``--plain-optimizer fused`` / ``foreach``).
 
     Both run in one process, under glibc's default allocator (``--tuned-malloc``: the settings
-    ``paraloom train`` applies in its ranks, :func:`paraloom.launch.tune_allocator`, for both).
+    ``paraloom train`` applies in its ranks, :func:`paraloom.device.tune_allocator`, for both).
     Both start from the same weights (copied from paraloom's model), read the same batches and
     use the same hyper-parameters (lr schedule, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on
     matrices and embeddings and none on biases and norms as in nanoGPT's two groups, clip 1.0);
@@ -43,10 +43,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
-from paraloom.launch import tune_allocator
+from paraloom.data import Corpus, load_corpus
+from paraloom.device import tune_allocator
 from paraloom.mesh import ParallelMesh
-from paraloom.training.data import Corpus, load_corpus
-from paraloom.training.schedule_lr import learning_rate
+from paraloom.training.lr_schedule import learning_rate
 from paraloom.training.train import build, train_step
 
 
@@ -111,7 +111,8 @@ class PlainGPT(nn.Module):
 def make(args):
     model = ModelConfig(hidden_size=args.hidden, num_layers=args.layers,
                         num_attention_heads=args.heads, seq_length=args.seq)
-    cfg = TrainConfig(model=model, parallel=ParallelConfig(), global_batch_size=args.batch,
+    cfg = TrainConfig().replace(model=model, parallel=ParallelConfig(),
+                                global_batch_size=args.batch,
                       micro_batch_size=args.batch, steps=args.warmup + args.iters, lr=3e-4,
                       min_lr=3e-5, warmup_steps=2)
     corpus = Corpus(load_corpus(None), model.seq_length, cfg.seed)
@@ -122,8 +123,9 @@ def make(args):
     params = list(plain.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2]},  # nanoGPT's configure_optimizers
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                            weight_decay=cfg.weight_decay, **impl[args.plain_optimizer])
+    o = cfg.optim
+    opt = torch.optim.AdamW(groups, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                            weight_decay=o.weight_decay, **impl[args.plain_optimizer])
     return cfg, run, plain, opt
 
 
@@ -131,12 +133,12 @@ def plain_step(cfg, corpus, model, opt, step: int) -> dict:
     batch = corpus.global_batch(step, cfg.global_batch_size)
     ids, targets = batch[:, :-1], batch[:, 1:]
     for group in opt.param_groups:
-        group["lr"] = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr,
-                                    warmup_steps=cfg.warmup_steps, total_steps=cfg.steps)
+        group["lr"] = learning_rate(step, lr=cfg.optim.lr, min_lr=cfg.optim.min_lr,
+                                    warmup_steps=cfg.optim.warmup_steps, total_steps=cfg.steps)
     opt.zero_grad(set_to_none=True)
     loss = model(ids, targets)
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.clip_grad)
     opt.step()
     return {"loss": loss.item(), "grad_norm": norm.item()}
 
@@ -164,7 +166,7 @@ def main() -> None:
                     default="default", help="torch.optim.AdamW implementation of the plain loop")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--tuned-malloc", action="store_true",
-                    help="apply paraloom.launch.tune_allocator (as `paraloom train` does) to the "
+                    help="apply paraloom.device.tune_allocator (as `paraloom train` does) to the "
                          "process both run in")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -23,13 +23,13 @@ import sys
 import time
 from pathlib import Path
 
-from paraloom.training.resume import read_json_lines
+from paraloom.run_folder import read_json_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _metrics(run: Path) -> list[dict]:
-    return read_json_lines(run / "metrics.jsonl")  # a line being written is skipped
+    return read_json_lines(run / "metrics.jsonl", strict=False)  # a line being written: skipped
 
 
 def _ranks_of(pid: int) -> list[int]:

@@ -5,7 +5,7 @@
   the others are stopped and the error names the rank.
 * :func:`init_distributed` initialises ``torch.distributed`` from explicit arguments or, under
   ``torchrun``, from its environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``).
-* :func:`get_device` is the one place that decides CPU vs CUDA (``cuda:LOCAL_RANK`` with NCCL).
+* The device and backend are :mod:`paraloom.device`'s choice (``cuda:LOCAL_RANK`` with NCCL).
 * :func:`shutdown` ends a world (a barrier first after a good run); :func:`exit_process` then
   ends a torchrun worker without interpreter finalization.
 """
@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import signal
 import sys
@@ -27,35 +26,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from . import comm
+from .device import default_backend, get_device
+from .mesh import world_axis
 
-__all__ = ["init_distributed", "spawn", "under_torchrun", "get_device", "print0", "shutdown",
-           "exit_process", "get_rng_state", "set_rng_state", "timing_event_type", "tune_allocator"]
+__all__ = ["init_distributed", "spawn", "under_torchrun", "print0", "shutdown", "exit_process",
+           "skip_finalization", "is_peer_failure", "PEER_GONE", "local_threads"]
 
 
 def under_torchrun() -> bool:
     """True when the environment was set by ``torchrun`` (or another launcher using its
     variables)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def _cuda_usable() -> bool:
-    return torch.cuda.is_available() and torch.cuda.device_count() > 0
-
-
-def default_backend() -> str:
-    """The backend :func:`init_distributed` picks when none is given: NCCL where CUDA is usable,
-    else gloo (local :func:`spawn` worlds always use gloo)."""
-    return "nccl" if _cuda_usable() else "gloo"
-
-
-def get_device(backend: str | None = None) -> torch.device:
-    """``cuda:LOCAL_RANK`` when the backend is NCCL (or unset and CUDA is present), else CPU."""
-    backend = backend or (dist.get_backend() if dist.is_initialized() else None)
-    if backend == "nccl" or (backend is None and _cuda_usable()):
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
-    return torch.device("cpu")
 
 
 def init_distributed(rank: int | None = None, world_size: int | None = None, *,
@@ -83,34 +64,6 @@ def init_distributed(rank: int | None = None, world_size: int | None = None, *,
     return rank, world_size
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
-
-
-def tune_allocator() -> bool:
-    """Keep memory a training step frees for the next step (glibc ``malloc``; Linux only).
-
-    By default glibc serves every allocation above 128 KiB-32 MiB with a fresh ``mmap`` and
-    returns it to the system on ``free``, and trims the heap's top whenever 128 KiB-64 MiB lie
-    unused there; a training step frees and re-allocates the same activation and gradient sizes
-    every step (and a data-parallel wrapper frees each ``.grad`` in the middle of backward), so
-    the process keeps faulting in fresh, zeroed pages: ~2,500 page faults and ~8-10 % of a step
-    of a 3M-parameter GPT on a 2-core VM (``benchmarks/single.py``). Raising both thresholds
-    (allocations below 256 MiB from the heap, trimming only past 1 GiB free) keeps the pages;
-    resident memory then stays at the step's peak, which a training process reaches anyway.
-    CUDA memory is untouched (PyTorch's caching allocator already does this on the GPU).
-    ``PARALOOM_MALLOC_TUNING=0`` leaves the allocator alone. Returns whether it was applied.
-    ``paraloom train`` and ``eval`` call it in every rank; a library user calls it (or not) in
-    their own processes, and the benchmarks, which run paraloom and PyTorch side by side in one
-    process, leave it to a flag (both sides then share the setting)."""
-    if os.environ.get("PARALOOM_MALLOC_TUNING", "1") == "0" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, 256 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
 def shutdown(*, barrier: bool = False) -> None:
     """Tear down the default process group (and every group made from it) if one exists.
 
@@ -122,11 +75,8 @@ def shutdown(*, barrier: bool = False) -> None:
     if not dist.is_initialized():
         return
     if barrier and dist.get_world_size() > 1:
-        from .mesh import Axis
-        world = Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(),
-                     dist.group.WORLD)
         try:
-            comm.barrier(world, site="shutdown")
+            comm.barrier(world_axis(), site="shutdown")
         except comm.CommTimeout:
             barrier = False  # a peer is gone: still destroy ours, and say the end was not clean
     dist.destroy_process_group()
@@ -171,9 +121,6 @@ def _die_with(launcher: int) -> None:
     the launcher is already gone, stop now."""
     if not sys.platform.startswith("linux"):
         return
-    import ctypes
-    import signal
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     if os.getppid() != launcher:
@@ -195,20 +142,21 @@ def _rank_main(rank: int, world_size: int, store: str, timeout_s: float, threads
         finally:
             shutdown()
     except BaseException as err:  # noqa: BLE001 - reported to the launcher, then exit non-zero
-        secondary = _is_peer_failure(err)  # another rank's failure surfacing here
+        secondary = is_peer_failure(err)  # another rank's failure surfacing here
         errors.put((rank, time.time(), secondary, traceback.format_exc()))
         sys.stdout.flush()
         os._exit(1)
 
 
-_PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+PEER_GONE = ("closed by peer", "connection reset", "broken pipe", "timed out", "timeout")
+"""Words of an error that only says a peer went away or stopped answering."""
 
 
-def _is_peer_failure(err: BaseException) -> bool:
+def is_peer_failure(err: BaseException) -> bool:
     """Whether ``err`` only says that a peer went away or stopped answering."""
     if isinstance(err, comm.CommTimeout):
         return True
-    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in _PEER_GONE)
+    return isinstance(err, RuntimeError) and any(s in str(err).lower() for s in PEER_GONE)
 
 
 def _root_cause(failures: dict, exits: dict) -> str:
@@ -292,32 +240,12 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
             os.unlink(store)
 
 
+def local_threads(world_size: int) -> int:
+    """Intra-op threads per local rank: the machine's cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def print0(*args, **kwargs) -> None:
     """``print`` on global rank 0 only (or always, outside a distributed run)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
-
-
-def timing_event_type(device: torch.device):
-    """What a :class:`~paraloom.ledger.Ledger` stamps times with on ``device``: ``None`` on CPU
-    (the wall clock), a timing-enabled ``torch.cuda.Event`` factory on CUDA. On CUDA the device
-    is synchronised once here, so the ledger's anchor event is recorded on an idle stream."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    return functools.partial(torch.cuda.Event, enable_timing=True)
-
-
-def get_rng_state(device: torch.device) -> torch.Tensor:
-    """The default generator state of ``device`` (CPU or CUDA)."""
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
-
-
-def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
-    """Restore the default generator state of ``device``."""
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)

@@ -3,13 +3,14 @@
 A :class:`Ledger` is active on a rank while ``with recording(ledger):`` runs. ``comm.py`` asks
 :func:`active` before every operation; when it returns ``None`` nothing is allocated or timed, so
 recording costs nothing when it is off. Events are plain dicts in the JSON Lines schema of
-DESIGN.md (the contract), written by :meth:`Ledger.dump` and merged over ranks by :func:`merge`.
+DESIGN.md (the contract), written by :meth:`Ledger.dump`, merged over ranks by :func:`merge`
+and read back by :mod:`paraloom.run_folder`.
 
 Times are seconds since the ledger's ``t0`` on the wall clock (``time.time``), which all ranks of a
 local run share; a launcher that wants one origin for every rank passes the same ``t0`` to each.
 On CPU the wall clock is exact enough: operations run when the host calls them. On CUDA the host
 only enqueues kernels, so a ledger built with ``event_type`` (``torch.cuda.Event`` with timing,
-from :func:`paraloom.launch.timing_event_type`) stamps each ``t_start`` / ``t_wait`` / ``t_end``
+from :func:`paraloom.device.timing_event_type`) stamps each ``t_start`` / ``t_wait`` / ``t_end``
 with an event recorded on the current stream -- when the GPU reaches that point -- and
 :meth:`Ledger.resolve` turns the events into seconds after the step, against an anchor event
 recorded when the ledger was made (the one moment host and device clocks are tied). Recording adds
@@ -24,7 +25,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
-__all__ = ["Ledger", "active", "recording", "span", "load", "merge", "FIELDS"]
+__all__ = ["Ledger", "active", "recording", "span", "merge", "FIELDS"]
 
 FIELDS = ("rank", "seq", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
           "async", "bytes", "shape", "dtype", "group", "t_start", "t_wait", "t_end")
@@ -178,12 +179,6 @@ def span(site: str, *, phase: str, module: str | None = None, **extra):
     if ledger is None:
         return _NO_SPAN
     return ledger.span(site, phase=phase, module=module, **extra)
-
-
-def load(path: str | Path) -> list[dict]:
-    """Read a JSON Lines ledger (data only: ``json``, never pickle)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def merge(per_rank: Iterable[Iterable[dict]]) -> list[dict]:

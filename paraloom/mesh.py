@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 
-__all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords", "expert_rank_groups"]
+__all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords", "expert_rank_groups",
+           "world_axis"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,14 @@ class Axis:
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+def world_axis() -> Axis:
+    """Every rank of the initialised world as one :class:`Axis` (for setup before, or without,
+    a :class:`ParallelMesh`)."""
+    world = dist.get_world_size()
+    return Axis("world", tuple(range(world)), dist.get_rank(),
+                dist.group.WORLD if world > 1 else None)
 
 
 def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, ...]:

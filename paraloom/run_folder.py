@@ -9,16 +9,17 @@
     RUN/ledger.jsonl         every rank's events merged, ordered by (rank, seq)
     RUN/trace.json, comm_table.md, report.html, loss.png, summary.json, checkpoints/step_N/
 
-Every JSON-lines file is read by :func:`read_json_lines`: a last line cut short (the writer was
-killed mid-line) is dropped silently, as it is what a crash leaves; any other line that is not
-JSON is an error naming the file and the line (``strict``), or is skipped (``strict=False``, for
-files a run rewrites as it goes). Every problem is a :class:`RunFolderError` (a ``ValueError``)
-whose message names the file.
+Every JSON-lines file is read by :func:`read_json_lines`: a last line cut short (no newline at
+its end: the writer was killed mid-line) is dropped silently, as it is what a crash leaves; any
+other line that is not JSON is an error naming the file and the line (``strict``), or is skipped
+(``strict=False``, for files a run rewrites as it goes). Every problem is a
+:class:`RunFolderError` (a ``ValueError``) whose message names the file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .ledger import merge
 
 __all__ = ["RunFolderError", "CONFIG", "METRICS", "LEDGER", "LEDGER_DIR", "SUMMARY",
            "rank_ledger", "rank_status", "rank_ledgers", "read_json_lines", "write_json_lines",
-           "read_json", "load_events", "write_events"]
+           "read_json", "load_events", "write_events", "check_out"]
 
 CONFIG, METRICS, LEDGER, LEDGER_DIR, SUMMARY = ("config.json", "metrics.jsonl", "ledger.jsonl",
                                                 "ledger", "summary.json")
@@ -60,10 +61,10 @@ def rank_ledgers(out: str | Path) -> dict[int, Path]:
 def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
     """The JSON objects of a JSON-lines file (``[]`` when it does not exist).
 
-    The last line is dropped if it does not parse (a writer stopped mid-line); another line that
-    does not parse raises :class:`RunFolderError` naming the file and its line number, unless
-    ``strict=False`` (then it is skipped). A line holding JSON that is not an object is an error
-    either way: the file is not what it is named."""
+    The last line is dropped if it does not parse and has no newline (a writer stopped
+    mid-line); another line that does not parse raises :class:`RunFolderError` naming the file
+    and its line number, unless ``strict=False`` (then it is skipped). A line holding JSON that
+    is not an object is an error either way: the file is not what it is named."""
     path = Path(path)
     if not path.is_file():
         if path.exists():
@@ -74,6 +75,7 @@ def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
     except (OSError, UnicodeDecodeError) as err:
         raise RunFolderError(f"{str(path)!r} cannot be read: {err}") from None
     lines = text.splitlines()
+    cut = len(lines) if text and not text.endswith("\n") else None  # a line cut short
     out = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -81,10 +83,10 @@ def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
-            if number == len(lines) or not strict:
+            if number == cut or not strict:
                 continue
-            raise RunFolderError(f"{str(path)!r} line {number} is not JSON ({err.msg}); the "
-                                 f"file is damaged") from None
+            raise RunFolderError(f"{str(path)!r} is not a JSON Lines file: line {number} is not "
+                                 f"JSON ({err.msg})") from None
         if not isinstance(value, dict):
             raise RunFolderError(f"{str(path)!r} line {number} holds {type(value).__name__}, "
                                  f"not a JSON object")
@@ -146,3 +148,26 @@ def write_events(out: str | Path, events: list[dict]) -> Path:
     path = Path(out) / LEDGER
     write_json_lines(path, events)
     return path
+
+
+def check_out(out: str | Path, flag: str = "--out", *, create: bool = False) -> None:
+    """``ValueError`` unless ``out`` is (or can become) a run folder this process can write.
+    ``create=False`` creates nothing (a refused run leaves no folder); ``create=True`` makes
+    ``out/ledger`` as every rank would."""
+    path = Path(out).absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {str(out)!r} exists and is not a folder (it is an existing "
+                         f"file); give a run folder")
+    if create:
+        try:
+            (path / LEDGER_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"{flag} {str(out)!r} cannot be created ({err.strerror or err}): "
+                             f"give a writable folder path") from None
+    existing = next(p for p in (path / LEDGER_DIR, path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{flag} {str(out)!r} cannot be created: {str(existing)!r} is not a "
+                         f"folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(existing)!r} is not "
+                         f"writable")

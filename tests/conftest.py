@@ -116,3 +116,19 @@ def world2():
     world = World(2)
     yield world
     world.close()
+
+
+def checkpoint_folder(run, cfg, step: int = 1):
+    """A run folder holding a checkpoint's metadata only (``meta.json`` and an empty DCP
+    ``.metadata``): enough for everything that reads a checkpoint's settings before ranks start
+    (``--resume`` flags, the model comparison), nothing to load tensors from."""
+    import json
+    from pathlib import Path
+
+    from paraloom.training.checkpoint import FORMAT
+    ckpt = Path(run) / "checkpoints" / f"step_{step}"
+    ckpt.mkdir(parents=True)
+    (ckpt / ".metadata").write_bytes(b"")
+    (ckpt / "meta.json").write_text(json.dumps({"step": step, "tokens": 0, "optimizer_steps": step,
+                                                "config": cfg.to_dict(), "format": FORMAT}))
+    return Path(run)

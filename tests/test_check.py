@@ -18,8 +18,8 @@ import pytest
 from paraloom.analysis.check import check_main, config_from_run
 from paraloom.analysis.layout import chunk_buckets, chunk_params
 from paraloom.commands import main
-from paraloom.ledger import load
 from paraloom.report.table import render_table, table_rows
+from paraloom.run_folder import read_json_lines as load
 
 TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1",
@@ -165,7 +165,7 @@ def test_check_rejects_bad_run_folders(runs, tmp_path, capsys):
 def test_check_says_a_recorded_folder_has_no_formulas(tmp_path, capsys):
     (tmp_path / "ledger").mkdir()
     (tmp_path / "ledger.jsonl").write_text("")
-    (tmp_path / "ledger" / "rank0.status.json").write_text("{}")
+    (tmp_path / "ledger" / "rank_0.status.json").write_text("{}")
     assert check_main([str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "recorded by paraloom record" in err and "no formulas" in err

@@ -9,8 +9,9 @@ import torch
 import torch.distributed as dist
 
 from paraloom import comm, ledger
-from paraloom.ledger import FIELDS, Ledger, load, merge, recording
+from paraloom.ledger import FIELDS, Ledger, merge, recording
 from paraloom.mesh import Axis, ParallelMesh
+from paraloom.run_folder import read_json_lines as load
 
 KW = dict(phase="forward", kind="tp", site="test")
 

@@ -19,7 +19,8 @@ from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,
                     seq_length=16)
-BASE = TrainConfig(model=MODEL, global_batch_size=4, micro_batch_size=1, steps=4, lr=3e-3,
+BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
+                             global_batch_size=4, micro_batch_size=1, steps=4, lr=3e-3,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=60)
 
 
@@ -29,7 +30,7 @@ def _rank(rank, world, cfg, t0):
 
 
 def train(tmp_path, name, *, tp=1, cp=1, pp=1, dp=1, sp=False, comm="p2p", **kw) -> list[dict]:
-    cfg = replace(BASE, parallel=ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sp,
+    cfg = BASE.replace(parallel=ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sp,
                                                 cp_comm_type=comm),
                   schedule="1f1b" if pp > 1 else "none", out=str(tmp_path / name), **kw)
     launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)

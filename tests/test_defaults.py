@@ -4,24 +4,22 @@ whose shared runs include a default one and a ``--no-async-...`` one)."""
 
 from __future__ import annotations
 
-import argparse
 import re
 
 import pytest
 from _megatron_source import megatron_file
 
+from paraloom.commands.train import parser, train_main
+from paraloom.commands.train_flags import config_from_args
 from paraloom.config import ParallelConfig, TrainConfig
-from paraloom.training.command import add_train_parser, config_from_args, train_main
 
 
 def parse(*flags: str):
-    parser = argparse.ArgumentParser()
-    add_train_parser(parser.add_subparsers(dest="command"))
-    return parser.parse_args(["train", *flags])
+    return parser().parse_args(list(flags))
 
 
 def config(*flags: str) -> TrainConfig:
-    return config_from_args(parse(*flags))
+    return config_from_args(parse(*flags))[0]
 
 
 def test_megatron_core_rule_read_from_its_source():
@@ -100,12 +98,12 @@ def test_overlapped_p2p_on_cuda_is_refused_before_the_ranks_train(monkeypatch):
     """Under torchrun with CUDA (NCCL), an explicit --overlap-p2p-communication is refused while
     the flags are read, and the refusal goes through the world's agreement (every rank stops
     with the message), not as a ValueError raised inside every rank's schedule."""
-    from paraloom import launch
-    from paraloom.training import nodes
+    from paraloom import device
+    from paraloom.training import multinode as nodes
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "0")
-    monkeypatch.setattr(launch, "_cuda_usable", lambda: True)
+    monkeypatch.setattr(device, "cuda_usable", lambda: True)
     refused = []
     monkeypatch.setattr(nodes, "refuse_under_torchrun",
                         lambda prog, error, timeout_s: refused.append(error) or 2)

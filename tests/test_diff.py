@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from paraloom.commands import main
-from paraloom.record.diff import compare, load_runs, sequences
+from paraloom.record.diff import compare, sequences
+from paraloom.run_folder import load_events as load_runs
 
 S, B, H = 8, 2, 16
 
@@ -107,7 +108,8 @@ def test_length_and_missing_rank(tmp_path, capsys):
 def test_partial_record_folder_and_fields_option(tmp_path, capsys):
     (tmp_path / "rec" / "ledger").mkdir(parents=True)
     for r in (0, 1):
-        write(tmp_path / "rec" / "ledger" / f"rank{r}.jsonl", [e for e in base() if e["rank"] == r])
+        write(tmp_path / "rec" / "ledger" / f"rank_{r}.jsonl",
+              [e for e in base() if e["rank"] == r])
     assert len(load_runs(tmp_path / "rec")) == 8
     events = base()
     events[0]["bytes"] = 1
@@ -125,7 +127,7 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     assert code == 2 and "without ledger.jsonl" in err
     (tmp_path / "junk.jsonl").write_text("not json\n")
     code, _, err = run_diff(capsys, good, tmp_path / "junk.jsonl")
-    assert code == 2 and "not a JSON Lines ledger" in err
+    assert code == 2 and "not a JSON Lines file" in err
     code, _, err = run_diff(capsys, good, good, "--fields", "phase,colour")
     assert code == 2 and "['colour']" in err and "valid:" in err
     code, _, err = run_diff(capsys, good, good, "--rank", "5")

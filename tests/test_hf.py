@@ -68,7 +68,7 @@ def hf_losses(hf_dir: str, windows: torch.Tensor) -> list[float]:
     out = []
     for tp, pp, sp in LAYOUTS:
         parallel = ParallelConfig(tp=tp, pp=pp, dp=4 // (tp * pp), sequence_parallel=sp)
-        cfg = TrainConfig(model=model, parallel=parallel, global_batch_size=B,
+        cfg = TrainConfig().replace(model=model, parallel=parallel, global_batch_size=B,
                           micro_batch_size=1, schedule="1f1b" if pp > 1 else "none")
         run = build(cfg, ParallelMesh(parallel), None, init_from_hf=hf_dir)
         out.append(evaluate(run, [(windows[:, :-1], windows[:, 1:])]))
@@ -137,7 +137,7 @@ def test_cli_rejects_shape_conflicts(hf, tmp_path, capfd):
 
 
 def test_eval_hf_matches_transformers(hf, capfd):
-    from paraloom.training.data import Corpus, eval_batches, load_corpus
+    from paraloom.data import Corpus, eval_batches, load_corpus
     folder, model = hf[300]
     assert main(["eval", "--hf", folder, "--tp", "2", "--pp", "2", "--sequence-parallel",
                  "--seq-len", str(SEQ), "--batches", "1", "--global-batch-size", "4"]) == 0
@@ -149,9 +149,9 @@ def test_eval_hf_matches_transformers(hf, capfd):
 
 
 def test_round_trip_train_export_reload(hf, tmp_path):
+    from paraloom.data import Corpus, eval_batches, load_corpus
     from paraloom.mesh import ParallelMesh
     from paraloom.models.gpt import GPTModel
-    from paraloom.training.data import Corpus, eval_batches, load_corpus
     from paraloom.training.hf_export import load_full_params
     from paraloom.training.loop import EVAL_BATCHES
     folder, original = hf[300]

@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from paraloom import launch
 from paraloom.commands import main
-from paraloom.training.data import Corpus, check_data, eval_batches, load_corpus, min_bytes
+from paraloom.data import Corpus, check_data, eval_batches, load_corpus, min_bytes
 
 SEQ = 64
 
@@ -171,7 +171,7 @@ def test_eval_resume_scores_the_runs_own_data_from_any_folder(tmp_path, capfd, m
                  "--global-batch-size", "2", "--micro-batch-size", "1", "--steps", "1",
                  "--warmup-steps", "0", "--out", "run"]) == 0
     config = json.loads((home / "run" / "config.json").read_text())
-    assert config["data"] == str(home / "notes.txt")
+    assert config["data"]["file"] == str(home / "notes.txt")
     monkeypatch.chdir(elsewhere)
     capfd.readouterr()
 

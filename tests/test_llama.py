@@ -8,13 +8,13 @@ temporary folder (4 heads, 2 key/value heads, untied, vocabulary 300 -> 384 padd
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import checkpoint_folder
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from paraloom import comm, launch
@@ -141,7 +141,7 @@ def hf_losses(hf_dir, windows):
     out = []
     for tp, pp, sp in ((1, 1, False), (2, 1, True), (1, 2, False), (2, 2, True)):
         parallel = ParallelConfig(tp=tp, pp=pp, dp=4 // (tp * pp), sequence_parallel=sp)
-        cfg = TrainConfig(model=model, parallel=parallel, global_batch_size=4,
+        cfg = TrainConfig().replace(model=model, parallel=parallel, global_batch_size=4,
                           micro_batch_size=1, schedule="1f1b" if pp > 1 else "none")
         run = build(cfg, ParallelMesh(parallel), None, init_from_hf=hf_dir)
         out.append(evaluate(run, [(windows[:, :-1], windows[:, 1:])]))
@@ -237,7 +237,7 @@ def _train(path, *, tp=1, pp=1, dp=1, sp=False, vpp=None, zero=False, attention=
     model = replace(LLAMA, vocab_size=256, num_layers=4, attention=attention,
                     ffn_hidden_size=None)
     schedule = "interleaved" if vpp else ("1f1b" if pp > 1 else "none")
-    cfg = TrainConfig(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp,
+    cfg = TrainConfig().replace(model=model, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp,
                                                            sequence_parallel=sp),
                       global_batch_size=8, micro_batch_size=1, steps=3, warmup_steps=1,
                       save_every=0, ledger_steps=1, timeout_s=60, schedule=schedule,
@@ -263,18 +263,17 @@ def test_arch_llama_trains_the_same_model_in_every_layout_and_check_agrees(tmp_p
 
 def test_arch_llama_flags(tmp_path, capfd):
 
-    from paraloom.training.command import add_train_parser, config_from_args
-    parser = argparse.ArgumentParser().add_subparsers()
-    add_train_parser(parser)
-    parse = parser.choices["train"].parse_args
+    from paraloom.commands.train import parser
+    from paraloom.commands.train_flags import config_from_args
+    parse = parser().parse_args
     model = config_from_args(parse(["--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
                                     "--group-query-attention", "--num-query-groups", "2",
-                                    "--attention", "sdpa"])).model
+                                    "--attention", "sdpa"]))[0].model
     assert (model.normalization, model.swiglu, model.position_embedding_type,
             model.untie_embeddings_and_output_weights, model.add_bias_linear, model.attention,
             model.query_groups, model.ffn) == ("RMSNorm", True, "rope", True, False, "sdpa", 2,
                                                128)
-    assert config_from_args(parse(["--tp", "2", "--pp", "1", "--dp", "1"])).model == \
+    assert config_from_args(parse(["--tp", "2", "--pp", "1", "--dp", "1"]))[0].model == \
         ModelConfig(vocab_size=256, hidden_size=64, num_layers=4, num_attention_heads=4,
                     seq_length=64)  # the GPT-2 default is unchanged
     for extra, message in ((["--num-query-groups", "2"], "needs --group-query-attention"),
@@ -287,15 +286,13 @@ def test_arch_llama_flags(tmp_path, capfd):
         assert message in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
     # train --resume refills the architecture from the saved config.json
-    from dataclasses import asdict
-
-    from paraloom.commands.arch_flags import architecture_from_args, flags_of_model
-    for model in (LLAMA, replace(LLAMA, num_query_groups=None, attention="sdpa"),
-                  ModelConfig()):
-        args = argparse.Namespace(**flags_of_model(asdict(model)))
-        assert replace(ModelConfig(**{k: getattr(model, k) for k in (
-            "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "ffn_hidden_size",
-            "seq_length")}), **architecture_from_args(args)) == model
+    for i, model in enumerate((LLAMA, replace(LLAMA, num_query_groups=None, attention="sdpa"),
+                               ModelConfig())):
+        model = replace(model, vocab_size=256)  # bytes
+        saved = TrainConfig().replace(model=model, parallel=ParallelConfig(tp=2))
+        run = checkpoint_folder(tmp_path / f"saved{i}", saved)
+        resumed, _ = config_from_args(parse(["--resume", str(run), "--steps", "2"]))
+        assert resumed.model == model and resumed.parallel == saved.parallel
 
 
 def test_formulas_know_the_llama_parameters_and_sdpa_memory():

@@ -182,22 +182,23 @@ def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity
 TRAIN_MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
                           seq_length=16, num_experts=4, moe_router_topk=2, moe_layer_freq=2,
                           moe_z_loss_coeff=1e-3)
-TRAIN = TrainConfig(model=TRAIN_MODEL, global_batch_size=4, micro_batch_size=1, steps=4,
+TRAIN = TrainConfig().replace(parallel=ParallelConfig(), model=TRAIN_MODEL,
+                              global_batch_size=4, micro_batch_size=1, steps=4,
                     lr=3e-3, warmup_steps=1, save_every=0)
 
 
 def train_steps(cfg):
     """The training loop's steps without its files: ``train_step`` metrics for ``cfg.steps``."""
+    from paraloom.data import Corpus, load_corpus
     from paraloom.mesh import ParallelMesh
-    from paraloom.training.data import Corpus, load_corpus
     from paraloom.training.train import build, train_step
     mesh = ParallelMesh(cfg.parallel)
-    run = build(cfg, mesh, Corpus(load_corpus(cfg.data), cfg.model.seq_length, cfg.seed))
+    run = build(cfg, mesh, Corpus(load_corpus(cfg.data.file), cfg.model.seq_length, cfg.seed))
     return [train_step(run, s) for s in range(cfg.steps)]
 
 
 def _cfg(model=TRAIN_MODEL, *, tp=1, pp=1, dp=1, ep=1, sp=False, zero=False, cp=1):
-    return replace(TRAIN, model=model, parallel=ParallelConfig(
+    return TRAIN.replace(model=model, parallel=ParallelConfig(
         tp=tp, pp=pp, dp=dp, ep=ep, cp=cp, sequence_parallel=sp), distributed_optimizer=zero,
         schedule="1f1b" if pp > 1 else "none")
 

@@ -35,7 +35,7 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     import shutil
 
     from paraloom.analysis.check import check_main
-    from paraloom.report.table import table_main
+    from paraloom.commands.table import main as table_main
 
     run = tmp_path / "run"
     shape = ["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "4", "--hidden", "32",

@@ -118,7 +118,7 @@ def test_checkpoints_refuse_a_folder_not_every_rank_sees(tmp_path):
     """What ranks 2, 3 on node 1 would hit above with ``--save-every 1`` (the same function,
     without paying for two more agents): a SetupError naming the flag, the folder, the ranks
     and both ways out; nothing when every rank shares the folder or nothing is saved."""
-    from paraloom.training.nodes import RunFolder, SetupError, needs_shared_folder
+    from paraloom.training.multinode import RunFolder, SetupError, needs_shared_folder
     split = RunFolder(tmp_path, [True, True, False, False], hosts=["a", "a", "b", "b"])
     with pytest.raises(SetupError) as err:
         needs_shared_folder(split, 1)

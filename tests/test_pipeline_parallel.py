@@ -236,13 +236,15 @@ def shape_case(bad_shapes):
         for raw in bad_shapes:
             comm.batch_p2p([("send", torch.tensor(raw, dtype=torch.int64), mesh.next_rank)],
                            mesh.pp, phase="forward", kind="pp", site="test.bad_shape")
-        p2p.send_forward(torch.ones(6, B, H), mesh=mesh, variable_seq_lengths=True)
+        p2p.communicate([("send", "next", torch.ones(6, B, H), "forward", None)], mesh=mesh,
+                        tensor_shape=(6, B, H), variable_seq_lengths=True)
     elif mesh.pp.rank == 1:
+        recv = [("recv", "prev", None, "forward", None)]
         for _ in bad_shapes:
             with pytest.raises(ValueError) as info:
-                p2p.recv_forward((S, B, H), mesh=mesh, variable_seq_lengths=True)
+                p2p.communicate(recv, mesh=mesh, tensor_shape=(S, B, H), variable_seq_lengths=True)
             errors.append(str(info.value))
-        got = p2p.recv_forward((S, B, H), mesh=mesh, variable_seq_lengths=True)
+        got, = p2p.communicate(recv, mesh=mesh, tensor_shape=(S, B, H), variable_seq_lengths=True)
         assert got.shape == (6, B, H) and got.requires_grad and bool((got == 1).all())
     return errors
 

@@ -11,21 +11,22 @@ refused with the value named and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 
 import pytest
+from conftest import checkpoint_folder
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from paraloom import launch
 from paraloom.commands import main
+from paraloom.commands.train import parser as train_parser
+from paraloom.commands.train_flags import config_from_args
+from paraloom.config import TrainConfig
+from paraloom.data import DEFAULT_CORPUS
 from paraloom.data.preprocess import read_documents
 from paraloom.data.stream import load_tokens
 from paraloom.data.tokenizer import HFTokenizer
-from paraloom.training.command import add_train_parser, config_from_args
-from paraloom.training.data import DEFAULT_CORPUS
-from paraloom.training.resume import explicit_dests, resume_args
 
 SEQ = 32
 
@@ -75,7 +76,7 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
                  "--tp", "2", "--pp", "1", "--dp", "1", "--global-batch-size", "4",
                  "--steps", "3", "--save-every", "3", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
-    assert config["tokenizer"] == str(folder) and config["data_path"] == prefix
+    assert config["data"]["tokenizer"] == str(folder) and config["data"]["data_path"] == prefix
     assert config["model"]["vocab_size"] == 300
     summary = json.loads((out / "summary.json").read_text())
     assert main(["train", "--data-path", prefix, "--tokenizer", str(folder), *model,
@@ -97,14 +98,13 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
     assert hf_tok(corpus_docs[0]).input_ids == tok.encode(corpus_docs[0]).ids
     assert transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "hf")).config.vocab_size >= len(hf_tok)
-    parser = argparse.ArgumentParser()  # --resume takes the tokenizer back; --data replaces
-    add_train_parser(parser.add_subparsers(dest="command"))  # the saved --data-path
+    # --resume takes the tokenizer back; --data replaces the saved --data-path
     for argv, data, data_path in ((["--resume", str(out)], None, prefix),
                                   (["--resume", str(out), "--data", str(jsonl)], str(jsonl), None)):
-        args = parser.parse_args(["train", *argv])
-        resume_args(args, explicit_dests(argv, args))
-        assert (args.tokenizer, args.data, args.data_path) == (str(folder), data, data_path)
-        assert config_from_args(args).model.vocab_size == 300
+        cfg, _ = config_from_args(train_parser().parse_args([*argv, "--steps", "99"]))
+        assert (cfg.data.tokenizer, cfg.data.file, cfg.data.data_path) == (
+            str(folder), data, data_path)
+        assert cfg.model.vocab_size == 300
 
 
 @pytest.mark.parametrize("split, want", [("paragraph", [["a\nb"], ["c"], ["d"]]),
@@ -239,13 +239,12 @@ def test_export_says_when_the_tokenizer_is_not_there(tmp_path, bpe):
     assert (tmp_path / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
 
 
-def test_resume_with_another_tokenizer_names_the_checkpoint(bpe):
+def test_resume_with_another_tokenizer_names_the_checkpoint(bpe, tmp_path, monkeypatch):
     """The vocabulary of a resumed run is the checkpoint's, not a --vocab flag."""
     folder, _ = bpe
-    parser = argparse.ArgumentParser()
-    args = add_train_parser(parser.add_subparsers()).parse_args(
-        ["--resume", "old-run", "--tokenizer", str(folder)])
-    args.vocab = 256  # what resume_args takes from a byte-level checkpoint
+    monkeypatch.chdir(tmp_path)
+    checkpoint_folder("old-run", TrainConfig())  # byte-level: a vocabulary of 256
+    args = train_parser().parse_args(["--resume", "old-run", "--tokenizer", str(folder)])
     with pytest.raises(ValueError, match=r"--resume 'old-run' holds a model with a vocabulary "
                                          r"of 256, but --tokenizer .* has 300 tokens"):
         config_from_args(args)

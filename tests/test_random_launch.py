@@ -116,7 +116,7 @@ def test_allocator_tuning_applies_on_glibc_and_can_be_refused(monkeypatch):
     import subprocess
     import sys
 
-    code = "from paraloom.launch import tune_allocator; print(tune_allocator())"
+    code = "from paraloom.device import tune_allocator; print(tune_allocator())"
     on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "PARALOOM_MALLOC_TUNING": "0"})

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from paraloom.ledger import Ledger, load
+from paraloom.ledger import Ledger
+from paraloom.run_folder import read_json_lines as load
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,10 +172,10 @@ def runs(tmp_path_factory):
     old = tmp / "joined" / "ledger"  # an older 4-rank record in the joined run's folder
     old.mkdir(parents=True)
     for rank in range(4):
-        (old / f"rank{rank}.jsonl").write_text(json.dumps(Ledger(rank=rank).record(
+        (old / f"rank_{rank}.jsonl").write_text(json.dumps(Ledger(rank=rank).record(
             op="broadcast", phase="other", kind="dp", site="old.py:1", nbytes=4,
             group=[0, 1, 2, 3])) + "\n")
-        (old / f"rank{rank}.status.json").write_text(json.dumps(
+        (old / f"rank_{rank}.status.json").write_text(json.dumps(
             {"rank": rank, "exit": 5, "error": None, "init": True, "time": 0.0}))
     started = {"main": _start(tmp, PROGRAM, str(tmp / "facts.json"), options=("--compute",)),
                "raise": _start(tmp, FAILING, "raise", name="raise"),
@@ -341,23 +342,24 @@ def test_joined_rank0_names_the_ranks_whose_files_never_came(tmp_path, monkeypat
     """Rank 0 of a torchrun-joined record on two nodes with their own --out: the other node's
     ranks never show up in its folder. It waits (bounded), merges what is there, and says which
     ranks are missing and why, instead of blaming them for exit code 1."""
-    from paraloom.record import bootstrap, command
+    from paraloom.commands import record as command
+    from paraloom.record import bootstrap, launcher
 
     def program(out, steps, compute, target):  # rank 0's own recorded run: one event
         (tmp_path / "rec" / "ledger").mkdir(parents=True, exist_ok=True)
         event = Ledger(rank=0).record(op="all_reduce", phase="other", kind="dp",
                                       site="x.py:1", nbytes=64, group=[0, 1, 2, 3])
-        (tmp_path / "rec" / "ledger" / "rank0.jsonl").write_text(json.dumps(event) + "\n")
-        (tmp_path / "rec" / "ledger" / "rank0.status.json").write_text(json.dumps(
+        (tmp_path / "rec" / "ledger" / "rank_0.jsonl").write_text(json.dumps(event) + "\n")
+        (tmp_path / "rec" / "ledger" / "rank_0.status.json").write_text(json.dumps(
             {"rank": 0, "exit": 0, "error": None, "init": True, "time": 0.0}))
         return 0
     monkeypatch.setattr(bootstrap, "run_program", program)
-    monkeypatch.setattr(command, "_JOIN_WAIT_S", 0.3)
+    monkeypatch.setattr(launcher, "JOIN_WAIT_S", 0.3)
     from paraloom import launch
     monkeypatch.setattr(launch, "_WORLD_ENDED", False)  # restored: _join marks the end
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert command.record_main(["--out", str(tmp_path / "rec"), "--", __file__]) == 0
+    assert command.main(["--out", str(tmp_path / "rec"), "--", __file__]) == 0
     out, err = capsys.readouterr()
     assert "3 of 4 ranks (1-3) left no status" in err and "every node shares" in err
     assert "exited with code" not in err
@@ -380,14 +382,14 @@ def test_group_from_init_device_mesh_is_recorded(runs):
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):
-    from paraloom.record.command import record_main
+    from paraloom.commands.record import main as record_main
     assert record_main(["--nproc", "2", "--", str(tmp_path / "missing.py")]) == 2
     assert record_main(["--nproc", "0", "--", __file__]) == 2
     assert record_main(["--nproc", "2"]) == 2
     capsys.readouterr()
     (tmp_path / "afile").write_text("")
     for options, says in (
-            (["--out", str(tmp_path / "afile")], "is an existing file, not a folder"),
+            (["--out", str(tmp_path / "afile")], "exists and is not a folder"),
             (["--out", "/proc/nope"], "'/proc/nope' cannot be created"),
             (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
             (["--timeout", "-5"], "got -5"), (["--timeout", "nan"], "got nan")):

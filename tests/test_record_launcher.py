@@ -29,7 +29,7 @@ time.sleep(120)
 
 
 def test_broken_program_refused_before_ranks_start(tmp_path, capsys):
-    from paraloom.record.command import record_main
+    from paraloom.commands.record import main as record_main
     (tmp_path / "syn.py").write_text("def f(:\n    pass\n")
     assert record_main(["--nproc", "2", "--out", str(tmp_path / "o"), "--",
                         str(tmp_path / "syn.py")]) == 2
@@ -41,7 +41,7 @@ def test_broken_program_refused_before_ranks_start(tmp_path, capsys):
 
 
 def test_module_found_in_the_working_folder_as_python_m_does(tmp_path, monkeypatch):
-    from paraloom.record.command import _preflight
+    from paraloom.commands.record import _preflight
     (tmp_path / "main_h6.py").write_text("print('hi')\n")
     monkeypatch.chdir(tmp_path)
     path = list(sys.path)

@@ -30,7 +30,7 @@ from _megatron_source import megatron_file
 from paraloom.commands import main
 from paraloom.explain import explain
 from paraloom.explain.run import annotate, render_run
-from paraloom.ledger import load
+from paraloom.run_folder import read_json_lines as load
 
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H = 8, 2, 16

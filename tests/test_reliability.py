@@ -16,20 +16,22 @@ import pytest
 from paraloom import launch
 from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+from paraloom.data_parallel.clip_grads import GradNorm
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
                     seq_length=16)
-BASE = TrainConfig(model=MODEL, global_batch_size=8, micro_batch_size=1, steps=4, lr=3e-3,
+BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
+                             global_batch_size=8, micro_batch_size=1, steps=4, lr=3e-3,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=10)
 
 
 def _config(tmp_path, name, *, tp=1, pp=1, dp=1, **kw):
-    return replace(BASE, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp),
+    return BASE.replace(parallel=ParallelConfig(tp=tp, pp=pp, dp=dp),
                    schedule="1f1b" if pp > 1 else "none", out=str(tmp_path / name), **kw)
 
 
 def _metrics(cfg) -> list[dict]:
-    lines = (open(os.path.join(cfg.out, "metrics.jsonl")).read().splitlines())
+    lines = (open(os.path.join(cfg.run.out, "metrics.jsonl")).read().splitlines())
     return [json.loads(line) for line in lines]
 
 
@@ -62,18 +64,24 @@ def _rank(rank, world, cfg, t0, fault=None):
                 return real_replace(src, dst)
             checkpoint.os.replace = dying_replace
         if kind == "nan":
-            real_norm = train._local_sq_norm
-            steps = set(when)
+            real_norm = GradNorm.local_sq_norm
+            steps, state = set(when), {"step": 0}
+            real_step = loop.train_step
 
-            def nan_norm(run):
-                value = real_norm(run)
-                return value * float("nan") if run.step in steps and rank == who else value
-            train._local_sq_norm = nan_norm
+            def counted_step(run, step):
+                state["step"] = step
+                return real_step(run, step)
+
+            def nan_norm(self, device):
+                value = real_norm(self, device)
+                return value * float("nan") if state["step"] in steps and rank == who else value
+            loop.train_step = counted_step
+            GradNorm.local_sq_norm = nan_norm
     loop.run_rank(cfg, t0)
 
 
 def _spawn(cfg, fault=None):
-    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), fault, timeout_s=cfg.timeout_s)
+    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), fault, timeout_s=cfg.run.timeout_s)
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2)],
@@ -84,7 +92,7 @@ def test_a_failing_rank_ends_the_world_and_is_named(tmp_path, layout, kind):
     tic = time.time()
     with pytest.raises(RuntimeError) as err:
         _spawn(cfg, (kind, 1, 1))
-    assert time.time() - tic < cfg.timeout_s + 15
+    assert time.time() - tic < cfg.run.timeout_s + 15
     message = str(err.value)
     if kind == "raise":
         assert message.startswith("rank 1 failed") and "injected fault on rank 1" in message
@@ -103,7 +111,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         _spawn(crashed, ("kill-during-save", 0, 4))
     ckpts = sorted(p.name for p in (tmp_path / "crashed" / "checkpoints").iterdir())
     assert ckpts == ["step_2", "step_4.tmp"]
-    resumed = replace(crashed, resume=str(tmp_path / "crashed"))
+    resumed = crashed.replace(resume=str(tmp_path / "crashed"))
     _spawn(resumed)
     got = [m for m in _metrics(resumed) if m["step"] >= 2]
     want = [m for m in _metrics(straight) if m["step"] >= 2]
@@ -115,7 +123,7 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
 def test_resume_from_a_different_model_is_refused_before_ranks_start(tmp_path, capsys):
     cfg = _config(tmp_path, "small", steps=1, save_every=1)
     _spawn(cfg)
-    assert main(["train", "--resume", cfg.out, "--hidden", "64", "--layers", "4"]) == 2
+    assert main(["train", "--resume", cfg.run.out, "--hidden", "64", "--layers", "4"]) == 2
     err = capsys.readouterr().err
     assert "hidden_size = 32 in the checkpoint, 64 here" in err
     assert "seq_length" not in err  # a flag not typed is taken from the checkpoint

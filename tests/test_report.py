@@ -9,8 +9,10 @@ import json
 import pytest
 from _gpt_ledger import L, record_gpt
 
-from paraloom.report.table import render_table, table_main, table_rows
-from paraloom.report.trace import build_trace, trace_main, write_trace
+from paraloom.commands.table import main as table_main
+from paraloom.commands.trace import main as trace_main
+from paraloom.report.table import render_table, table_rows
+from paraloom.report.trace import build_trace, write_trace
 
 
 @pytest.fixture(scope="module")

@@ -117,7 +117,7 @@ def test_report_in_chromium_table_switch_and_lanes(runs):
     assert folded > 0 and rows - folded + members == _expected_rows(runs["train"])
     first = re.search(r'<tr class="row" data-row="1">(.*?)</tr>', en, re.S).group(1)
     assert "<td>tp</td>" in first and "<td>all_reduce</td>" in first
-    assert "paraloom/tensor_parallel/layers.py:" in first  # its source, with explain's facts
+    assert "paraloom/tensor_parallel/embedding.py:" in first  # its source, with explain's facts
     assert re.search(r"<li>line \d+ [\w.]+: all_reduce \(tp, forward, async False\)", first)
     lanes = re.findall(r'<g class="lane" data-rank="(\d+)"', dom)
     assert sorted(map(int, lanes)) == [0, 1, 2, 3]
@@ -152,7 +152,7 @@ def test_report_of_a_recorded_torch_ddp_run(runs):
                       .group(1)) == []
     assert sorted(map(int, re.findall(r'<g class="lane" data-rank="(\d+)"', dom))) == [0, 1]
     en = _table(dom, "en")
-    from paraloom.ledger import load
+    from paraloom.run_folder import read_json_lines as load
     events = [e for e in load(runs["record"] / "ledger.jsonl")
               if e["rank"] == 0 and e["step"] == 0 and e["op"] != "compute"]
     assert events and en.count('<tr class="row"') == len(events)
@@ -222,8 +222,8 @@ def test_source_sites_and_expert_load(runs, tmp_path):
     page = render_report(run)
     assert 'data-en="Expert load"' in page and "data:image/png;base64," in page
     assert 'data-en="Expert load"' not in render_report(runs["train"])
-    from paraloom.ledger import load
     from paraloom.report.sections import timeline_data
+    from paraloom.run_folder import read_json_lines as load
     events = load(runs["train"] / "ledger.jsonl")
     one = timeline_data(events, max_steps=1)  # a long ledger: the first steps are drawn
     assert (one["steps"], one["of"]) == ([0], 2)

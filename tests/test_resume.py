@@ -15,15 +15,15 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from paraloom import launch
 from paraloom.commands import main
+from paraloom.commands.flags import given
+from paraloom.commands.train import parser
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
-from paraloom.training.resume import explicit_dests
 
 STEPS, EVERY, KILL_AFTER = 16, 4, 6
 FLAGS = ["--tp", "1", "--pp", "1", "--dp", "2", "--layers", "2", "--hidden", "32", "--heads", "4",
@@ -147,15 +147,13 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
 
 
 def test_explicit_flags_are_told_from_defaults():
-    import argparse
-    args = argparse.Namespace()
-    assert explicit_dests(["--resume", "r", "--steps", "150", "--tp=2"], args) == {
-        "resume", "steps", "tp"}  # 150 and 2 are the defaults, but they were typed
+    args = parser().parse_args(["--resume", "r", "--steps", "150", "--tp=2"])
+    assert set(given(args)) == {"run.resume", "steps", "parallel.tp"}  # defaults, but typed
 
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,
                     seq_length=16, dropout=0.1)
-BASE = TrainConfig(model=MODEL, parallel=ParallelConfig(tp=2), global_batch_size=8,
+BASE = TrainConfig().replace(model=MODEL, parallel=ParallelConfig(tp=2), global_batch_size=8,
                    micro_batch_size=1, steps=6, warmup_steps=1, save_every=3, ledger_steps=1,
                    timeout_s=30, schedule="none")
 
@@ -166,12 +164,12 @@ def _rank(rank, world, cfg, t0):
 
 
 def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
-    straight = replace(BASE, out=str(tmp_path / "straight"))
+    straight = BASE.replace(out=str(tmp_path / "straight"))
     launch.spawn(_rank, 2, straight, time.time(), timeout_s=30)
     step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
-    resumed = replace(BASE, out=str(tmp_path / "resumed"), resume=step3)
+    resumed = BASE.replace(out=str(tmp_path / "resumed"), resume=step3)
     launch.spawn(_rank, 2, resumed, time.time(), timeout_s=30)
-    want, got = _metrics(straight.out)[3:], _metrics(resumed.out)
+    want, got = _metrics(straight.run.out)[3:], _metrics(resumed.run.out)
     assert [m["step"] for m in got] == [3, 4, 5]
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 
 import pytest
 
@@ -17,7 +16,8 @@ from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=8, num_attention_heads=4,
                     seq_length=16)
-BASE = TrainConfig(model=MODEL, global_batch_size=8, micro_batch_size=1, steps=5, lr=3e-3,
+BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
+                             global_batch_size=8, micro_batch_size=1, steps=5, lr=3e-3,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=60)
 
 
@@ -28,7 +28,7 @@ def _rank(rank, world, cfg, t0):
 
 def train(tmp_path, name, *, tp=1, pp=1, dp=1, sp=False, vpp=None, cp=1, **kw) -> list[dict]:
     schedule = "interleaved" if vpp else ("1f1b" if pp > 1 else "none")
-    cfg = replace(BASE, parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp,
+    cfg = BASE.replace(parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp,
                                                 sequence_parallel=sp),
                   schedule=schedule, out=str(tmp_path / name), **kw)
     launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)

@@ -20,7 +20,7 @@ from paraloom.data_parallel import DistributedDataParallel
 from paraloom.ledger import Ledger, recording
 from paraloom.mesh import ParallelMesh
 from paraloom.tensor_parallel import ColumnParallelLinear, RowParallelLinear, weight_grad
-from paraloom.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce
+from paraloom.tensor_parallel.linear import linear_with_grad_accumulation_and_async_allreduce
 
 H, FFN, V = 16, 64, 32
 

@@ -8,28 +8,27 @@ share one warm 4-rank world (pp = 4; pp = 2 x dp = 2; tp = 2 x pp = 2).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from paraloom import commands as cli
 from paraloom import launch
+from paraloom.commands.train import parser, train_main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.pipeline_parallel import timetable as tt
-from paraloom.training.command import add_train_parser, train_main
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
                     seq_length=16)
-BASE = TrainConfig(model=MODEL, global_batch_size=8, micro_batch_size=1, steps=2, lr=3e-3,
+BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
+                             global_batch_size=8, micro_batch_size=1, steps=2, lr=3e-3,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=60)
 
 
 def _cfg(out, *, schedule="none", **parallel):
-    return replace(BASE, parallel=ParallelConfig(**parallel), schedule=schedule, out=str(out))
+    return BASE.replace(parallel=ParallelConfig(**parallel), schedule=schedule, out=str(out))
 
 
 def _rank(rank, world, cfg, t0):
@@ -92,9 +91,7 @@ def test_zb_h1_trains_the_same_model(world4, tmp_path, reference, layout, m):
 
 def test_zb_h1_refusals(capsys):
     def run(*flags):
-        parser = argparse.ArgumentParser()
-        add_train_parser(parser.add_subparsers(dest="command"))
-        return train_main(parser.parse_args(["train", *flags]))
+        return train_main(parser().parse_args(list(flags)))
     assert run("--schedule", "zb-h1", "--pp", "2", "--vpp", "2", "--nprocs", "4") == 2
     assert "vpp = 2 needs schedule interleaved, got 'zb-h1'" in capsys.readouterr().err
     assert run("--schedule", "zb-h1", "--pp", "1", "--nprocs", "1") == 2

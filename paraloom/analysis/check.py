@@ -152,7 +152,7 @@ def _ffn(model: dict) -> int | None:
 
 def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:
     """``config.json``, the ledger, and the steps metrics.jsonl marks ``skipped``."""
-    from ..ledger import load
+    from ..run_folder import read_json_lines as load
 
     root = Path(run_dir)
     if not (root / "config.json").is_file() and any(root.glob("ledger/rank*.status.json")):

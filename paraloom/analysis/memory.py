@@ -78,7 +78,7 @@ import torch
 
 from ..config import ModelConfig
 from ..mesh import ParallelMesh
-from ..tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from ..tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, tensor_parallel_seed
 from ..utils import divide
 
 __all__ = ["SavedTensor", "SavedTensors", "layer_saved_tensors", "saved_bytes_per_layer",
@@ -149,7 +149,7 @@ def _measurement_rng(seed: int, tp_rank: int, device: torch.device) -> Iterator[
         torch.manual_seed(seed)
         tracker.states, tracker.seeds = {}, {}
         try:
-            tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+            tracker.add(MODEL_PARALLEL_RNG, tensor_parallel_seed(seed, tp_rank))
             yield
         finally:
             tracker.states, tracker.seeds = states, seeds

@@ -10,9 +10,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import ledger
+from ..config import default_schedule
 from ..pipeline_parallel import timetable as tt
 from ..report import plots
+from ..run_folder import read_json_lines
 
 __all__ = ["main"]
 
@@ -55,13 +56,13 @@ def _schedule(args) -> int:
         if not path.is_file():
             raise ValueError(f"{args.run_dir!r} is neither a run folder with a ledger.jsonl nor "
                              f"a ledger file")
-        blocks, rows = plots.ledger_blocks(ledger.load(path), args.step)
+        blocks, rows = plots.ledger_blocks(read_json_lines(path), args.step)
         bubble = plots.bubble_of(blocks, len(rows))
         title = f"recorded pipeline schedule ({path}), bubble {bubble:.3f}"
         unit = "seconds"
     else:
         p, m, v = args.pp, args.microbatches, args.vpp
-        name = args.schedule or ("none" if p == 1 else "interleaved" if v > 1 else "1f1b")
+        name = args.schedule or default_schedule(p, v)
         if name == "interleaved" and v < 2:  # what train refuses, not drawn either
             raise ValueError("--schedule interleaved needs --vpp >= 2 (virtual stages per "
                              "pipeline rank)")

@@ -1,4 +1,4 @@
-"""``paraloom preprocess``: text -> token ids -> a Megatron indexed dataset ``P.bin`` + ``P.idx``.
+"""Text -> token ids -> a Megatron indexed dataset ``P.bin`` + ``P.idx`` (``paraloom preprocess``).
 
 As Megatron-LM's ``tools/preprocess_data.py`` (one dataset per call, written as ``P.bin`` and
 ``P.idx`` where Megatron writes ``P_text_document.*``)::
@@ -17,49 +17,21 @@ vocabulary size as Megatron chooses it: uint16 below 65500 tokens, else int32.
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import json
 import re
-import sys
-import zlib
 from pathlib import Path
 
-__all__ = ["preprocess_main", "read_documents", "preprocess"]
+from .corpus import read_bytes
+from .indexed_dataset import IndexedDatasetWriter, optimal_dtype
+
+__all__ = ["read_documents", "preprocess"]
 
 _BATCH = 256
 """Documents encoded per ``encode_batch`` call."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paraloom preprocess", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, metavar="FILE",
-                   help=".jsonl (a JSON object per line) or .txt, optionally .gz")
-    p.add_argument("--tokenizer", "--tokenizer-model", dest="tokenizer", required=True,
-                   metavar="DIR", help="a local Hugging Face tokenizer folder (tokenizer.json)")
-    p.add_argument("--output-prefix", required=True, metavar="P",
-                   help="writes P.bin and P.idx (the folder must exist)")
-    p.add_argument("--append-eod", action="store_true",
-                   help="end every document with the tokenizer's end-of-document token")
-    p.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
-                   help="the .jsonl field holding the text (one key; default: text)")
-    p.add_argument("--txt-documents", choices=["paragraph", "line", "file"], default="paragraph",
-                   help="how a .txt file splits into documents (default: paragraph)")
-    return p
-
-
 def _text_of(path: Path) -> str:
-    if not path.is_file():
-        what = "a folder" if path.is_dir() else "missing"
-        raise ValueError(f"--input {str(path)!r} is not a readable file ({what})")
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as err:
-            raise ValueError(f"--input {str(path)!r} ends in .gz but is not a valid gzip file "
-                             f"({err})") from None
+    raw = read_bytes(path, "--input")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -108,7 +80,6 @@ def read_documents(path: str | Path, key: str = "text", txt_documents: str = "pa
 def preprocess(documents: list[list[str]], tokenizer, prefix: str, append_eod: bool) -> dict:
     """Encode ``documents`` with ``tokenizer`` and write ``prefix.bin``/``prefix.idx``;
     returns counts for the summary line."""
-    from .indexed_dataset import IndexedDatasetWriter, optimal_dtype
     dtype = optimal_dtype(tokenizer.vocab_size)
     tokens = 0
     with IndexedDatasetWriter(prefix, dtype) as writer:
@@ -124,35 +95,3 @@ def preprocess(documents: list[list[str]], tokenizer, prefix: str, append_eod: b
                 writer.add_document([t for ids in seqs for t in ids], [len(s) for s in seqs])
                 tokens += sum(len(s) for s in seqs)
     return {"documents": len(documents), "tokens": tokens, "dtype": str(dtype.__name__)}
-
-
-def preprocess_main(argv) -> int:
-    args = _parser().parse_args(argv)
-    try:
-        if len(args.json_keys) != 1:
-            raise ValueError(f"--json-keys {' '.join(args.json_keys)}: paraloom writes one "
-                             f"dataset per call (P.bin + P.idx); give one key")
-        from .tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(args.tokenizer)
-        if args.append_eod and tokenizer.eod is None:
-            raise ValueError(f"--append-eod: --tokenizer {args.tokenizer!r} has no "
-                             f"end-of-document token (no eos_token in tokenizer_config.json, "
-                             f"no <|endoftext|> or </s>)")
-        folder = Path(args.output_prefix).parent
-        if not folder.is_dir():
-            raise ValueError(f"--output-prefix {args.output_prefix!r}: the folder "
-                             f"{str(folder)!r} does not exist")
-        docs = read_documents(args.input, args.json_keys[0], args.txt_documents)
-        if not docs:
-            raise ValueError(f"--input {args.input!r} holds no documents (no text)")
-        counts = preprocess(docs, tokenizer, args.output_prefix, args.append_eod)
-    except ValueError as err:
-        print(f"paraloom preprocess: error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"paraloom preprocess: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx: {counts['documents']} "
-          f"documents, {counts['tokens']} tokens as {counts['dtype']} (vocabulary "
-          f"{tokenizer.vocab_size}{', EOD appended' if args.append_eod else ''})")
-    return 0

@@ -1,4 +1,4 @@
-"""The token stream training and evaluation sample windows from (``training/data.py``).
+"""The token stream training and evaluation sample windows from (:mod:`.batches`).
 
 Three sources, one result: a 1-D tensor of token ids that every rank builds identically, so the
 batches cut from it stay layout-independent.
@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .corpus import load_corpus
 from .indexed_dataset import IndexedDataset
 from .tokenizer import EOD_NAMES, load_tokenizer
 
@@ -83,7 +84,6 @@ def load_tokens(data: str | None = None, data_path: str | None = None,
 
 
 def _build(data: str | None, data_path: str | None, tokenizer: str | None) -> torch.Tensor:
-    from ..training.data import load_corpus
     if data is not None and data_path is not None:
         raise ValueError(f"--data {data!r} (a text file) and --data-path {data_path!r} (an "
                          f"indexed dataset) both given: give one of them")

@@ -79,11 +79,12 @@ def _range_of(line: int, stmts: list[tuple[int, int]]) -> tuple[int, int]:
 
 def _load(run_dir: str) -> list[dict]:
     """The run's communication events (no compute spans), ordered by (rank, seq)."""
-    from ..record.diff import DiffError, load_runs, sequences
+    from ..record.diff import sequences
+    from ..run_folder import load_events
 
     try:
-        return [e for seq in sequences(load_runs(run_dir)).values() for e in seq]
-    except (DiffError, OSError) as err:
+        return [e for seq in sequences(load_events(run_dir)).values() for e in seq]
+    except (ValueError, OSError) as err:
         raise SourceError(f"--run {run_dir!r}: {err}") from None
 
 

@@ -32,23 +32,17 @@ from torch import nn
 from ..config import ModelConfig
 from ..context_parallel import ContextParallelAttention
 from ..mesh import ParallelMesh
+from ..moe import MoELayer, is_moe_layer
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     get_rng_tracker,
+    parallel_lm_logits,
+    set_tensor_model_parallel_attributes,
     vocab_parallel_cross_entropy,
 )
 from ..tensor_parallel.init import CounterInit, shard_range
-from ..tensor_parallel.layers import (
-    linear_with_grad_accumulation_and_async_allreduce,
-    set_tensor_model_parallel_attributes,
-)
-from ..tensor_parallel.mappings import (
-    Where,
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from ..tensor_parallel.random import checkpoint
 from ..utils import divide
 from .layers import (
@@ -61,22 +55,10 @@ from .layers import (
     make_norm,
     swiglu,
 )
+from .options import ParallelOptions
 
 __all__ = ["GPTModel", "TransformerLayer", "SelfAttention", "MLP", "Embedding", "ParallelOptions",
            "CoreAttention"]
-
-
-class ParallelOptions:
-    """Per-model switches that are not part of the shape (Megatron's meanings)."""
-
-    def __init__(self, *, sequence_parallel: bool = False, async_grad_allreduce: bool = False,
-                 gradient_accumulation_fusion: bool = False, recompute: str = "none",
-                 seed: int = 1234, params_dtype: torch.dtype = torch.float32) -> None:
-        if recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-        self.sequence_parallel, self.async_grad_allreduce = sequence_parallel, async_grad_allreduce
-        self.gradient_accumulation_fusion, self.recompute = gradient_accumulation_fusion, recompute
-        self.seed, self.params_dtype = seed, params_dtype
 
 
 class SelfAttention(nn.Module):
@@ -183,7 +165,6 @@ class TransformerLayer(nn.Module):
         self.ln1 = make_norm(*norm)
         self.attention = SelfAttention(cfg, mesh, f"{name}.attention", opt, init, out_init)
         self.ln2 = make_norm(*norm)
-        from ..moe import MoELayer, is_moe_layer  # MoE layers route to experts (issue 14)
         mlp = MoELayer if is_moe_layer(cfg, index) else MLP
         self.mlp = mlp(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
@@ -284,22 +265,10 @@ class GPTModel(nn.Module):
         """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the output layer (tied: the word embeddings),
         vocabulary split over tp (``Vp`` is the padded vocabulary; columns past ``vocab_size``
         are padding)."""
-        axis = self.mesh.tp
         weight = (self.output_layer.weight if hasattr(self, "output_layer")
                   else self.embedding.word_embeddings.weight)
-        if self.sp:
-            x = gather_from_sequence_parallel_region(x, axis, True, site="GPTModel.output",
-                                                     module="output", split="vocabulary")
-        elif axis.size > 1 and self.opt.async_grad_allreduce:
-            # Megatron-Core's output layer is a ColumnParallelLinear: the same async all-reduce
-            # of the input gradient, overlapping the (tied) weight-gradient GEMM
-            where = Where(axis, "GPTModel.output", module="output", split="vocabulary")
-            return linear_with_grad_accumulation_and_async_allreduce(
-                x, weight, None, where, False, True, False)
-        elif axis.size > 1:
-            x = copy_to_tensor_model_parallel_region(x, axis, site="GPTModel.output",
-                                                     module="output", split="vocabulary")
-        return F.linear(x, weight)
+        return parallel_lm_logits(x, weight, self.mesh.tp, sequence_parallel=self.sp,
+                                  async_grad_allreduce=self.opt.async_grad_allreduce)
 
     def _rope(self, x: torch.Tensor, position_ids: torch.Tensor | None):
         """Rotary ``(cos, sin)`` for ``position_ids`` (default ``arange(s)``) in the activation

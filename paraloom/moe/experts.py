@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ledger import span
-from ..tensor_parallel.layers import set_tensor_model_parallel_attributes
+from ..tensor_parallel.linear import set_tensor_model_parallel_attributes
 from ..utils import divide
 
 __all__ = ["Expert", "local_expert_ids"]

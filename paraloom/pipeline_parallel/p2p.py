@@ -12,10 +12,12 @@ The schedules post through :func:`post` instead when they overlap communication 
 compute (Megatron's ``overlap_p2p_comm``, gloo only): every op starts asynchronously and is
 waited for only when its tensor is needed (a receive) or before its buffer is let go (a send).
 
-Why the combined functions: a stage that first waited for its send to finish and only then
-posted its receive would deadlock against a neighbour doing the same in the other direction
-(1F1B's steady state: stage ``r`` sends an activation forward while stage ``r + 1`` sends a
-gradient back). Posting both in one batch lets each pair meet.
+Why combined batches (Megatron's ``send_forward_recv_backward`` and the like, which is what each
+batch's site says): a stage that first waited for its send to finish and only then posted its
+receive would deadlock against a neighbour doing the same in the other direction (1F1B's steady
+state: stage ``r`` sends an activation forward while stage ``r + 1`` sends a gradient back).
+Posting both in one batch lets each pair meet; which ops go together is the schedule's plan
+(:func:`paraloom.pipeline_parallel.timetable.p2p_plan`).
 
 Shapes: every tensor is ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism), known to both
 sides. With ``variable_seq_lengths=True`` the sender first sends the shape as a small int64
@@ -32,13 +34,10 @@ import math
 import torch
 
 from .. import comm
-from ..launch import get_device
+from ..device import get_device
 from ..mesh import ParallelMesh
 
-__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape",
-           "recv_forward", "send_forward", "recv_backward", "send_backward",
-           "send_forward_recv_backward", "send_backward_recv_forward", "send_forward_recv_forward",
-           "send_backward_recv_backward", "send_forward_backward_recv_forward_backward"]
+__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape"]
 
 SHAPE_SLOTS = 8
 """Length of an exchanged shape tensor: ``[ndim, d0, ..., d6]`` (at most 7 dims)."""
@@ -153,98 +152,3 @@ def post(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
                                       phase=phase, kind="pp", site=f"p2p.{what}_{phase}",
                                       async_op=True))
     return handles
-
-
-def _first(mesh, chunk):
-    return mesh.is_first_stage and chunk == 0
-
-
-def _last(mesh, chunk):
-    return mesh.is_last_stage and chunk == mesh.vpp - 1
-
-
-def _one(ops, **kw):
-    got = communicate(ops, **kw)
-    return got[0] if got else None
-
-
-def recv_forward(tensor_shape, *, mesh, chunk=0, microbatch=None, **kw):
-    """Receive this stage's input activation from the previous stage (``None`` on the first)."""
-    if _first(mesh, chunk):
-        return None
-    return _one([("recv", "prev", None, "forward", microbatch)], mesh=mesh,
-                tensor_shape=tensor_shape, **kw)
-
-
-def send_forward(output_tensor, *, mesh, chunk=0, microbatch=None, **kw) -> None:
-    """Send this stage's output activation to the next stage (nothing on the last)."""
-    if not _last(mesh, chunk):
-        communicate([("send", "next", output_tensor, "forward", microbatch)], mesh=mesh,
-                    tensor_shape=output_tensor.shape, **kw)
-
-
-def recv_backward(tensor_shape, *, mesh, chunk=0, microbatch=None, **kw):
-    """Receive the gradient of this stage's output from the next stage (``None`` on the last)."""
-    if _last(mesh, chunk):
-        return None
-    return _one([("recv", "next", None, "backward", microbatch)], mesh=mesh,
-                tensor_shape=tensor_shape, **kw)
-
-
-def send_backward(input_tensor_grad, *, mesh, chunk=0, microbatch=None, **kw) -> None:
-    """Send the gradient of this stage's input to the previous stage (nothing on the first)."""
-    if not _first(mesh, chunk):
-        communicate([("send", "prev", input_tensor_grad, "backward", microbatch)], mesh=mesh,
-                    tensor_shape=input_tensor_grad.shape, **kw)
-
-
-def send_forward_recv_backward(output_tensor, tensor_shape, *, mesh, chunk=0, microbatch=None,
-                               **kw):
-    """1F1B steady state after a forward: send the activation and receive an output gradient."""
-    if _last(mesh, chunk):
-        return None
-    return _one([("send", "next", output_tensor, "forward", microbatch),
-                 ("recv", "next", None, "backward", microbatch)], mesh=mesh,
-                tensor_shape=tensor_shape, **kw)
-
-
-def send_backward_recv_forward(input_tensor_grad, tensor_shape, *, mesh, chunk=0,
-                               microbatch=None, **kw):
-    """1F1B steady state after a backward: send the input gradient and receive an activation."""
-    if _first(mesh, chunk):
-        return None
-    return _one([("send", "prev", input_tensor_grad, "backward", microbatch),
-                 ("recv", "prev", None, "forward", microbatch)], mesh=mesh,
-                tensor_shape=tensor_shape, **kw)
-
-
-def send_forward_recv_forward(output_tensor, recv_prev: bool, tensor_shape, *, mesh, **kw):
-    """Interleaved warm-up: send an activation on (if any) and receive the next one (if asked)."""
-    ops = [("send", "next", output_tensor, "forward", None)] if output_tensor is not None else []
-    ops += [("recv", "prev", None, "forward", None)] if recv_prev else []
-    got = communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw)
-    return got[0] if recv_prev else None
-
-
-def send_backward_recv_backward(input_tensor_grad, recv_next: bool, tensor_shape, *, mesh, **kw):
-    """Interleaved cool-down: send an input gradient back and receive the next output gradient."""
-    ops = [("send", "prev", input_tensor_grad, "backward", None)] \
-        if input_tensor_grad is not None else []
-    ops += [("recv", "next", None, "backward", None)] if recv_next else []
-    got = communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw)
-    return got[0] if recv_next else None
-
-
-def send_forward_backward_recv_forward_backward(output_tensor, input_tensor_grad, recv_prev: bool,
-                                                recv_next: bool, tensor_shape, *, mesh, **kw):
-    """Interleaved steady state: both sends and both receives in one batch.
-
-    Returns ``(input_tensor, output_tensor_grad)`` (``None`` where nothing was received).
-    """
-    ops = [("send", "next", output_tensor, "forward", None)] if output_tensor is not None else []
-    ops += [("send", "prev", input_tensor_grad, "backward", None)] \
-        if input_tensor_grad is not None else []
-    ops += [("recv", "prev", None, "forward", None)] if recv_prev else []
-    ops += [("recv", "next", None, "backward", None)] if recv_next else []
-    got = iter(communicate(ops, mesh=mesh, tensor_shape=tensor_shape, **kw))
-    return (next(got) if recv_prev else None), (next(got) if recv_next else None)

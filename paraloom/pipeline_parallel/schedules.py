@@ -25,7 +25,7 @@ posted one step ahead, outputs are sent asynchronously as soon as computed, and 
 backward step is a ledger compute span (site ``pipeline.forward`` / ``pipeline.backward``, with
 ``stage`` and ``chunk``) attributed to its microbatch — under ZB-H1 the backward computes
 only input gradients and a later ``pipeline.weight_grad`` span runs the microbatch's deferred
-wgrad GEMMs (:func:`~paraloom.tensor_parallel.layers.defer_weight_grads`) — and
+wgrad GEMMs (:func:`~paraloom.tensor_parallel.weight_grad.defer_weight_grads`) — and
 :class:`PipelineStats` counts the microbatches whose activations a stage holds.
 
 Launch: build a :class:`~paraloom.mesh.ParallelMesh` with ``pp > 1`` on every rank (``torchrun
@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ledger as _ledger
-from ..launch import get_device
+from ..device import get_device
 from ..mesh import ParallelMesh
-from ..tensor_parallel.layers import defer_weight_grads
-from ..tensor_parallel.weight_grad import need_layer_function
+from ..tensor_parallel.weight_grad import defer_weight_grads, need_layer_function
 from . import p2p
 from .timetable import bubble_fraction, p2p_plan, stage_order, timetable, validate  # noqa: F401
 

@@ -4,7 +4,7 @@ The recorder is installed before the program imports anything, so import-time al
 (``dist_all_gather_func = torch.distributed.all_gather_into_tensor``), DDP, FSDP2, DTensor and
 pipelining all run with it in place. The program runs as ``__main__`` (``runpy``) with its own
 ``sys.argv``; its exit code is this process's. Next to the rank's ledger it leaves
-``rank{R}.status.json``: the exit code, the error line if it raised, whether it ever created a
+``rank_R.status.json``: the exit code, the error line if it raised, whether it ever created a
 process group and whether it started processes of its own — what the launcher reports.
 
     python -m paraloom.record.bootstrap OUT STEPS COMPUTE (-m MODULE | SCRIPT) [ARGS...]
@@ -13,12 +13,18 @@ process group and whether it started processes of its own — what the launcher 
 from __future__ import annotations
 
 import json
+import multiprocessing.process
 import os
 import runpy
 import sys
 import time
 import traceback
-from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from ..run_folder import rank_status
+from .recorder import record_comms
 
 __all__ = ["run_program"]
 
@@ -42,10 +48,6 @@ def _watch(seen: dict) -> None:
     ``dist.is_initialized()`` and any recorded communication. Started processes
     (``multiprocessing``, hence ``torch.multiprocessing.spawn``) are not recorded: the launcher
     says so when they are why nothing was."""
-    import multiprocessing.process
-
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
 
     init = c10d.init_process_group
 
@@ -73,12 +75,8 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
                 t0: float | None = None) -> int:
     """Run ``target`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``) under
     ``record_comms``; returns the program's exit code (1 if it raised)."""
-    import torch.distributed as dist
-
-    from .recorder import record_comms
-
     rank = int(os.environ.get("RANK", "0"))
-    status = Path(out) / "ledger" / f"rank{rank}.status.json"
+    status = rank_status(out, rank)
     status.parent.mkdir(parents=True, exist_ok=True)
     status.unlink(missing_ok=True)  # an older record's: rank 0 of a joined world must not read it
     seen = {"init": False, "children": False}

@@ -3,12 +3,13 @@
     paraloom diff RUN_A RUN_B [--ignore-names] [--rank R] [--fields phase,op,bytes] [--kinds exact]
 
 A and B are run or record folders (``ledger.jsonl``, or a recorder's partial
-``ledger/rank*.jsonl``) or ledger files. Each rank's *communication sequence* is its events in
-launch order (``seq``) without the compute spans; two sequences are equal when every position
-agrees on the compared fields: phase, kind, op, async, bytes, shape, peer — and site and module
-unless ``--ignore-names`` (two implementations never share file names, so comparing Megatron-Core
-with paraloom needs it). The first divergence of each rank is printed with a side-by-side table
-around it. Exit codes: 0 equal, 1 different, 2 bad input (the message names the value).
+``ledger/rank_R.jsonl``) or ledger files (:func:`paraloom.run_folder.load_events`). Each rank's
+*communication sequence* is its events in launch order (``seq``) without the compute spans;
+two sequences are equal when every position agrees on the compared fields: phase, kind, op,
+async, bytes, shape, peer — and site and module unless ``--ignore-names`` (two implementations
+never share file names, so comparing Megatron-Core with paraloom needs it). The first divergence
+of each rank is printed with a side-by-side table around it. Exit codes: 0 equal, 1 different,
+2 bad input (the message names the value).
 
 How ``kind`` is compared (``--kinds``):
 
@@ -24,15 +25,8 @@ How ``kind`` is compared (``--kinds``):
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
-from .. import ledger as _ledger
-
-__all__ = ["DEFAULT_FIELDS", "NAME_FIELDS", "DIMENSIONS", "DiffError", "load_runs",
-           "sequences", "compare", "report", "diff_main"]
+__all__ = ["DEFAULT_FIELDS", "NAME_FIELDS", "DIMENSIONS", "VALID_FIELDS", "DiffError",
+           "sequences", "compare", "report", "fields_to_compare"]
 
 DEFAULT_FIELDS = ("phase", "kind", "op", "async", "bytes", "shape", "peer")
 """Fields every position must agree on (``--fields`` replaces them)."""
@@ -41,7 +35,7 @@ NAME_FIELDS = ("site", "module")
 DIMENSIONS = {"tp": "tp", "sp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep",
               "emb": "emb", "loss": "loss"}
 """Known kinds and the parallel dimension (process group) each one runs on."""
-_VALID_FIELDS = ("rank", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
+VALID_FIELDS = ("rank", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
                  "async", "bytes", "shape", "dtype", "group", "peer")
 
 
@@ -49,34 +43,6 @@ class DiffError(ValueError):
     """Bad input to ``paraloom diff`` (exit code 2)."""
 
 
-def load_runs(path: str | Path) -> list[dict]:
-    """The events of a run/record folder or a ledger file (all ranks)."""
-    p = Path(path)
-    if p.is_dir():
-        if (p / "ledger.jsonl").is_file():
-            p = p / "ledger.jsonl"
-        elif sorted((p / "ledger").glob("rank*.jsonl")):
-            files = sorted((p / "ledger").glob("rank*.jsonl"))
-            return _ledger.merge(_read(f) for f in files)
-        else:
-            raise DiffError(f"{str(path)!r} is a folder without ledger.jsonl or "
-                            f"ledger/rank*.jsonl (give a run/record folder or a ledger file)")
-    elif not p.is_file():
-        raise DiffError(f"{str(path)!r} does not exist (give a run/record folder or a ledger "
-                        f"file)")
-    return _read(p)
-
-
-def _read(path: Path) -> list[dict]:
-    try:
-        events = _ledger.load(path)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DiffError(f"{str(path)!r} is not a JSON Lines ledger: {err}") from None
-    for i, e in enumerate(events):
-        if not isinstance(e, dict) or "rank" not in e or "op" not in e:
-            raise DiffError(f"{str(path)!r} line {i + 1} is not a ledger event "
-                            f"(needs at least 'rank' and 'op')")
-    return events
 
 
 def sequences(events: list[dict]) -> dict[int, list[dict]]:
@@ -168,53 +134,16 @@ def report(a: dict, b: dict, result: dict, fields, *, names=("A", "B"), context:
     return "\n".join(out) + "\n"
 
 
-def _fields(text: str | None, ignore_names: bool) -> tuple[str, ...]:
+def fields_to_compare(text: str | None, ignore_names: bool) -> tuple[str, ...]:
+    """The fields ``--fields`` names (default: :data:`DEFAULT_FIELDS`, and the names unless
+    ``ignore_names``); :class:`DiffError` for an unknown one."""
     if text is None:
         return DEFAULT_FIELDS + (() if ignore_names else NAME_FIELDS)
     fields = tuple(f.strip() for f in text.replace(" ", ",").split(",") if f.strip())
-    bad = [f for f in fields if f not in _VALID_FIELDS]
+    bad = [f for f in fields if f not in VALID_FIELDS]
     if bad or not fields:
         raise DiffError(f"--fields {text!r}: unknown field(s) {bad or '(none given)'}; valid: "
-                        f"{', '.join(_VALID_FIELDS)}")
+                        f"{', '.join(VALID_FIELDS)}")
     if ignore_names:
         fields = tuple(f for f in fields if f not in NAME_FIELDS)
     return fields
-
-
-def diff_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="paraloom diff",
-                                 description=__doc__.split("\n\n")[0].strip('"` '),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="see `python -m pydoc paraloom.record.diff` for how "
-                                        "kinds are compared")
-    ap.add_argument("a", metavar="A", help="run/record folder or ledger.jsonl")
-    ap.add_argument("b", metavar="B", help="run/record folder or ledger.jsonl")
-    ap.add_argument("--ignore-names", action="store_true",
-                    help="do not compare site and module (different implementations)")
-    ap.add_argument("--rank", type=int, help="compare only this rank")
-    ap.add_argument("--fields", help=f"comma-separated fields to compare (default: "
-                                     f"{','.join(DEFAULT_FIELDS + NAME_FIELDS)})")
-    ap.add_argument("--kinds", choices=("dimension", "exact"), default="dimension",
-                    help="dimension: sp counts as tp and unnamed groups match (default); "
-                         "exact: the kind strings must be equal")
-    ap.add_argument("--context", type=int, default=3, help="table rows around a divergence")
-    args = ap.parse_args(argv)
-    try:
-        fields = _fields(args.fields, args.ignore_names)
-        a, b = sequences(load_runs(args.a)), sequences(load_runs(args.b))
-        if args.rank is not None:
-            if args.rank not in a and args.rank not in b:
-                raise DiffError(f"--rank {args.rank}: neither ledger has it (A has ranks "
-                                f"{sorted(a)}, B has {sorted(b)})")
-            a, b = {args.rank: a.get(args.rank, [])}, {args.rank: b.get(args.rank, [])}
-        if not a and not b:
-            raise DiffError(f"neither {args.a!r} nor {args.b!r} holds any communication event")
-    except (DiffError, OSError) as err:
-        print(f"paraloom diff: error: {err}", file=sys.stderr)
-        return 2
-    result = compare(a, b, fields, kinds=args.kinds)
-    print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(fields)} (kinds: {args.kinds})")
-    sys.stdout.write(report(a, b, result, fields, context=max(args.context, 0), kinds=args.kinds))
-    equal = all(d is None for d in result.values())
-    print("equal" if equal else "different")
-    return 0 if equal else 1

@@ -6,7 +6,7 @@
 
 It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
 mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, each
-event is written to ``out/ledger/rank{R}.jsonl`` as it is launched (a provisional line, so even a
+event is written to ``out/ledger/rank_R.jsonl`` as it is launched (a provisional line, so even a
 SIGKILLed rank leaves its ledger), and the lines since the last flush are rewritten with their
 final times at every optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM
 and when the block ends.
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..ledger import Ledger
+from ..run_folder import rank_ledger
 from . import intercept, pipeline
 from .kinds import KindResolver
 from .ops import nbytes
@@ -136,7 +137,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
                  compute: bool = False, rank: int | None = None, t0: float | None = None):
     """Record every communication of this process while the block runs; yields the Ledger.
 
-    ``out``: a folder; this rank's events go to ``out/ledger/rank{R}.jsonl``. ``steps``: stop
+    ``out``: a folder; this rank's events go to ``out/ledger/rank_R.jsonl``. ``steps``: stop
     recording after that many optimizer steps (the program runs on). ``compute``: also record
     leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
     process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).
@@ -146,7 +147,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
         raise ValueError(f"steps must be a positive integer (optimizer steps), got {steps!r}")
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    path = None if out is None else Path(out) / "ledger" / f"rank{rank}.jsonl"
+    path = None if out is None else rank_ledger(out, rank)
     if path is not None and path.exists():
         path.unlink()  # a fresh record, not appended to an older one
     ledger = Ledger(rank, t0)

@@ -1,14 +1,11 @@
-"""Reports from a run's ledger: the communication order table and the Perfetto trace.
-
-(``plots.py``, the pipeline schedule picture, lives here too and is imported on its own: it
-needs matplotlib.)
-
-``html.py`` (``paraloom report``: the run's one self-contained HTML page, from ``sections.py``,
-``svg.py``, ``sources.py`` and the inline ``assets/``) is imported on its own too.
+"""Reports from a run folder: the communication order table (:mod:`.table`), the Perfetto trace
+(:mod:`.trace`), the pictures (:mod:`.plots`: schedule and loss, matplotlib imported only when
+drawn; :mod:`.expert_load`; :mod:`.svg`), the one-page HTML report (:mod:`.html`, from
+:mod:`.sections`, :mod:`.sources` and the inline ``assets/``), the text of ``paraloom explain``
+(:mod:`.explain_text`), and the one writer of a run's reports (:mod:`.run_reports`).
 """
 
-from .table import render_table, table_main, table_rows
-from .trace import build_trace, trace_main, write_trace
+from .table import render_table, table_rows
+from .trace import build_trace, write_trace
 
-__all__ = ["render_table", "table_main", "table_rows", "build_trace", "trace_main",
-           "write_trace"]
+__all__ = ["render_table", "table_rows", "build_trace", "write_trace"]

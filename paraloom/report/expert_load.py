@@ -8,15 +8,16 @@ stack of equal bands; collapse onto a few experts shows as one band swallowing t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from ..run_folder import read_json_lines
 
 __all__ = ["plot_expert_load"]
 
 
 def plot_expert_load(metrics_path: str | Path, out: str | Path) -> Path | None:
     """Write the picture; ``None`` (nothing written) when the run has no MoE metrics."""
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+    rows = read_json_lines(metrics_path, strict=False)
     rows = [r for r in rows if r.get("tokens_per_expert")]
     if not rows:
         return None

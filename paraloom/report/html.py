@@ -10,23 +10,24 @@ communication (zoom with the wheel or the buttons, drag to pan; an asynchronous 
 translucent span over the compute it overlaps); the pipeline schedule (SVG); and, when the run
 folder has one, ``expert_load.png``. ``train`` and ``record`` write it as ``report.html``.
 
-    paraloom report RUN [--out FILE.html] [--lang zh]
+The command is ``paraloom report RUN [--out FILE.html] [--lang zh]``
+(:mod:`paraloom.commands.report`).
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
-import sys
 from html import escape
 from importlib.resources import files
 from pathlib import Path
 
-from ..ledger import load
+from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
+from .plots import bubble_of, ledger_blocks
 from .sections import check_verdict, config_rows, metric_charts, table_html, timeline_data
+from .svg import schedule_svg
 
-__all__ = ["render_report", "write_report", "report_main", "TITLES"]
+__all__ = ["render_report", "write_report", "TITLES"]
 
 TITLES = {  # section headings: (en, zh)
     "config": ("Configuration", "配置"), "check": ("Check against the formulas", "与公式核对"),
@@ -45,16 +46,7 @@ def _h2(key: str) -> str:
     return f'<h2 data-en="{escape(en)}" data-zh="{escape(zh)}">{escape(en)}</h2>'
 
 
-def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _schedule(events: list[dict]) -> str:
-    from .plots import bubble_of, ledger_blocks
-    from .svg import schedule_svg
     try:
         blocks, rows = ledger_blocks(events)
     except ValueError as err:
@@ -75,15 +67,14 @@ def _tokens_per_step(cfg: dict | None) -> int | None:
 def render_report(run: str | Path, lang: str = "en") -> str:
     """The report page of the run folder ``run`` (``ValueError`` when it has no ledger)."""
     run = Path(run)
-    ledger = run / "ledger.jsonl"
+    ledger = run / LEDGER
     if not ledger.is_file():
         raise ValueError(f"no ledger at {ledger} (RUN {str(run)!r} must be a run folder written "
                          f"by paraloom train or paraloom record)")
-    events = load(ledger)
+    events = read_json_lines(ledger)
     comms = [e for e in events if e["op"] != "compute"]
-    cfg_path = run / "config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else None
-    metrics = _metrics(run)
+    cfg = read_json(run / CONFIG, "a run configuration")
+    metrics = read_json_lines(run / METRICS, strict=False)
     ranks = sorted({e["rank"] for e in events})
     parts = [f"<h1>paraloom run report: {escape(str(run.resolve()))}</h1>",
              '<div class="langs"><button id="lang-en">English</button>'
@@ -145,19 +136,3 @@ def write_report(run: str | Path, out: str | Path | None = None, lang: str = "en
     path = Path(out) if out is not None else Path(run) / "report.html"
     path.write_text(render_report(run, lang), encoding="utf-8")
     return path
-
-
-def report_main(argv: list[str] | None = None) -> int:
-    """``paraloom report RUN [--out FILE.html] [--lang zh]``; exit 2 naming a missing ledger."""
-    ap = argparse.ArgumentParser(prog="paraloom report", description=__doc__.splitlines()[0])
-    ap.add_argument("run", metavar="RUN", help="a run folder (train --out or record --out)")
-    ap.add_argument("--out", default=None, help="HTML file to write (default RUN/report.html)")
-    ap.add_argument("--lang", choices=("en", "zh"), default="en", help="language at opening")
-    args = ap.parse_args(argv)
-    try:
-        path = write_report(args.run, args.out, args.lang)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        print(f"paraloom report: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {path} ({path.stat().st_size:,} bytes); open it in a browser")
-    return 0

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..run_folder import read_json_lines
+
 __all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule", "plot_loss"]
 
 _SITES = {"pipeline.forward": "F", "pipeline.backward": "B", "pipeline.weight_grad": "W"}
@@ -132,14 +134,12 @@ def draw_schedule(blocks: list[Block], rows: list[str], out: str | Path, *, titl
 
 def plot_loss(metrics_path: str | Path, out: str | Path) -> Path:
     """Training loss (and gradient norm, right axis) per step from a run's ``metrics.jsonl``."""
-    import json
-
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line]
+    rows = read_json_lines(metrics_path, strict=False)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .sources import resolve_site, site_facts
 from .svg import line_chart
-from .table import HEADINGS, KEYS, _group, table_rows
+from .table import HEADINGS, KEYS, group_rows, table_rows
 from .trace import KIND_ORDER
 
 __all__ = ["config_rows", "check_verdict", "metric_charts", "table_html", "timeline_data",
@@ -113,7 +113,7 @@ def _cells(row: dict, index: str) -> str:
 
 def table_html(events: list[dict], *, rank: int, step: int | None, lang: str) -> str:
     """The folded table (``<thead>`` + ``<tbody>``) of ``rank``'s ``step`` in ``lang``."""
-    rows = _group(table_rows(events, rank=rank, step=step, lang=lang), lang, members=True)
+    rows = group_rows(table_rows(events, rank=rank, step=step, lang=lang), lang, members=True)
     heads = "".join(f"<th>{escape(h)}</th>" for h in (*HEADINGS[lang], SOURCE_HEADING[lang]))
     body = []
     for row in rows:

@@ -9,22 +9,20 @@ consecutive layers whose rows are identical except for the layer index into one 
 (pipeline p2p, the tied-embedding and sp finalize sums, the loss reduction) get a description
 of what travels, e.g. ``activations [16, 1, 32] to the next stage``.
 
-    paraloom table RUN_DIR [--lang en|zh] [--format md|csv|json] [--rank R] [--step N] [--group]
+The command is ``paraloom table RUN_DIR [--lang en|zh] [--format md|csv|json] [--rank R]
+[--step N] [--group]`` (:mod:`paraloom.commands.table`).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
 import re
-import sys
-from pathlib import Path
 
-from ..ledger import load
+from .moe_rows import ep_split
 
-__all__ = ["HEADINGS", "table_rows", "render_table", "table_main"]
+__all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows"]
 
 HEADINGS = {
     "en": ("#", "Parallel type", "Split object", "Primitive", "Trigger location", "Async"),
@@ -88,7 +86,6 @@ def _split(event: dict, lang: str) -> str:
     description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``); for
     a recorded program's events (which name no split), the dtype and shape of the tensor."""
     if event["kind"] == "ep" and event["op"] == "all_to_all":  # expert parallelism's words
-        from .moe_rows import ep_split
         text = ep_split(event, lang)
         if text is not None:
             return text
@@ -167,7 +164,7 @@ def _shape(row: dict) -> tuple:
     return tuple(_LAYER.sub("layers.*", str(row[k])) for k in KEYS[1:])
 
 
-def _group(rows: list[dict], lang: str, members: bool = False) -> list[dict]:
+def group_rows(rows: list[dict], lang: str, members: bool = False) -> list[dict]:
     """Fold runs of consecutive layer blocks identical up to the layer index; ``members``:
     each folded row also lists the rows it stands for (``members``, one per layer)."""
     blocks: list[list[dict]] = []
@@ -211,7 +208,7 @@ def render_table(events: list[dict], *, rank: int = 0, step: int | None = None,
         raise ValueError(f"format must be md, csv or json, got {fmt!r}")
     rows = table_rows(events, rank=rank, step=step, lang=lang)
     if group:
-        rows = _group(rows, lang)
+        rows = group_rows(rows, lang)
     heads = HEADINGS[lang]
     if fmt == "json":
         step_no = rows[0]["step"] if rows else step
@@ -228,28 +225,3 @@ def render_table(events: list[dict], *, rank: int = 0, step: int | None = None,
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in cells]
     return "\n".join(lines) + "\n"
-
-
-def table_main(argv: list[str] | None = None) -> int:
-    """``paraloom table RUN_DIR ...``: print the table of RUN_DIR/ledger.jsonl; exit 2 (naming
-    the bad value) on a missing ledger, an unknown rank or step."""
-    ap = argparse.ArgumentParser(prog="paraloom table", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", metavar="RUN_DIR")
-    ap.add_argument("--lang", choices=sorted(HEADINGS), default="en")
-    ap.add_argument("--format", choices=("md", "csv", "json"), default="md", dest="fmt")
-    ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--step", type=int, default=None)
-    ap.add_argument("--group", action="store_true", help="fold repeated layers")
-    args = ap.parse_args(argv)
-    path = Path(args.run_dir) / "ledger.jsonl"
-    try:
-        if not path.is_file():
-            raise ValueError(f"no ledger at {path} (RUN_DIR {args.run_dir!r} must hold "
-                             f"ledger.jsonl, written by paraloom train or paraloom record)")
-        text = render_table(load(path), rank=args.rank, step=args.step, lang=args.lang,
-                            fmt=args.fmt, group=args.group)
-    except (ValueError, KeyError, json.JSONDecodeError) as err:
-        print(f"paraloom table: error: {err}", file=sys.stderr)
-        return 2
-    sys.stdout.write(text)
-    return 0

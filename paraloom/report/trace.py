@@ -19,14 +19,10 @@ its ledger fields in ``args``.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-from ..ledger import load
-
-__all__ = ["build_trace", "write_trace", "trace_main", "KIND_ORDER"]
+__all__ = ["build_trace", "write_trace", "KIND_ORDER"]
 
 KIND_ORDER = ("tp", "sp", "cp", "pp", "dp", "emb", "loss")
 """Thread order of the communication kinds (thread ``i + 1``); other kinds follow."""
@@ -87,26 +83,3 @@ def write_trace(events: list[dict], path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(build_trace(events)))
     return path
-
-
-def trace_main(argv: list[str] | None = None) -> int:
-    """``paraloom trace RUN_DIR``: rebuild RUN_DIR/trace.json; exit 2 naming a missing or
-    unreadable ledger."""
-    ap = argparse.ArgumentParser(prog="paraloom trace", description=__doc__.splitlines()[0])
-    ap.add_argument("run_dir", metavar="RUN_DIR")
-    args = ap.parse_args(argv)
-    run = Path(args.run_dir)
-    ledger = run / "ledger.jsonl"
-    try:
-        if not ledger.is_file():
-            raise ValueError(f"no ledger at {ledger} (RUN_DIR {args.run_dir!r} must hold "
-                             f"ledger.jsonl)")
-        events = load(ledger)
-        if not events:
-            raise ValueError(f"{ledger} holds no events")
-        path = write_trace(events, run / "trace.json")
-    except (ValueError, KeyError, json.JSONDecodeError) as err:
-        print(f"paraloom trace: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {path} ({len(events)} ledger events); open it in ui.perfetto.dev")
-    return 0

@@ -20,6 +20,7 @@ import torch
 
 from .. import comm
 from ..mesh import Axis
+from ..parallel_state import get_mesh
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -91,7 +92,6 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
     if axis is None:
-        from ..parallel_state import get_mesh
         axis = get_mesh().tp
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, axis,
                                             float(label_smoothing), module, vocab_size)

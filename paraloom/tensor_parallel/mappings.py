@@ -29,6 +29,7 @@ import torch
 
 from .. import comm
 from ..mesh import Axis
+from ..parallel_state import get_mesh
 
 __all__ = [
     "Where", "copy_to_tensor_model_parallel_region", "reduce_from_tensor_model_parallel_region",
@@ -150,7 +151,6 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
 
 def _where(axis: Axis | None, site: str, tag: str, module, split) -> Where:
     if axis is None:
-        from ..parallel_state import get_mesh
         axis = get_mesh().tp
     return Where(axis, site, tag, module, split)
 

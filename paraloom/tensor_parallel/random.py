@@ -13,13 +13,27 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ..launch import get_rng_state, set_rng_state
+from .. import ledger as _ledger
+from ..device import get_rng_state, set_rng_state
+from .weight_grad import need_layer_function
 
-__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "checkpoint",
-           "MODEL_PARALLEL_RNG", "rng_state_dict", "load_rng_state_dict"]
+__all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "reseed_for_step",
+           "tensor_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG", "rng_state_dict",
+           "load_rng_state_dict"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
+TP_SEED_OFFSET = 2718
+"""Megatron's offset of the tensor-parallel stream: ``seed + 2718 + tp_rank``."""
+STEP_SEED_STRIDE = 1_000_003
+"""A run re-seeded at step ``k`` (resumed under another layout) uses ``seed + k * stride``: a
+prime, so two (seed, step) pairs of a run never meet."""
+
+
+def tensor_parallel_seed(seed: int, tp_rank: int) -> int:
+    """The seed of tp rank ``tp_rank``'s model-parallel stream."""
+    return seed + TP_SEED_OFFSET + tp_rank
 
 
 class RNGStatesTracker:
@@ -71,7 +85,13 @@ def model_parallel_seed(seed: int, tp_rank: int, device: torch.device | str = "c
     global _TRACKER
     torch.manual_seed(seed)
     _TRACKER = RNGStatesTracker(device)
-    _TRACKER.add(MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+    _TRACKER.add(MODEL_PARALLEL_RNG, tensor_parallel_seed(seed, tp_rank))
+
+
+def reseed_for_step(seed: int, step: int, tp_rank: int, device: torch.device | str = "cpu"
+                    ) -> None:
+    """:func:`model_parallel_seed` for a run continued at ``step`` without its own streams."""
+    model_parallel_seed(seed + STEP_SEED_STRIDE * step, tp_rank, device)
 
 
 def rng_state_dict(device: torch.device | str = "cpu") -> dict:
@@ -111,11 +131,6 @@ def checkpoint(function, *args):
     dropout inside ``fork()`` draws the same masks the second time. Communications repeated by the
     re-run are recorded with ``recompute: true`` in the ledger.
     """
-    from torch.utils.checkpoint import checkpoint as torch_checkpoint
-
-    from .. import ledger as _ledger
-    from .weight_grad import need_layer_function
-
     tracker = get_rng_tracker()
     saved = {name: state.clone() for name, state in tracker.states.items()}
     calls = [0]

@@ -1,5 +1,5 @@
-"""``paraloom export-hf RUN_DIR OUT_DIR``: a run's latest checkpoint as a Hugging Face GPT-2
-(``GPT2LMHeadModel``), or ``LlamaForCausalLM`` for a Llama-shaped model (``--arch llama``).
+"""A run's latest checkpoint as a Hugging Face GPT-2 (``GPT2LMHeadModel``), or ``LlamaForCausalLM``
+for a Llama-shaped model (``--arch llama``).
 
 Reads the checkpoint in this one process (no ranks: DCP assembles every tensor from its tp
 shards, whatever layout wrote it), maps it with :func:`paraloom.models.hf.to_hf_state_dict` and
@@ -18,25 +18,24 @@ bf16 runs export their fp32 master weights (``optim.<name>.master``) when the ch
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
-__all__ = ["load_full_params", "export_hf", "export_hf_main"]
+from ..config import ModelConfig, TrainConfig
+from ..models.hf import hf_config_from_model, to_hf_state_dict
+from .checkpoint import SafeFileSystemReader, find_checkpoint
+
+__all__ = ["load_full_params", "export_hf", "TOKENIZER_FILES"]
 
 
 def load_full_params(checkpoint: str | Path):
     """``(ModelConfig, {global name: full tensor})`` of a run or checkpoint folder, read in this
     process without a process group."""
-    import torch.distributed.checkpoint as dcp
-
-    from ..config import ModelConfig
-    from .checkpoint import SafeFileSystemReader, find_checkpoint
     ckpt, meta = find_checkpoint(checkpoint, "RUN_DIR")
     cfg = ModelConfig(**meta["config"]["model"])
     metadata = SafeFileSystemReader(str(ckpt)).read_metadata()
@@ -62,10 +61,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def export_hf(run_dir: str | Path, out_dir: str | Path) -> tuple[Path, str]:
     """Write ``model.safetensors`` and ``config.json`` for ``run_dir``'s latest checkpoint, and
     the run's tokenizer files; returns the checkpoint and a sentence on the tokenizer."""
-    from safetensors.torch import save_file
-
-    from ..models.hf import hf_config_from_model, to_hf_state_dict
-    from .checkpoint import find_checkpoint
+    from safetensors.torch import save_file  # optional: paraloom[hf]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"OUT_DIR {str(out)!r} exists and is not a folder; give a folder to "
@@ -79,7 +75,8 @@ def export_hf(run_dir: str | Path, out_dir: str | Path) -> tuple[Path, str]:
     save_file(to_hf_state_dict(params, cfg), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config, indent=1))
-    return ckpt, _copy_tokenizer(find_checkpoint(ckpt)[1]["config"].get("tokenizer"), out)
+    tokenizer = TrainConfig.from_dict(find_checkpoint(ckpt)[1]["config"]).data.tokenizer
+    return ckpt, _copy_tokenizer(tokenizer, out)
 
 
 def _copy_tokenizer(folder: str | None, out: Path) -> str:
@@ -93,24 +90,3 @@ def _copy_tokenizer(folder: str | None, out: Path) -> str:
     for file in files:
         shutil.copyfile(file, out / file.name)
     return f"tokenizer files from {folder}: {', '.join(f.name for f in files)}"
-
-
-def export_hf_main(argv) -> int:
-    p = argparse.ArgumentParser(prog="paraloom export-hf", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", help="run folder or checkpoint folder (its latest checkpoint)")
-    p.add_argument("out_dir", help="folder to write model.safetensors, config.json and the "
-                                   "run's tokenizer files into")
-    args = p.parse_args(argv)
-    try:
-        ckpt, tokenizer = export_hf(args.run_dir, args.out_dir)
-    except ImportError as err:
-        print(f"paraloom export-hf: error: {err}; install the extra: pip install "
-              f"'paraloom[hf]'", file=sys.stderr)
-        return 2
-    except ValueError as err:
-        print(f"paraloom export-hf: error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {Path(args.out_dir) / 'model.safetensors'} and config.json from {ckpt}; "
-          f"{tokenizer}")
-    return 0

@@ -1,18 +1,18 @@
-"""The training loop on one rank, and the run folder it writes (DESIGN.md, "Run folder").
+"""The training loop on one rank, and the run data it writes (:mod:`paraloom.run_folder`).
 
 Rank 0 writes ``config.json`` and ``metrics.jsonl`` (one flushed line per step); every rank
 appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step, so a
-crash keeps what was done (on each node, local rank 0 creates the folder: ``nodes.py``). At the
-end rank 0 merges them into ``ledger.jsonl`` and writes ``trace.json``, ``comm_table.md``,
-``loss.png``, ``summary.json`` (held-out loss before and after) and ``report.html`` (all of it on
-one page). With ``--tensorboard-dir``, rank 0 also writes TensorBoard scalars
-(``tensorboard.py``). Checkpoints go to ``checkpoints/step_N/`` (atomically, see
-``checkpoint.py``).
+crash keeps what was done (on each node, local rank 0 creates the folder: :mod:`.multinode`). At
+the end rank 0 merges them into ``ledger.jsonl`` (gathered over the network, so every rank's
+events are there wherever they were written) and writes ``summary.json`` (held-out loss before
+and after); the reports made from all that (table, trace, plots, ``report.html``) are
+:mod:`paraloom.report.run_reports`' job. With ``--tensorboard-dir``, rank 0 also writes
+TensorBoard scalars (:mod:`.tensorboard`). Checkpoints go to ``checkpoints/step_N/``
+(atomically, see :mod:`.checkpoint`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -23,26 +23,25 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..launch import timing_event_type, tune_allocator
+from ..config import TrainConfig
+from ..data import Corpus, eval_batches, load_tokens
+from ..device import timing_event_type, tune_allocator
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
+from ..run_folder import CONFIG, METRICS, SUMMARY, rank_ledger, read_json_lines, write_events
 from ..tensor_parallel.random import rng_state_dict
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
-from .data import Corpus, eval_batches, load_tokens
-from .nodes import needs_shared_folder, prepare_run_folder
+from .multinode import needs_shared_folder, prepare_run_folder
 from .progress import show_progress
 from .resume import continue_folder, continue_ledger, restore_rng, same_layout, same_run
 from .state import state_entries
+from .tensorboard import ScalarLog
 from .train import build, evaluate, train_step
 
-__all__ = ["run_rank", "config_dict", "EVAL_BATCHES"]
+__all__ = ["run_rank", "EVAL_BATCHES"]
 
 EVAL_BATCHES = 2
 """Held-out global batches evaluated before and after training."""
-
-
-def config_dict(cfg) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def _resume(run, path: str) -> tuple[int, Path, dict]:
@@ -63,35 +62,36 @@ def _resume(run, path: str) -> tuple[int, Path, dict]:
 def _save(run, out: Path, step: int) -> None:
     entries, _ = state_entries(run, for_save=True)
     meta = {"step": step, "tokens": run.tokens, "optimizer_steps": run.optimizers[0].step_count,
-            "config": config_dict(run.cfg), "format": FORMAT}
+            "config": run.cfg.to_dict(), "format": FORMAT}
     save_checkpoint(out / "checkpoints" / f"step_{step}", entries, meta, run.mesh,
                     rank_state=rng_state_dict(run.device))
 
 
-def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
-    """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary.
-    ``init_from_hf``: start from a Hugging Face GPT-2 checkpoint folder's weights."""
+def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
+    """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary (it
+    also holds ``"events"``: every rank's ledger, merged)."""
     tune_allocator()
-    out = Path(cfg.out)
+    r = cfg.run
+    out = Path(r.out)
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
     folder = prepare_run_folder(out, mesh.world)  # on every node; who sees rank 0's folder
-    needs_shared_folder(folder, cfg.save_every)
-    corpus = Corpus(load_tokens(cfg.data, cfg.data_path, cfg.tokenizer), cfg.model.seq_length,
-                    cfg.seed)
-    run = build(cfg, mesh, corpus, init_from_hf=init_from_hf or cfg.init_from_hf)
-    start, ckpt, meta = _resume(run, cfg.resume) if cfg.resume else (0, None, None)
+    needs_shared_folder(folder, r.save_every)
+    d = cfg.data
+    corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
+    run = build(cfg, mesh, corpus, init_from_hf=r.init_from_hf)
+    start, ckpt, meta = _resume(run, r.resume) if r.resume else (0, None, None)
     # continuing in the run's own folder with the same layout keeps its ledger of earlier steps
     # and records the steps an uninterrupted run records; otherwise the ledger starts again
     same = ckpt is not None and same_run(out, ckpt)
     keep_ledger = same and same_layout(meta, cfg)
     if rank == 0:
-        (out / "config.json").write_text(json.dumps(config_dict(cfg), indent=1))
+        (out / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=1))
         continue_folder(out, start, same, keep_ledger, mesh.world.size)
     comm.barrier(mesh.world, site="run_rank:setup")
     held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
     val_before = evaluate(run, held_out)
-    ledger_file = out / "ledger" / f"rank_{rank}.jsonl"
+    ledger_file = rank_ledger(out, rank)
     next_seq, kept_until = continue_ledger(ledger_file, start, keep_ledger)
     if keep_ledger:  # the continuation's times follow the kept events' on the trace
         last = torch.tensor([kept_until], dtype=torch.float64, device=run.device)
@@ -103,11 +103,10 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
     first_recorded = 0 if keep_ledger else start
     bad = 0
     scalars = None
-    if rank == 0 and cfg.tensorboard_dir:
-        from .tensorboard import ScalarLog
-        scalars = ScalarLog(cfg.tensorboard_dir, cfg.log_interval, cfg.steps)
+    if rank == 0 and r.tensorboard_dir:
+        scalars = ScalarLog(r.tensorboard_dir, r.log_interval, cfg.steps)
     for step in range(start, cfg.steps):
-        record = cfg.ledger_steps < 0 or step - first_recorded < cfg.ledger_steps
+        record = r.ledger_steps < 0 or step - first_recorded < r.ledger_steps
         ledger.events.clear()
         tic = time.time()
         with recording(ledger) if record else nullcontext(), ledger.at(step=step):
@@ -117,9 +116,9 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
             ledger.dump(ledger_file, mode="a")
         if rank == 0:
             line = {"step": step, **metrics, "tokens": run.tokens, "time_s": elapsed}
-            with open(out / "metrics.jsonl", "a") as f:
+            with open(out / METRICS, "a") as f:
                 f.write(json.dumps(line) + "\n")
-            tokens = cfg.global_batch_size * cfg.model.seq_length
+            tokens = cfg.tokens_per_step
             show_progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
             if scalars is not None:
                 scalars.step(step, metrics, tokens / max(elapsed, 1e-9),
@@ -128,48 +127,25 @@ def run_rank(cfg, t0: float, init_from_hf: str | None = None) -> dict | None:
                 print(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
                       f"({metrics['grad_norm']}): update skipped", file=sys.stderr, flush=True)
         bad = bad + 1 if metrics.get("skipped") else 0
-        if bad >= cfg.max_bad_steps:
+        if bad >= r.max_bad_steps:
             raise FloatingPointError(
                 f"stopping at step {step}: {bad} consecutive steps with a non-finite loss or "
-                f"gradient (max_bad_steps = {cfg.max_bad_steps}); lower --lr, check the data, "
+                f"gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
-        if cfg.save_every and ((step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps):
+        if r.save_every and ((step + 1) % r.save_every == 0 or step + 1 == cfg.steps):
             _save(run, out, step + 1)
     if scalars is not None:
         scalars.close()
     val_after = evaluate(run, held_out)
     summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
                "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
-    from ..ledger import load
-    events = comm.gather_objects(load(ledger_file), mesh.world)
-    if rank == 0:
-        if not folder.shared:
-            summary["ranks_elsewhere"] = folder.elsewhere()
-            print(f"note: {folder.describe()}", file=sys.stderr, flush=True)
-        _write_reports(out, merge(events), summary)
-        return summary
-    return None
-
-
-def _write_reports(out: Path, events: list[dict], summary: dict) -> None:
-    from ..report.table import render_table
-    from ..report.trace import write_trace
-    with open(out / "ledger.jsonl", "w") as f:
-        for event in events:
-            f.write(json.dumps(event) + "\n")
-    write_trace(events, out / "trace.json")
-    if events:
-        (out / "comm_table.md").write_text(render_table(events, rank=0) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    try:
-        from ..report.plots import plot_loss
-        plot_loss(out / "metrics.jsonl", out / "loss.png")
-        from ..report.expert_load import plot_expert_load
-        plot_expert_load(out / "metrics.jsonl", out / "expert_load.png")  # MoE runs only
-    except ImportError as err:  # matplotlib missing: everything else is written
-        print(f"loss.png not written: {err}", file=sys.stderr)
-    from ..report.html import write_report
-    try:
-        write_report(out)
-    except (ValueError, KeyError, TypeError, OSError) as err:  # the run itself is done
-        print(f"report.html not written: {err}", file=sys.stderr)
+    events = comm.gather_objects(read_json_lines(ledger_file), mesh.world)
+    if rank != 0:
+        return None
+    if not folder.shared:
+        summary["ranks_elsewhere"] = folder.elsewhere()
+        print(f"note: {folder.describe()}", file=sys.stderr, flush=True)
+    merged = merge(events)
+    write_events(out, merged)
+    (out / SUMMARY).write_text(json.dumps(summary, indent=1))
+    return dict(summary, events=merged)

@@ -14,13 +14,14 @@ gradient norm are reduced in one small all-reduce over every rank (kind ``loss``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .. import comm
 from ..config import TrainConfig
 from ..context_parallel import get_batch_on_this_cp_rank
+from ..data import Corpus, microbatches
 from ..data_parallel import (
     DistributedDataParallel,
     DistributedOptimizer,
@@ -28,9 +29,12 @@ from ..data_parallel import (
     finalize_model_grads,
     no_weight_decay_cond,
 )
-from ..launch import get_device
+from ..data_parallel.clip_grads import GradNorm
+from ..device import get_device
 from ..mesh import ParallelMesh
-from ..models.gpt import GPTModel, ParallelOptions
+from ..models import GPTModel, ParallelOptions
+from ..models.hf import load_hf_weights
+from ..moe import MoEAuxLossAutoScaler, is_moe_layer, moe_step_stats, reset_moe_stats
 from ..pipeline_parallel import stage_layers, stage_role
 from ..pipeline_parallel.schedules import (
     forward_backward_no_pipelining,
@@ -39,8 +43,7 @@ from ..pipeline_parallel.schedules import (
     forward_backward_zero_bubble,
 )
 from ..tensor_parallel.random import model_parallel_seed
-from .data import Corpus, microbatches
-from .schedule_lr import learning_rate
+from .lr_schedule import learning_rate
 
 __all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
 
@@ -61,9 +64,9 @@ class Run:
     ddps: list[DistributedDataParallel]
     optimizers: list
     device: torch.device
+    grad_norm: GradNorm
     step: int = 0
     tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -78,12 +81,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     rank reads its own shards, before the data-parallel wrapper and the optimizer see them."""
     device = get_device()
     model_parallel_seed(cfg.seed, mesh.tp.rank, device)
-    p = cfg.parallel
-    options = ParallelOptions(sequence_parallel=p.sequence_parallel,
-                              async_grad_allreduce=p.uses_async_grad_allreduce,
-                              gradient_accumulation_fusion=p.gradient_accumulation_fusion,
-                              recompute=cfg.recompute, seed=cfg.seed,
-                              params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)
+    p, options = cfg.parallel, ParallelOptions.of(cfg)
     L, vpp = cfg.model.num_layers, mesh.vpp
     chunks = []
     for c, layers in enumerate(stage_layers(L, p.pp, mesh.pp.rank, vpp)):
@@ -94,17 +92,17 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
             chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
                                    post_process=role.is_last, options=options))
     if init_from_hf is not None:
-        from ..models.hf import load_hf_weights
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero = cfg.distributed_optimizer
     ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero)
             for chunk in chunks]
-    opt_cls = DistributedOptimizer if zero else MainParamsOptimizer
-    optimizers = [opt_cls(d, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8,
-                          weight_decay=cfg.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
+    opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
+    optimizers = [opt_cls(d, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                          weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
                   for d in ddps]
-    return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device)
+    return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device,
+               GradNorm(ddps, mesh, sharded=zero))
 
 
 def forward_step(data_iterator, model: GPTModel):
@@ -139,59 +137,11 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     for chunk in run.chunks:
         chunk.train(not forward_only)
     if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the loss
-        from ..moe import MoEAuxLossAutoScaler
         MoEAuxLossAutoScaler.set_loss_scale(1.0 / len(mbs))
     return schedule(forward_step, iters if interleaved else iters[0],
                     run.chunks if interleaved else run.chunks[0], len(mbs),
                     cfg.model.seq_length // mesh.cp.size, cfg.micro_batch_size, forward_only,
                     **kw)
-
-
-def _counts_once(param, mesh: ParallelMesh) -> bool:
-    """Whether this rank's copy of ``param`` is its one counted copy in the global norm."""
-    if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
-        return False  # the last stage's tied copy: counted on the first stage
-    return getattr(param, "tensor_model_parallel", False) or mesh.tp.rank == 0
-
-
-def _norm_pieces(run: Run) -> list[tuple]:
-    """``(bucket, lo, hi)``: the contiguous stretches of main grads this rank counts in the
-    global norm (dedup over tp, pp, dp x cp), neighbours merged, so the norm is a few reductions
-    per bucket rather than one per parameter. The layout is fixed for a run: computed once."""
-    pieces = run.extra.get("norm_pieces")
-    if pieces is not None:
-        return pieces
-    mesh, zero = run.mesh, run.cfg.distributed_optimizer
-    pieces = []
-    for ddp in run.ddps:
-        for bucket in ddp.buckets:
-            axis = bucket.axis  # mesh.dp, or mesh.edp for experts (distinct over ep)
-            if not zero and axis.rank != 0:
-                continue  # replicated after the all-reduce: its rank 0 counts it
-            lo, hi = bucket.shard(axis.rank, axis.size) if zero else (0, bucket.numel)
-            for param in bucket.params:  # in buffer order: offsets increase
-                if not _counts_once(param, mesh):
-                    continue
-                _, a, b = ddp.param_range(param)
-                a, b = max(a, lo), min(b, hi)
-                if a >= b:
-                    continue
-                if pieces and pieces[-1][0] is bucket and pieces[-1][2] == a:
-                    pieces[-1] = (bucket, pieces[-1][1], b)
-                else:
-                    pieces.append((bucket, a, b))
-    run.extra["norm_pieces"] = pieces
-    return pieces
-
-
-def _local_sq_norm(run: Run) -> torch.Tensor:
-    """Sum of squared main grads this rank is responsible for: each stretch's fp32 norm (torch's
-    reduction, no fp64 copy of the gradients), squared and summed in fp64."""
-    grads = [bucket.grad[a:b] for bucket, a, b in _norm_pieces(run)]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=run.device)
-    norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
-    return norms.double().square().sum()
 
 
 def train_step(run: Run, step: int) -> dict:
@@ -206,7 +156,6 @@ def train_step(run: Run, step: int) -> dict:
         opt.zero_grad()
     moe = cfg.model.num_experts
     if moe:
-        from ..moe import moe_step_stats, reset_moe_stats
         reset_moe_stats(run.chunks)
     losses = _run_schedule(run, batch, forward_only=False)
     zero = torch.zeros((), dtype=torch.float64)
@@ -214,7 +163,8 @@ def train_step(run: Run, step: int) -> dict:
     # this rank's loss counts once per (dp replica, cp rank): last stage, tp rank 0; every cp
     # rank holds the mean over the same number of tokens, so their mean is the sequence's
     weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
-    scalars = torch.stack([_local_sq_norm(run), loss_sum.to(run.device) * weight])
+    scalars = torch.stack([run.grad_norm.local_sq_norm(run.device),
+                           loss_sum.to(run.device) * weight])
     if moe:  # aux/z loss, dropped assignments, tokens per expert: one all-reduce with the rest
         stats = moe_step_stats(run.chunks, cfg.model.num_layers, moe, run.device)
         scalars = torch.cat([scalars, stats])
@@ -223,22 +173,19 @@ def train_step(run: Run, step: int) -> dict:
     grad_norm = math.sqrt(scalars[0].item())
     loss = scalars[1].item() / (mesh.dp_cp.size * run.cfg.num_microbatches)
     extra = _moe_metrics(cfg, scalars[2:], mesh.dp_cp.size * cfg.num_microbatches) if moe else {}
-    lr = learning_rate(step, lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+    o = cfg.optim
+    lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                        total_steps=cfg.steps)
     # One all-reduce carried both numbers, so every rank sees the same NaN/Inf and decides alike.
     if not (math.isfinite(grad_norm) and math.isfinite(loss)):
-        run.step, run.tokens = step + 1, run.tokens + cfg.global_batch_size * cfg.model.seq_length
+        run.step, run.tokens = step + 1, run.tokens + cfg.tokens_per_step
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra, "skipped": True}
-    if cfg.clip_grad > 0 and grad_norm > cfg.clip_grad:
-        scale = cfg.clip_grad / (grad_norm + 1e-6)
-        for ddp in run.ddps:
-            for buf in ddp.buffers_:
-                buf.grad.mul_(scale)
+    run.grad_norm.clip(grad_norm, o.clip_grad)
     for opt in run.optimizers:
         opt.lr = lr
         opt.step()
     run.step = step + 1
-    run.tokens += cfg.global_batch_size * cfg.model.seq_length
+    run.tokens += cfg.tokens_per_step
     return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra}
 
 
@@ -246,7 +193,6 @@ def _moe_metrics(cfg: TrainConfig, stats: torch.Tensor, microbatches: int) -> di
     """``aux_loss`` (mean over the step's microbatches of the sum over MoE layers, coefficient
     included), ``z_loss`` when on, ``tokens_per_expert`` per MoE layer (the step's routed
     assignments after any drops) and ``dropped_tokens`` with a capacity factor."""
-    from ..moe import is_moe_layer
     m = cfg.model
     table = stats[3:].view(m.num_layers, m.num_experts)
     out = {"aux_loss": stats[0].item() / microbatches}

@@ -37,10 +37,14 @@ from pathlib import Path
 
 import torch
 
-from .. import comm
+from .. import comm, launch
+from ..device import get_device
+from ..mesh import world_axis
+from .checkpoint import find_checkpoint
 
 __all__ = ["SetupError", "RunFolder", "prepare_run_folder", "needs_shared_folder", "agree",
-           "same_everywhere", "local_rank", "run_under_torchrun", "refuse_under_torchrun"]
+           "same_everywhere", "local_rank", "run_under_torchrun", "refuse_under_torchrun",
+           "checkpoint_seen", "shared_clock"]
 
 TOKEN_FILE = ".paraloom-folder-token"
 SEE_PATIENCE_S = 3.0
@@ -53,7 +57,6 @@ class SetupError(ValueError):
 
 def _device() -> torch.device:
     """Where this rank's small setup tensors live (CUDA with NCCL, which has no CPU tensors)."""
-    from ..launch import get_device
     return get_device()
 
 
@@ -197,14 +200,6 @@ def needs_shared_folder(folder: RunFolder, save_every: int) -> None:
         f"--save-every 0 to train without checkpoints")
 
 
-def world_axis():
-    """The whole world as an :class:`~paraloom.mesh.Axis` (for setup before a mesh exists)."""
-    import torch.distributed as dist
-
-    from ..mesh import Axis
-    return Axis("world", tuple(range(dist.get_world_size())), dist.get_rank(), dist.group.WORLD)
-
-
 def same_everywhere(value: str, world, *, what: str) -> None:
     """:class:`SetupError` on every rank unless every rank passes the same ``value`` (e.g. the
     checkpoint it found); rank 0's message says which ranks saw what."""
@@ -232,7 +227,6 @@ def checkpoint_seen(path: str | None) -> str:
     """What ``--resume path`` resolves to on this rank (compared across ranks)."""
     if path is None:
         return "no checkpoint"
-    from .checkpoint import find_checkpoint
     ckpt, meta = find_checkpoint(path)
     return f"{str(ckpt)!r} (step {meta.get('step')})"
 
@@ -248,7 +242,6 @@ def run_under_torchrun(prog: str, timeout_s: float, check, body, resume: str | N
     any other exception propagates (torchrun reports the rank). After a good run every rank meets
     in a barrier before the process groups are destroyed (:func:`paraloom.launch.shutdown`).
     """
-    from .. import launch
     launch.init_distributed(timeout_s=timeout_s)
     world = world_axis()
     clean = False
@@ -285,3 +278,10 @@ def refuse_under_torchrun(prog: str, error: str, timeout_s: float) -> int:
     def unreachable():
         raise AssertionError("refuse_under_torchrun: the agreement let a failed rank through")
     return run_under_torchrun(prog, timeout_s, check, unreachable)
+
+
+def shared_clock() -> float:
+    """Rank 0's clock, broadcast, so every rank's ledger times share one origin."""
+    t = torch.tensor([time.time()], dtype=torch.float64, device=_device())  # NCCL: on GPU
+    comm.broadcast(t, world_axis(), src=0, phase="setup", kind="world", site="train:clock")
+    return float(t.item())

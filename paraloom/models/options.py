@@ -1,0 +1,50 @@
+"""The per-model switches that are not part of the shape: :class:`ParallelOptions`.
+
+A model is built from a :class:`~paraloom.config.ModelConfig` (its shape), a mesh (its layout)
+and these options (how its layers communicate, recompute and hold their parameters). A training
+run takes them from its :class:`~paraloom.config.TrainConfig` (:meth:`ParallelOptions.of`), so
+nothing copies settings by hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import TrainConfig
+
+__all__ = ["ParallelOptions"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelOptions:
+    """Megatron's meanings; the defaults are a plain fp32 model."""
+
+    sequence_parallel: bool = False
+    """Activations between tensor-parallel regions split along the sequence."""
+    async_grad_allreduce: bool = False
+    """Column layers overlap their input-gradient all-reduce with the weight-gradient GEMM (the
+    effective value: :attr:`~paraloom.config.ParallelConfig.uses_async_grad_allreduce`)."""
+    gradient_accumulation_fusion: bool = False
+    """Weight gradients go straight into fp32 ``main_grad``."""
+    recompute: str = "none"
+    """``none``, ``selective`` (core attention) or ``full`` (per layer)."""
+    seed: int = 1234
+    """The counter-based initializer's seed."""
+    params_dtype: torch.dtype = torch.float32
+    """The parameters' dtype (bf16 runs keep fp32 master copies in the optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> ParallelOptions:
+        """The options of a training run."""
+        p = cfg.parallel
+        return cls(sequence_parallel=p.sequence_parallel,
+                   async_grad_allreduce=p.uses_async_grad_allreduce,
+                   gradient_accumulation_fusion=p.gradient_accumulation_fusion,
+                   recompute=cfg.recompute, seed=cfg.seed,
+                   params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)

@@ -1,0 +1,62 @@
+"""What a run reads, checked before it trains: the run folder, the data, the checkpoint it
+resumes, the optional packages it needs.
+
+Without torchrun this runs once, before any rank starts; under torchrun every rank runs it (each
+rank reads its own files) and the ranks agree on the outcome (:mod:`.multinode`). Problems are
+``ValueError`` naming the value and what would be valid; what is worth telling but not wrong
+comes back as notes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import ModelConfig, TrainConfig
+from ..data import check_data
+from ..run_folder import check_out
+from .checkpoint import find_checkpoint
+from .tensorboard import check_tensorboard
+
+__all__ = ["check_inputs", "check_resumable"]
+
+
+def check_resumable(cfg: TrainConfig) -> None:
+    """``cfg.run.resume`` holds the same model and dtype as ``cfg``, before its last step."""
+    ckpt, meta = find_checkpoint(cfg.run.resume)
+    saved_model = ModelConfig(**meta["config"]["model"])
+    saved, now = dataclasses.asdict(saved_model), dataclasses.asdict(cfg.model)
+    diff = {k: (saved[k], v) for k, v in now.items() if k != "dropout" and saved[k] != v}
+    if diff:
+        raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
+            f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
+    dtype = meta["config"].get("dtype", "fp32")
+    if dtype != cfg.dtype:
+        raise ValueError(
+            f"--resume {str(ckpt)!r} was trained with --dtype {dtype} and --dtype {cfg.dtype} is "
+            f"given here: its optimizer state does not convert (bf16 keeps fp32 master weights, "
+            f"fp32 has none); resume with --dtype {dtype}")
+    if int(meta["step"]) >= cfg.steps:
+        raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
+                         f"--steps {cfg.steps}: nothing left to train; give --steps larger "
+                         f"than {meta['step']} to extend it")
+
+
+def check_inputs(cfg: TrainConfig) -> list[str]:
+    """Everything ``cfg`` reads or writes that can be checked without ranks; returns notes."""
+    check_out(cfg.run.out)
+    notes = check_data(cfg.data.file, cfg.model.seq_length, "train", data_path=cfg.data.data_path,
+                       tokenizer=cfg.data.tokenizer)
+    if cfg.run.resume is not None:
+        check_resumable(cfg)
+    if cfg.run.tensorboard_dir is not None:
+        check_tensorboard()
+    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+        notes.append("--sequence-parallel has no effect with tp = 1 (nothing is split); running "
+                     "without it")
+    if cfg.dtype == "bf16":
+        one = torch.ones(1, dtype=torch.bfloat16)
+        if not one.matmul(torch.ones(1, 1, dtype=torch.bfloat16)).isfinite().all():
+            raise ValueError("--dtype bf16 is not supported by this PyTorch build")
+    return notes
