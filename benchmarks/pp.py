@@ -96,24 +96,26 @@ class _BackwardStart(torch.autograd.Function):
 class OwnBlock(nn.Module):
     """The same block from paraloom's parallel layers at tp = 1 (what ZB-H1 defers W in)."""
 
-    def __init__(self, mesh: ParallelMesh, i: int) -> None:
+    def __init__(self, mesh: ParallelMesh, i: int, split: bool) -> None:
         super().__init__()
-        self.fc1 = ColumnParallelLinear(H, FFN, mesh=mesh, name=f"layers.{i}.fc1")
+        self.fc1 = ColumnParallelLinear(H, FFN, mesh=mesh, name=f"layers.{i}.fc1",
+                                        own_backward=split)
         self.fc2 = RowParallelLinear(FFN, H, input_is_parallel=True, mesh=mesh,
-                                     name=f"layers.{i}.fc2")
+                                     name=f"layers.{i}.fc2", own_backward=split)
 
     def forward(self, x):
         return self.fc2(F.gelu(self.fc1(x)[0]))[0]
 
 
-def blocks(ids, mesh: ParallelMesh | None = None) -> nn.ModuleDict:
+def blocks(ids, mesh: ParallelMesh | None = None, split: bool = False) -> nn.ModuleDict:
     """Blocks ``ids`` of the stack (seeded: the same weights in every run); ``mesh``: built from
-    paraloom's layers, else ``nn.Sequential(Linear, GELU, Linear)``."""
+    paraloom's layers (``split``: for a zero-bubble schedule), else
+    ``nn.Sequential(Linear, GELU, Linear)``."""
     torch.manual_seed(0)
     full = [nn.Sequential(nn.Linear(H, FFN), nn.GELU(), nn.Linear(FFN, H)) for _ in range(L)]
     if mesh is None:
         return nn.ModuleDict({str(i): full[i] for i in ids})
-    own = nn.ModuleDict({str(i): OwnBlock(mesh, i) for i in ids})
+    own = nn.ModuleDict({str(i): OwnBlock(mesh, i, split) for i in ids})
     with torch.no_grad():
         for i in ids:
             for a, b in zip(own[str(i)].parameters(), full[i].parameters(), strict=True):
@@ -257,9 +259,9 @@ def main(rank: int, world: int, iters: int, picture: str | None, tuned: bool = F
     batches = data()
     runs = {}  # name -> (step, {block: params}, timer or None)
 
-    def stage(own: bool):
+    def stage(own: bool, split: bool = False):
         timer = Timer()
-        model = Stage(blocks(ids, mesh if own else None), timer)
+        model = Stage(blocks(ids, mesh if own else None, split), timer)
         return model, timer, {int(k): list(b.parameters()) for k, b in model.layers.items()}
 
     ours, ours_t, ours_p = stage(False)
@@ -272,7 +274,7 @@ def main(rank: int, world: int, iters: int, picture: str | None, tuned: bool = F
     own, own_t, own_p = stage(True)
     runs["paraloom 1F1B, own layers"] = (_paraloom(
         forward_backward_pipelining_without_interleaving, own, mesh, batches), own_p, own_t)
-    zb, _, zb_p = stage(True)
+    zb, _, zb_p = stage(True, split=True)
     runs["paraloom ZB-H1"] = (_paraloom(forward_backward_zero_bubble, zb, mesh, batches), zb_p,
                               None)
     theirs, theirs_t, theirs_p = stage(False)

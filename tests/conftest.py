@@ -132,3 +132,51 @@ def checkpoint_folder(run, cfg, step: int = 1):
     (ckpt / "meta.json").write_text(json.dumps({"step": step, "tokens": 0, "optimizer_steps": step,
                                                 "config": cfg.to_dict(), "format": FORMAT}))
     return Path(run)
+
+
+# ------------------------------------------------ "train this layout, compare with one process"
+def train_rank(rank: int, world: int, cfg, t0: float) -> None:
+    """The rank function of :func:`run_training`: paraloom's real training loop."""
+    from paraloom.training.loop import run_rank
+    run_rank(cfg, t0)
+
+
+def metrics(out) -> list[dict]:
+    """A run folder's ``metrics.jsonl``, one dict per step."""
+    from paraloom.run_folder import METRICS, read_json_lines
+    return read_json_lines(os.path.join(out, METRICS))
+
+
+def layout_config(base, out, *, tp=1, cp=1, pp=1, dp=1, ep=1, vpp=None, sp=False, comm="p2p",
+                  schedule=None, **changes):
+    """``base`` (a TrainConfig) under the layout given, writing to ``out``; the schedule follows
+    the layout unless given, other settings by name (``lr=...``, ``recompute=...``)."""
+    from paraloom.config import ParallelConfig
+    parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, vpp=vpp, sequence_parallel=sp,
+                              cp_comm_type=comm)
+    return base.replace(parallel=parallel, schedule=schedule, out=str(out), **changes)
+
+
+def run_training(cfg, timeout_s: float = 60.0) -> list[dict]:
+    """Train ``cfg`` on its own local ranks (forked from this process); its metrics."""
+    from paraloom import launch
+    launch.spawn(train_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=timeout_s)
+    return metrics(cfg.run.out)
+
+
+def assert_same_metrics(got: list[dict], want: list[dict], rtol: float = 1e-5) -> None:
+    """Same steps, and the same loss and gradient norm at each, within ``rtol``."""
+    assert [m["step"] for m in got] == [m["step"] for m in want]
+    for a, b in zip(got, want, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=rtol), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rtol), (a, b)
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Make starting a rank fail the test: "refused before any rank starts" is checked."""
+    from paraloom import launch
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a rank was started for input that should be refused before")
+    monkeypatch.setattr(launch, "spawn", refuse)

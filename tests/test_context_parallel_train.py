@@ -7,13 +7,12 @@ is exact on a CP run's ledger; a Hugging Face GPT-2 evaluated under cp = 2 score
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 
 import pytest
 import torch
+from conftest import assert_same_metrics, layout_config, run_training
 
-from paraloom import launch
 from paraloom.analysis.check import check_main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
@@ -24,25 +23,8 @@ BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=60)
 
 
-def _rank(rank, world, cfg, t0):
-    from paraloom.training.loop import run_rank
-    run_rank(cfg, t0)
-
-
-def train(tmp_path, name, *, tp=1, cp=1, pp=1, dp=1, sp=False, comm="p2p", **kw) -> list[dict]:
-    cfg = BASE.replace(parallel=ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, sequence_parallel=sp,
-                                                cp_comm_type=comm),
-                  schedule="1f1b" if pp > 1 else "none", out=str(tmp_path / name), **kw)
-    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def _assert_same(got, want, rtol=1e-5):
-    assert [m["step"] for m in got] == [m["step"] for m in want]
-    for a, b in zip(got, want, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=rtol), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rtol), (a, b)
+def train(tmp_path, name, **layout) -> list[dict]:
+    return run_training(layout_config(BASE, tmp_path / name, **layout))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +40,7 @@ def reference(tmp_path_factory):
     dict(cp=4),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_cp_layouts_train_the_same_model(tmp_path, reference, layout):
-    _assert_same(train(tmp_path, "run", **layout), reference[1])
+    assert_same_metrics(train(tmp_path, "run", **layout), reference[1])
     assert check_main([str(tmp_path / "run"), "--only-diff"]) == 0  # the ledger, exactly
     events = [json.loads(x) for x in (tmp_path / "run" / "ledger.jsonl").read_text().split("\n")
               if x]
@@ -70,13 +52,13 @@ def test_cp_layouts_train_the_same_model(tmp_path, reference, layout):
 def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):
     folder, ref = reference
     straight = train(tmp_path, "cp2", cp=2, save_every=2)
-    _assert_same(straight, ref)
+    assert_same_metrics(straight, ref)
     assert check_main([str(tmp_path / "cp2"), "--only-diff"]) == 0
     down = train(tmp_path, "to-cp1", resume=str(tmp_path / "cp2" / "checkpoints" / "step_2"))
-    _assert_same(down, ref[2:])
+    assert_same_metrics(down, ref[2:])
     up = train(tmp_path, "to-cp2", cp=2, comm="all_gather",
                resume=str(folder / "single" / "checkpoints" / "step_2"))
-    _assert_same(up, ref[2:])
+    assert_same_metrics(up, ref[2:])
 
 
 def test_hf_gpt2_under_cp_scores_like_transformers(tmp_path, capfd):
@@ -112,5 +94,5 @@ def test_llama_gqa_rope_under_cp_trains_the_same_model(tmp_path):
     """Rotary positions follow the load-balanced chunks and the ring carries g < a K/V heads."""
     want = train(tmp_path, "llama1", model=LLAMA)
     got = train(tmp_path, "llama-tp2-cp2", tp=2, cp=2, sp=True, model=LLAMA)
-    _assert_same(got, want)
+    assert_same_metrics(got, want)
     assert check_main([str(tmp_path / "llama-tp2-cp2"), "--only-diff"]) == 0

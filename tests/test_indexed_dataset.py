@@ -24,7 +24,6 @@ import torch
 from _megatron_shim import preload
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from paraloom import launch
 from paraloom.commands import main
 from paraloom.data.indexed_dataset import IndexedDataset, IndexedDatasetWriter, optimal_dtype
 from paraloom.data.stream import join_documents
@@ -37,13 +36,6 @@ pytestmark = pytest.mark.filterwarnings(  # megatron-core's, on CPU without torc
     "ignore:Could not determine rank:UserWarning")
 
 TEXTS = ["w1 w2 w3", "", "w7", "w60000 w69999 w2 w2", "w5 w6"]
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rank was started for input that should be refused before")
-    monkeypatch.setattr(launch, "spawn", refuse)
 
 
 def _word_tokenizer(folder, vocab_size: int) -> Tokenizer:

@@ -9,15 +9,14 @@ temporary folder (4 heads, 2 key/value heads, untied, vocabulary 300 -> 384 padd
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import checkpoint_folder
+from conftest import checkpoint_folder, run_training
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from paraloom import comm, launch
+from paraloom import comm
 from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.mesh import ParallelMesh
@@ -228,11 +227,6 @@ def test_unsupported_llama_configs_are_refused(hf):
 
 
 # ---------------------------------------------------------------- --arch llama training
-def _rank(rank, world, cfg, t0):
-    from paraloom.training.loop import run_rank
-    run_rank(cfg, t0)
-
-
 def _train(path, *, tp=1, pp=1, dp=1, sp=False, vpp=None, zero=False, attention="core"):
     model = replace(LLAMA, vocab_size=256, num_layers=4, attention=attention,
                     ffn_hidden_size=None)
@@ -242,8 +236,7 @@ def _train(path, *, tp=1, pp=1, dp=1, sp=False, vpp=None, zero=False, attention=
                       global_batch_size=8, micro_batch_size=1, steps=3, warmup_steps=1,
                       save_every=0, ledger_steps=1, timeout_s=60, schedule=schedule,
                       distributed_optimizer=zero, out=str(path))
-    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)
-    return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
+    return run_training(cfg)
 
 
 LAYOUTS = [dict(tp=2, pp=2, sp=True, vpp=2), dict(tp=2, dp=2, sp=True),

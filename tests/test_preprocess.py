@@ -18,7 +18,6 @@ import pytest
 from conftest import checkpoint_folder
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from paraloom import launch
 from paraloom.commands import main
 from paraloom.commands.train import parser as train_parser
 from paraloom.commands.train_flags import config_from_args
@@ -51,13 +50,6 @@ def bpe(tmp_path_factory, corpus_docs):
     folder = tmp_path_factory.mktemp("bpe")
     tok.save(str(folder / "tokenizer.json"))
     return folder, tok
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rank was started for input that should be refused before")
-    monkeypatch.setattr(launch, "spawn", refuse)
 
 
 def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):

@@ -3,18 +3,16 @@ a crash during a save loses nothing, NaN steps are skipped, and runs are determi
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import signal
 import sys
 import time
-from dataclasses import replace
 
 import pytest
+from conftest import layout_config, metrics
 
 from paraloom import launch
-from paraloom.commands import main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 from paraloom.data_parallel.clip_grads import GradNorm
 
@@ -25,14 +23,12 @@ BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=10)
 
 
-def _config(tmp_path, name, *, tp=1, pp=1, dp=1, **kw):
-    return BASE.replace(parallel=ParallelConfig(tp=tp, pp=pp, dp=dp),
-                   schedule="1f1b" if pp > 1 else "none", out=str(tmp_path / name), **kw)
+def _config(tmp_path, name, **layout):
+    return layout_config(BASE, tmp_path / name, **layout)
 
 
 def _metrics(cfg) -> list[dict]:
-    lines = (open(os.path.join(cfg.run.out, "metrics.jsonl")).read().splitlines())
-    return [json.loads(line) for line in lines]
+    return metrics(cfg.run.out)
 
 
 def _no_rank_left() -> bool:
@@ -81,7 +77,8 @@ def _rank(rank, world, cfg, t0, fault=None):
 
 
 def _spawn(cfg, fault=None):
-    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), fault, timeout_s=cfg.run.timeout_s)
+    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), fault,
+                 timeout_s=cfg.run.timeout_s)
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2), dict(pp=2), dict(dp=2)],
@@ -120,16 +117,6 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
 
 
-def test_resume_from_a_different_model_is_refused_before_ranks_start(tmp_path, capsys):
-    cfg = _config(tmp_path, "small", steps=1, save_every=1)
-    _spawn(cfg)
-    assert main(["train", "--resume", cfg.run.out, "--hidden", "64", "--layers", "4"]) == 2
-    err = capsys.readouterr().err
-    assert "hidden_size = 32 in the checkpoint, 64 here" in err
-    assert "seq_length" not in err  # a flag not typed is taken from the checkpoint
-    assert _no_rank_left()
-
-
 def test_same_command_twice_gives_identical_losses(tmp_path):
     runs = []
     for name in ("a", "b"):
@@ -148,84 +135,6 @@ def test_nan_steps_are_skipped_then_the_run_stops(tmp_path):
     cfg = _config(tmp_path, "always", tp=2, steps=8, max_bad_steps=3)
     with pytest.raises(RuntimeError, match="stopping at step 3: 3 consecutive steps"):
         _spawn(cfg, ("nan", 0, set(range(1, 8))))
-
-
-BAD = [
-    (["--tp", "3"], "hidden_size = 64 is not divisible by tp = 3"),
-    (["--tp", "0"], "tp must be a positive integer, got 0"),
-    (["--pp", "-1"], "pp must be a positive integer, got -1"),
-    (["--dp", "0"], "dp must be a positive integer, got 0"),
-    (["--heads", "3"], "hidden_size = 64 is not divisible by num_attention_heads = 3"),
-    (["--tp", "8", "--heads", "4", "--pp", "1", "--dp", "1"],
-     "num_attention_heads = 4 is not divisible by tp = 8"),
-    (["--layers", "5"], "--num-layers 5 is not divisible by --pp 2"),
-    (["--vpp", "3"], "--num-layers 4 is not divisible by --pp 2 * --vpp 3 = 6"),
-    (["--vpp", "2", "--layers", "8", "--global-batch-size", "12", "--micro-batch-size", "2"],
-     "(3) to be a multiple of pp = 2"),
-    (["--sequence-parallel", "--seq-len", "63"], "seq_length = 63 is not divisible by tp = 2"),
-    (["--sequence-parallel", "--async-grad-allreduce"], "cannot be combined"),
-    (["--global-batch-size", "10"], "global_batch_size = 10 is not divisible by"),
-    (["--micro-batch-size", "0"], "micro_batch_size must be a positive integer, got 0"),
-    (["--steps", "0"], "steps must be a positive integer, got 0"),
-    (["--seq-len", "0"], "seq_length must be a positive integer, got 0"),
-    (["--hidden", "0"], "hidden_size must be a positive integer, got 0"),
-    (["--vocab", "100"], "--vocab 100"),
-    (["--dropout", "1.5"], "dropout must be in [0, 1), got 1.5"),
-    (["--lr", "0"], "lr (--lr) must be a positive number, got 0.0"),
-    (["--lr", "-1"], "lr (--lr) must be a positive number, got -1.0"),
-    (["--lr", "nan"], "lr (--lr) must be a positive number, got nan"),
-    (["--min-lr", "1"], "min_lr (--min-lr) must be between 0 and lr = 0.003"),
-    (["--weight-decay", "-1"], "weight_decay (--weight-decay) must be >= 0, got -1.0"),
-    (["--bucket-size", "0"], "bucket_size (--bucket-size, elements) must be a positive integer"),
-    (["--ledger-steps", "0"], "(--ledger-steps) must be a positive number of steps or -1"),
-    (["--ledger-steps", "-5"], "(--ledger-steps) must be a positive number of steps or -1"),
-    (["--clip-grad", "nan"], "clip_grad (nan) must be >= 0"),
-    (["--out", __file__], "exists and is not a folder"),
-    (["--tp", "2", "--pp", "1", "--dp", "1", "--nprocs", "4"], "--nprocs 4 does not match"),
-    (["--schedule", "none"], "schedule none (no pipelining) needs pp = 1, got pp = 2"),
-    (["--schedule", "interleaved"],
-     "needs vpp >= 2 (--vpp, virtual stages per pipeline rank), got no vpp"),
-    (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
-    (["--resume", "/nonexistent/run"], "/nonexistent/run"),
-    (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
-    (["--timeout", "0"], "timeout_s (--timeout) must be a positive number of seconds, got 0.0"),
-    (["--timeout", "nan"], "must be a positive number of seconds, got nan"),
-]
-
-
-@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
-def test_bad_input_is_named_before_any_rank_starts(capsys, argv, message):
-    tic = time.time()
-    assert main(["train", *argv]) == 2
-    assert time.time() - tic < 10
-    err = capsys.readouterr().err
-    assert message in err, err
-    assert _no_rank_left()
-
-
-def test_unknown_flag_and_foreign_resume_folder(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["train", "--tensor-parallel", "2"])
-    assert exit_.value.code == 2
-    assert "--tensor-parallel" in capsys.readouterr().err
-    foreign = tmp_path / "checkpoints" / "step_3"
-    foreign.mkdir(parents=True)
-    (foreign / ".metadata").write_bytes(b"not ours")
-    (foreign / "meta.json").write_text(json.dumps({"step": 3}))
-    assert main(["train", "--resume", str(tmp_path)]) == 2
-    assert "is not a paraloom checkpoint" in capsys.readouterr().err
-    empty = tmp_path / "empty.txt"
-    empty.write_text("")
-    assert main(["train", "--data", str(empty)]) == 2
-    assert "is empty" in capsys.readouterr().err
-
-
-def test_moe_flags_without_experts_are_noted(capsys):
-    assert main(["train", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.5", "--tp",
-                 "0"]) == 2  # stopped by --tp 0 after the flags were read
-    err = capsys.readouterr().err
-    assert ("--moe-aux-loss-coeff, --moe-router-topk have no effect without --num-experts"
-            in err), err
 
 
 def test_ctrl_c_and_a_closed_pipe_end_without_a_traceback(monkeypatch, capsys):

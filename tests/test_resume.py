@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import assert_same_metrics, checkpoint_folder, layout_config, run_training
 
-from paraloom import launch
 from paraloom.commands import main
 from paraloom.commands.flags import given
 from paraloom.commands.train import parser
@@ -158,18 +158,10 @@ BASE = TrainConfig().replace(model=MODEL, parallel=ParallelConfig(tp=2), global_
                    timeout_s=30, schedule="none")
 
 
-def _rank(rank, world, cfg, t0):
-    from paraloom.training.loop import run_rank
-    run_rank(cfg, t0)
-
-
 def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
-    straight = BASE.replace(out=str(tmp_path / "straight"))
-    launch.spawn(_rank, 2, straight, time.time(), timeout_s=30)
+    want = run_training(BASE.replace(out=str(tmp_path / "straight")))[3:]
     step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
-    resumed = BASE.replace(out=str(tmp_path / "resumed"), resume=step3)
-    launch.spawn(_rank, 2, resumed, time.time(), timeout_s=30)
-    want, got = _metrics(straight.run.out)[3:], _metrics(resumed.run.out)
+    got = run_training(BASE.replace(out=str(tmp_path / "resumed"), resume=step3))
     assert [m["step"] for m in got] == [3, 4, 5]
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
@@ -224,3 +216,71 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
     except (OSError, IndexError):
         return b"Z"
+
+
+SHAPE = ModelConfig(vocab_size=256, hidden_size=32, num_layers=8, num_attention_heads=4,
+                    seq_length=16)
+LAYOUTS = TrainConfig().replace(parallel=ParallelConfig(), model=SHAPE, global_batch_size=8,
+                                micro_batch_size=1, steps=5, lr=3e-3, warmup_steps=1,
+                                save_every=0, ledger_steps=1, timeout_s=60)
+
+
+def _train(tmp_path, name, **layout) -> list[dict]:
+    return run_training(layout_config(LAYOUTS, tmp_path / name, **layout))
+
+
+def test_resume_continues_exactly_and_reshards(tmp_path):
+    """Same layout: bitwise; another (dp, tp, ZeRO-1): the same losses to float tolerance."""
+    # the straight run saves at step 3 on its way; resuming from that checkpoint must replay 3..5
+    straight = _train(tmp_path, "straight", tp=2, pp=2, steps=6, save_every=3)
+    step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
+    resumed = _train(tmp_path, "second", tp=2, pp=2, steps=6, resume=step3)
+    assert [m["step"] for m in resumed] == [3, 4, 5]
+    for a, b in zip(resumed, straight[3:], strict=True):  # same layout: bitwise on fp32 CPU
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    for layout in (dict(dp=2), dict(tp=4), dict(dp=2, distributed_optimizer=True)):
+        name = "re-" + "-".join(f"{k}{v}" for k, v in layout.items())
+        other = _train(tmp_path, name, steps=6, resume=step3, **layout)
+        assert_same_metrics(other, straight[3:])
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_resume_of_a_missing_path_or_an_empty_folder_is_told_apart(tmp_path, capsys, no_ranks,
+                                                                   command):
+    missing, empty = tmp_path / "nope", tmp_path / "empty"
+    empty.mkdir()
+    assert main([command, "--resume", str(missing)]) == 2
+    assert f"--resume {str(missing)!r} does not exist" in capsys.readouterr().err
+    assert main([command, "--resume", str(empty)]) == 2
+    assert f"--resume {str(empty)!r}: no complete paraloom checkpoint there" in (
+        capsys.readouterr().err)
+
+
+def test_resume_from_a_different_model_is_refused_before_ranks_start(tmp_path, capsys,
+                                                                    no_ranks):
+    cfg = layout_config(BASE, tmp_path / "small", steps=1, save_every=1)
+    checkpoint_folder(cfg.run.out, cfg)  # what is compared before ranks start: its settings
+    assert main(["train", "--resume", cfg.run.out, "--hidden", "64", "--layers", "4",
+                 "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "hidden_size = 32 in the checkpoint, 64 here" in err
+    assert "seq_length" not in err  # a flag not typed is taken from the checkpoint
+
+
+@pytest.mark.parametrize("saved, now, same", [
+    (dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2), True),
+    (dict(tp=2, pp=2, dp=2), dict(tp=2, pp=2, dp=2, vpp=1), True),  # vpp 1 is no vpp
+    (dict(pp=2, dp=2, vpp=2), dict(pp=2, dp=2), False),      # another virtual-stage split
+    (dict(dp=4, ep=2), dict(dp=4, ep=4), False),             # another expert split
+    (dict(dp=2, cp=2), dict(dp=4), False),
+])
+def test_same_layout_means_every_split_a_rank_holds(saved, now, same):
+    """A rank restores its own RNG streams only when it holds the same part of the model: tp,
+    cp, ep, dp, pp and the virtual stages all alike."""
+    from paraloom.training.resume import same_layout
+    moe = ModelConfig(vocab_size=256, hidden_size=32, num_layers=4, num_attention_heads=4,
+                      seq_length=16, num_experts=4)
+    def cfg(parallel):
+        return TrainConfig().replace(model=moe, parallel=ParallelConfig(**parallel),
+                                     global_batch_size=16, micro_batch_size=1, schedule=None)
+    assert same_layout({"config": cfg(saved).to_dict()}, cfg(now)) is same

@@ -7,11 +7,11 @@ training loop; the per-step losses and gradient norms in metrics.jsonl are compa
 from __future__ import annotations
 
 import json
-import time
+import math
 
 import pytest
+from conftest import assert_same_metrics, layout_config, run_training
 
-from paraloom import launch
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=8, num_attention_heads=4,
@@ -21,26 +21,8 @@ BASE = TrainConfig().replace(parallel=ParallelConfig(), model=MODEL,
                    warmup_steps=1, save_every=0, ledger_steps=1, timeout_s=60)
 
 
-def _rank(rank, world, cfg, t0):
-    from paraloom.training.loop import run_rank
-    run_rank(cfg, t0)
-
-
-def train(tmp_path, name, *, tp=1, pp=1, dp=1, sp=False, vpp=None, cp=1, **kw) -> list[dict]:
-    schedule = "interleaved" if vpp else ("1f1b" if pp > 1 else "none")
-    cfg = BASE.replace(parallel=ParallelConfig(tp=tp, pp=pp, dp=dp, vpp=vpp, cp=cp,
-                                                sequence_parallel=sp),
-                  schedule=schedule, out=str(tmp_path / name), **kw)
-    launch.spawn(_rank, cfg.parallel.world_size, cfg, time.time(), timeout_s=60)
-    lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
-
-
-def _assert_same(got, want, rtol=1e-5):
-    assert [m["step"] for m in got] == [m["step"] for m in want]
-    for a, b in zip(got, want, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=rtol), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rtol), (a, b)
+def train(tmp_path, name, **layout) -> list[dict]:
+    return run_training(layout_config(BASE, tmp_path / name, **layout))
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +41,8 @@ def reference(tmp_path_factory):
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_every_layout_trains_the_same_model(tmp_path, reference, layout):
     got = train(tmp_path, "run", **layout)
-    _assert_same(got, reference)
+    assert_same_metrics(got, reference)
     assert got[-1]["loss"] < got[0]["loss"]  # and it learns
-
-
-def test_resume_continues_exactly(tmp_path):
-    # the straight run saves at step 3 on its way; resuming from that checkpoint must replay 3..5
-    straight = train(tmp_path, "straight", tp=2, pp=2, steps=6, save_every=3)
-    step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
-    resumed = train(tmp_path, "second", tp=2, pp=2, steps=6, resume=step3)
-    assert [m["step"] for m in resumed] == [3, 4, 5]
-    for a, b in zip(resumed, straight[3:], strict=True):  # same layout: bitwise on fp32 CPU
-        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
-    for layout in (dict(dp=2), dict(tp=4), dict(dp=2, distributed_optimizer=True)):
-        name = "re-" + "-".join(f"{k}{v}" for k, v in layout.items())
-        other = train(tmp_path, name, steps=6, resume=step3, **layout)
-        _assert_same(other, straight[3:])
 
 
 def test_eval_gives_the_same_loss_under_any_layout(tmp_path, capfd):
@@ -90,3 +58,16 @@ def test_eval_gives_the_same_loss_under_any_layout(tmp_path, capfd):
     for r in results[1:]:
         assert r["loss"] == pytest.approx(results[0]["loss"], rel=1e-5)
     assert main(["eval", "--resume", str(tmp_path / "nowhere")]) == 2
+
+
+def test_learning_rate_warms_up_linearly_then_decays_to_min_lr_on_the_last_step():
+    from paraloom.training.lr_schedule import learning_rate
+    lr = [learning_rate(s, lr=1.0, min_lr=0.1, warmup_steps=4, total_steps=20) for s in range(20)]
+    assert lr[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # (step + 1) / warmup
+    assert lr[4] == pytest.approx(1.0)  # the cosine starts at the peak
+    assert lr[19] == pytest.approx(0.1)  # and ends at min_lr on the last step
+    assert lr[4 + 15 // 2] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 7 / 15)))
+    assert all(a > b for a, b in zip(lr[4:], lr[5:], strict=False))  # strictly decreasing
+    assert learning_rate(0, lr=1.0, min_lr=0.0, warmup_steps=0, total_steps=1) == 1.0
+    assert learning_rate(50, lr=1.0, min_lr=0.2, warmup_steps=2, total_steps=10) == \
+        pytest.approx(0.2)  # past the schedule: min_lr

@@ -28,13 +28,15 @@ H, FFN, V = 16, 64, 32
 class Net(nn.Module):
     """Column -> GeLU -> Row, and an output layer tied to an embedding table."""
 
-    def __init__(self, mesh, fusion: bool = False) -> None:
+    def __init__(self, mesh, fusion: bool = False, own_backward: bool = False) -> None:
         super().__init__()
         self.emb = nn.Parameter(torch.randn(V, H) * 0.2)
         self.fc1 = ColumnParallelLinear(H, FFN, mesh=mesh, name="fc1",
-                                        gradient_accumulation_fusion=fusion)
+                                        gradient_accumulation_fusion=fusion,
+                                        own_backward=own_backward)
         self.fc2 = RowParallelLinear(FFN, H, input_is_parallel=True, mesh=mesh, name="fc2",
-                                     gradient_accumulation_fusion=fusion)
+                                     gradient_accumulation_fusion=fusion,
+                                     own_backward=own_backward)
 
     def forward(self, ids):  # [s, b]
         x = F.embedding(ids, self.emb)  # [s, b, h]
@@ -128,20 +130,24 @@ def test_without_a_wrapper_the_gradient_stays_in_grad():
 
 
 def test_a_zero_bubble_forward_builds_a_splittable_backward_at_tp1():
-    """At tp = 1 the layers use F.linear, unless the backward may be split: inside a
-    zero-bubble schedule's forward the weight gradient must wait for the W step."""
-    from paraloom.tensor_parallel.weight_grad import defer_weight_grads, need_layer_function
+    """At tp = 1 the layers use F.linear, unless the backward may be split: a layer built for a
+    zero-bubble schedule (``own_backward``) makes its weight gradient wait for the W step."""
+    from paraloom.tensor_parallel.weight_grad import defer_weight_grads
 
     torch.manual_seed(0)
-    model = Net(ParallelMesh())
+    model = Net(ParallelMesh(), own_backward=True)
     x = _ids(0)
-    with need_layer_function():
-        loss = model(x)
+    loss = model(x)
     with defer_weight_grads() as run_w:
         loss.backward()
     assert model.fc1.weight.grad is None and model.fc2.weight.grad is None  # deferred
     assert model.fc1.bias.grad is not None  # computed in B
     run_w()
+    plain = Net(ParallelMesh())  # without own_backward: F.linear, nothing deferred
+    plain.load_state_dict(model.state_dict())
+    with defer_weight_grads():
+        plain(x).backward()
+    assert plain.fc1.weight.grad is not None
     ref = Net(ParallelMesh())
     ref.load_state_dict(model.state_dict())
     ref(x).backward()  # the plain path (F.linear)

@@ -138,7 +138,7 @@ class MLP(nn.Module):
 
 def _common(mesh: ParallelMesh, opt: ParallelOptions) -> dict:
     return dict(mesh=mesh, gradient_accumulation_fusion=opt.gradient_accumulation_fusion,
-                params_dtype=opt.params_dtype)
+                own_backward=opt.own_backward, params_dtype=opt.params_dtype)
 
 
 def _dropout(x, p: float, training: bool, split: bool):

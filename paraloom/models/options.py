@@ -30,6 +30,9 @@ class ParallelOptions:
     """Weight gradients go straight into fp32 ``main_grad``."""
     recompute: str = "none"
     """``none``, ``selective`` (core attention) or ``full`` (per layer)."""
+    split_backward: bool = False
+    """A zero-bubble schedule splits each backward into B (input gradients) and W (weight
+    gradients): the layers keep their own backward even at tp = 1."""
     seed: int = 1234
     """The counter-based initializer's seed."""
     params_dtype: torch.dtype = torch.float32
@@ -39,6 +42,11 @@ class ParallelOptions:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
 
+    @property
+    def own_backward(self) -> bool:
+        """Whether the layers need their own backward at tp = 1: it is split or re-run."""
+        return self.split_backward or self.recompute != "none"
+
     @classmethod
     def of(cls, cfg: TrainConfig) -> ParallelOptions:
         """The options of a training run."""
@@ -46,5 +54,6 @@ class ParallelOptions:
         return cls(sequence_parallel=p.sequence_parallel,
                    async_grad_allreduce=p.uses_async_grad_allreduce,
                    gradient_accumulation_fusion=p.gradient_accumulation_fusion,
-                   recompute=cfg.recompute, seed=cfg.seed,
+                   recompute=cfg.recompute, split_backward=cfg.schedule == "zb-h1",
+                   seed=cfg.seed,
                    params_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32)

@@ -43,7 +43,7 @@ import torch
 from .. import ledger as _ledger
 from ..device import get_device
 from ..mesh import ParallelMesh
-from ..tensor_parallel.weight_grad import defer_weight_grads, need_layer_function
+from ..tensor_parallel.weight_grad import defer_weight_grads
 from . import p2p
 from .timetable import bubble_fraction, p2p_plan, stage_order, timetable, validate  # noqa: F401
 
@@ -164,9 +164,8 @@ def _execute(schedule, forward_step_func, data_iterators, chunks, num_microbatch
         kind, mb, c = step
         vs = c * p + rank
         span = dict(stage=rank, chunk=c, module=f"chunk{c}")
-        if kind == "F":  # under ZB-H1 the layers build graphs whose backward can be split
-            with (_at(mb), _ledger.span("pipeline.forward", phase="forward", **span),
-                  need_layer_function() if split else nullcontext()):
+        if kind == "F":  # under ZB-H1 the layers (built with own_backward) can split backward
+            with _at(mb), _ledger.span("pipeline.forward", phase="forward", **span):
                 inp = received.pop(("act", mb, vs - 1)) if vs > 0 else None  # [s, b, h]
                 chunks[c].set_input_tensor(inp)
                 out, loss_func = forward_step_func(data_iterators[c], chunks[c])

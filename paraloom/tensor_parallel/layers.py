@@ -55,6 +55,9 @@ class ColumnParallelLinear(nn.Module):
         async_grad_allreduce: launch the input-gradient all-reduce before the wgrad GEMM and wait
             after it. Not with ``sequence_parallel``.
         gradient_accumulation_fusion: accumulate the weight gradient in fp32 ``weight.main_grad``.
+        own_backward: use the layer's own autograd function also at tp = 1, where it would use
+            ``F.linear``: for a model whose backward a zero-bubble schedule splits into B and W,
+            or that recomputation re-runs (see :func:`.linear.local_linear`).
         skip_bias_add: return the bias instead of adding it.
         init_method: ``(name, global_shape, ranges, dtype=, device=) -> Tensor``; bias starts at 0.
         mesh: the layout (default: the one from ``initialize_model_parallel``, else 1 rank).
@@ -65,9 +68,9 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
                  async_grad_allreduce: bool = False, gradient_accumulation_fusion: bool = False,
-                 skip_bias_add: bool = False, init_method=None, mesh: ParallelMesh | None = None,
-                 name: str = "column", params_dtype: torch.dtype = torch.float32,
-                 device=None) -> None:
+                 own_backward: bool = False, skip_bias_add: bool = False, init_method=None,
+                 mesh: ParallelMesh | None = None, name: str = "column",
+                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
         super().__init__()
         if sequence_parallel and async_grad_allreduce:
             raise ValueError("ColumnParallelLinear: sequence_parallel=True with "
@@ -83,6 +86,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.async_grad_allreduce = async_grad_allreduce and tp.size > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.own_backward = own_backward
         self.skip_bias_add = skip_bias_add
         init_method = init_method or CounterInit()
         self.weight = shard_param(init_method, f"{name}.weight", (output_size, input_size), 0,
@@ -103,7 +107,8 @@ class ColumnParallelLinear(nn.Module):
         w, tp = self._where, self.mesh.tp.size
         bias = None if self.skip_bias_add else self.bias
         if tp == 1:
-            out = local_linear(x, self.weight, bias, self.gradient_accumulation_fusion)
+            out = local_linear(x, self.weight, bias, self.gradient_accumulation_fusion,
+                               self.own_backward)
             return out, (self.bias if self.skip_bias_add else None)
         if not (self.async_grad_allreduce or self.sequence_parallel):
             x = copy_to_tensor_model_parallel_region(x, w.axis, site=w.site, module=w.module,
@@ -133,15 +138,16 @@ class RowParallelLinear(nn.Module):
             instead of all-reducing it. Needs ``input_is_parallel``. The bias is then replicated
             and marked ``sequence_parallel`` (its gradient is all-reduced over tp when grads are
             finalised).
-        bias, gradient_accumulation_fusion, skip_bias_add, init_method, mesh, name: as for
-            :class:`ColumnParallelLinear`. The bias is added after the reduction.
+        bias, gradient_accumulation_fusion, own_backward, skip_bias_add, init_method, mesh,
+            name: as for :class:`ColumnParallelLinear`. The bias is added after the reduction.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  input_is_parallel: bool = False, sequence_parallel: bool = False,
-                 gradient_accumulation_fusion: bool = False, skip_bias_add: bool = False,
-                 init_method=None, mesh: ParallelMesh | None = None, name: str = "row",
-                 params_dtype: torch.dtype = torch.float32, device=None) -> None:
+                 gradient_accumulation_fusion: bool = False, own_backward: bool = False,
+                 skip_bias_add: bool = False, init_method=None, mesh: ParallelMesh | None = None,
+                 name: str = "row", params_dtype: torch.dtype = torch.float32,
+                 device=None) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError(
@@ -152,6 +158,7 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = divide(input_size, tp.size, f"{name}: input_size")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.own_backward = own_backward
         self.skip_bias_add = skip_bias_add
         init_method = init_method or CounterInit()
         self.weight = shard_param(init_method, f"{name}.weight", (output_size, input_size), 1,
@@ -171,7 +178,8 @@ class RowParallelLinear(nn.Module):
         w = self._where
         if self.mesh.tp.size == 1:  # nothing to reduce: the bias goes into the GEMM (addmm)
             bias = None if self.skip_bias_add else self.bias
-            out = local_linear(x, self.weight, bias, self.gradient_accumulation_fusion)
+            out = local_linear(x, self.weight, bias, self.gradient_accumulation_fusion,
+                               self.own_backward)
             return out, self.bias if self.skip_bias_add else None
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x, w.axis, site=w.site, tag="input",

@@ -3,9 +3,10 @@ placed for overlap (:class:`LinearWithGradAccumulationAndAsyncCommunication`), a
 the layers share: the default mesh, Megatron's parameter attributes, shard-local parameters.
 
 At tp = 1 (:func:`local_linear`) the layers use ``F.linear`` unless something needs the
-function's own backward: gradient-accumulation fusion (the GEMM into ``main_grad``), a forward
-whose backward is split or re-run (:func:`.weight_grad.need_layer_function`, which zero-bubble
-schedules and recomputation open), or an active ledger (its fprop/dgrad/wgrad spans).
+function's own backward, which the layer knows from how it was built or from the ledger:
+gradient-accumulation fusion (the GEMM into ``main_grad``), ``own_backward`` (a model whose
+backward a zero-bubble schedule splits or recomputation re-runs), or an active ledger (its
+fprop/dgrad/wgrad spans).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from .. import ledger as _ledger
 from ..mesh import ParallelMesh
 from ..parallel_state import get_mesh, model_parallel_is_initialized
 from .init import shard_range
-from .weight_grad import defer, is_deferring, layer_function_needed, weight_grad
+from .weight_grad import defer, is_deferring, weight_grad
 
 __all__ = ["LinearWithGradAccumulationAndAsyncCommunication",
            "linear_with_grad_accumulation_and_async_allreduce", "local_linear",
@@ -130,14 +131,17 @@ def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, wher
         gradient_accumulation_fusion)
 
 
-def local_linear(x, weight, bias, fusion: bool):
+def local_linear(x, weight, bias, fusion: bool, own_backward: bool):
     """A linear layer at tp = 1. The autograd function above is needed only for what it adds
-    there -- the ledger's fprop/dgrad/wgrad spans while recording, the GEMM into ``main_grad``
-    (fusion), the split backward of a zero-bubble ``B`` step, a whole re-run under recomputation
-    (:func:`.weight_grad.need_layer_function`); otherwise ``F.linear``, whose
-    backward runs in C++ and computes the same GEMMs (bitwise the same gradients), saves the
-    Python function's ~30-50 us a call (1-3 % of a one-rank step, ``benchmarks/single.py``)."""
-    if fusion or layer_function_needed() or _ledger.active() is not None:  # the three reasons
+    there: the GEMM into ``main_grad`` (``fusion``), the split backward of a zero-bubble ``B``
+    step or a whole re-run under recomputation (``own_backward``: torch's non-reentrant
+    checkpoint stops re-running a layer once its saved tensors are back, so with ``F.linear``
+    the last GEMM of a layer would not be recomputed; the formulas, like Megatron, count a whole
+    re-run), and the ledger's fprop/dgrad/wgrad spans while recording. Otherwise ``F.linear``,
+    whose backward runs in C++ and computes the same GEMMs (bitwise the same gradients), saves
+    the Python function's ~30-50 us a call (1-3 % of a one-rank step, ``benchmarks/single.py``).
+    """
+    if fusion or own_backward or _ledger.active() is not None:
         return linear_with_grad_accumulation_and_async_allreduce(x, weight, bias, None, False,
                                                                  False, fusion)
     return F.linear(x, weight, bias)

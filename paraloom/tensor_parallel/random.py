@@ -17,7 +17,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .. import ledger as _ledger
 from ..device import get_rng_state, set_rng_state
-from .weight_grad import need_layer_function
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "reseed_for_step",
            "tensor_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG", "rng_state_dict",
@@ -138,8 +137,7 @@ def checkpoint(function, *args):
     def run(*inputs):
         calls[0] += 1
         if calls[0] == 1:
-            with need_layer_function():  # both runs the same layers (see weight_grad.py)
-                return function(*inputs)
+            return function(*inputs)
         current = tracker.states
         tracker.states = {name: state.clone() for name, state in saved.items()}
         led = _ledger.active()
@@ -147,8 +145,7 @@ def checkpoint(function, *args):
         if led:
             led.recompute = True
         try:
-            with need_layer_function():
-                return function(*inputs)
+            return function(*inputs)
         finally:
             tracker.states = current
             if led:

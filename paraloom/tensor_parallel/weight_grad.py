@@ -41,7 +41,7 @@ from torch import nn
 from .. import ledger as _ledger
 
 __all__ = ["weight_grad", "hooks_fire_without_grad", "defer_weight_grads", "is_deferring",
-           "defer", "layer_function_needed", "need_layer_function"]
+           "defer"]
 
 
 class _NoWeightGrad(torch.autograd.Function):
@@ -123,34 +123,14 @@ def _mixed_gemm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-_DEFERRED: list | None = None  # where B steps queue their wgrad GEMMs (one backward at a time)
-_NEEDED = 0  # > 0 while forwards must build the layers' own autograd function (see below)
+_DEFERRED: list | None = None
+"""Where a zero-bubble ``B`` step queues its wgrad GEMMs (one backward at a time): the deferral
+itself, opened and closed by :func:`defer_weight_grads` around the schedule's B step."""
 
 
 def is_deferring() -> bool:
     """Whether a zero-bubble ``B`` step is running (weight gradients are queued)."""
     return _DEFERRED is not None
-
-
-def layer_function_needed() -> bool:
-    """Whether a parallel linear at tp = 1 must use its own autograd function rather than
-    ``F.linear``: inside :func:`need_layer_function` or a ``B`` step."""
-    return _NEEDED > 0 or _DEFERRED is not None
-
-
-@contextmanager
-def need_layer_function():
-    """Forwards inside build the layers' own autograd function even at tp = 1, where they would
-    use ``F.linear``: a zero-bubble schedule's forwards (their backward is split into B and W,
-    which ``F.linear``'s is not) and activation recomputation (torch's non-reentrant checkpoint
-    stops re-running a layer once its saved tensors are back, so with ``F.linear`` the last GEMM
-    of a layer would not be recomputed; the formulas, like Megatron, count a whole re-run)."""
-    global _NEEDED
-    _NEEDED += 1
-    try:
-        yield
-    finally:
-        _NEEDED -= 1
 
 
 def defer(param: nn.Parameter, go: torch.Tensor, x: torch.Tensor, fusion: bool, name: str,

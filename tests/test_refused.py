@@ -1,31 +1,28 @@
-"""Data and layout problems are found before any rank starts: exit 2, the file and the numbers.
+"""Bad input to ``paraloom train`` and ``eval`` is refused before any rank starts: exit 2 and one
+line naming the value (the flag, the file, the numbers) and what would be valid.
 
-``launch.spawn`` is replaced by a function that fails the test, so "before any rank starts" is
-checked, not assumed. The one case that must run (``eval --split all`` on a file of exactly
-``seq_len + 1`` bytes: one window) is compared with ``transformers`` on that window.
+The ``no_ranks`` fixture replaces ``launch.spawn`` with a function that fails the test, so
+"before any rank starts" is checked, not assumed. Refusals of other commands live with them
+(``record``, ``diff``, ``explain``, ``plan``). The one case that must run (``eval --split all``
+on a file of exactly ``seq_len + 1`` bytes: one window) is compared with ``transformers`` on
+that window.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
+import time
 
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from paraloom import launch
 from paraloom.commands import main
 from paraloom.data import Corpus, check_data, eval_batches, load_corpus, min_bytes
 
 SEQ = 64
-
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a rank was started for input that should be refused before")
-    monkeypatch.setattr(launch, "spawn", refuse)
 
 
 @pytest.fixture(scope="module")
@@ -146,18 +143,6 @@ def test_binary_data_is_noted_not_refused(tmp_path):
     assert len(notes) == 1 and "not UTF-8 text (byte 300 is 0xff)" in notes[0]
 
 
-@pytest.mark.parametrize("command", ["train", "eval"])
-def test_resume_of_a_missing_path_or_an_empty_folder_is_told_apart(tmp_path, capsys, no_ranks,
-                                                                   command):
-    missing, empty = tmp_path / "nope", tmp_path / "empty"
-    empty.mkdir()
-    assert main([command, "--resume", str(missing)]) == 2
-    assert f"--resume {str(missing)!r} does not exist" in capsys.readouterr().err
-    assert main([command, "--resume", str(empty)]) == 2
-    assert f"--resume {str(empty)!r}: no complete paraloom checkpoint there" in (
-        capsys.readouterr().err)
-
-
 def test_eval_resume_scores_the_runs_own_data_from_any_folder(tmp_path, capfd, monkeypatch):
     """A run trained on ``--data notes.txt`` (a relative path) stores the absolute path, and
     ``eval --resume RUN`` from another folder scores that file, not the bundled corpus."""
@@ -186,3 +171,121 @@ def test_eval_resume_scores_the_runs_own_data_from_any_folder(tmp_path, capfd, m
     explicit, _ = loss("--data", str(home / "notes.txt"))
     assert implicit == explicit
     assert implicit["windows"] < 10  # the file's held-out 5 %, not the bundled corpus's
+
+
+BAD = [
+    (["--tp", "3"], "hidden_size = 64 is not divisible by tp = 3"),
+    (["--tp", "0"], "tp must be a positive integer, got 0"),
+    (["--pp", "-1"], "pp must be a positive integer, got -1"),
+    (["--dp", "0"], "dp must be a positive integer, got 0"),
+    (["--heads", "3"], "hidden_size = 64 is not divisible by num_attention_heads = 3"),
+    (["--tp", "8", "--heads", "4", "--pp", "1", "--dp", "1"],
+     "num_attention_heads = 4 is not divisible by tp = 8"),
+    (["--layers", "5"], "--num-layers 5 is not divisible by --pp 2"),
+    (["--vpp", "3"], "--num-layers 4 is not divisible by --pp 2 * --vpp 3 = 6"),
+    (["--vpp", "2", "--layers", "8", "--global-batch-size", "12", "--micro-batch-size", "2"],
+     "(3) to be a multiple of pp = 2"),
+    (["--sequence-parallel", "--seq-len", "63"], "seq_length = 63 is not divisible by tp = 2"),
+    (["--sequence-parallel", "--async-grad-allreduce"], "cannot be combined"),
+    (["--global-batch-size", "10"], "global_batch_size = 10 is not divisible by"),
+    (["--micro-batch-size", "0"], "micro_batch_size must be a positive integer, got 0"),
+    (["--steps", "0"], "steps must be a positive integer, got 0"),
+    (["--seq-len", "0"], "seq_length must be a positive integer, got 0"),
+    (["--hidden", "0"], "hidden_size must be a positive integer, got 0"),
+    (["--vocab", "100"], "--vocab 100"),
+    (["--dropout", "1.5"], "dropout must be in [0, 1), got 1.5"),
+    (["--lr", "0"], "lr (--lr) must be a positive number, got 0.0"),
+    (["--lr", "-1"], "lr (--lr) must be a positive number, got -1.0"),
+    (["--lr", "nan"], "lr (--lr) must be a positive number, got nan"),
+    (["--min-lr", "1"], "min_lr (--min-lr) must be between 0 and lr = 0.003"),
+    (["--weight-decay", "-1"], "weight_decay (--weight-decay) must be >= 0, got -1.0"),
+    (["--bucket-size", "0"], "bucket_size (--bucket-size, elements) must be a positive integer"),
+    (["--ledger-steps", "0"], "(--ledger-steps) must be a positive number of steps or -1"),
+    (["--ledger-steps", "-5"], "(--ledger-steps) must be a positive number of steps or -1"),
+    (["--clip-grad", "nan"], "clip_grad (nan) must be >= 0"),
+    (["--out", __file__], "exists and is not a folder"),
+    (["--tp", "2", "--pp", "1", "--dp", "1", "--nprocs", "4"], "--nprocs 4 does not match"),
+    (["--schedule", "none"], "schedule none (no pipelining) needs pp = 1, got pp = 2"),
+    (["--schedule", "interleaved"],
+     "needs vpp >= 2 (--vpp, virtual stages per pipeline rank), got no vpp"),
+    (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--resume", "/nonexistent/run"], "/nonexistent/run"),
+    (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
+    (["--timeout", "0"], "timeout_s (--timeout) must be a positive number of seconds, got 0.0"),
+    (["--timeout", "nan"], "must be a positive number of seconds, got nan"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_named_before_any_rank_starts(capsys, no_ranks, argv, message):
+    tic = time.time()
+    assert main(["train", *argv]) == 2
+    assert time.time() - tic < 10
+    err = capsys.readouterr().err
+    assert message in err, err
+
+
+def test_unknown_flag_and_foreign_resume_folder(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["train", "--tensor-parallel", "2"])
+    assert exit_.value.code == 2
+    assert "--tensor-parallel" in capsys.readouterr().err
+    foreign = tmp_path / "checkpoints" / "step_3"
+    foreign.mkdir(parents=True)
+    (foreign / ".metadata").write_bytes(b"not ours")
+    (foreign / "meta.json").write_text(json.dumps({"step": 3}))
+    assert main(["train", "--resume", str(tmp_path)]) == 2
+    assert "is not a paraloom checkpoint" in capsys.readouterr().err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--data", str(empty)]) == 2
+    assert "is empty" in capsys.readouterr().err
+
+
+def test_moe_flags_without_experts_are_noted(capsys):
+    assert main(["train", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.5", "--tp",
+                 "0"]) == 2  # stopped by --tp 0 after the flags were read
+    err = capsys.readouterr().err
+    assert ("--moe-aux-loss-coeff, --moe-router-topk have no effect without --num-experts"
+            in err), err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--dp", "4", "--ep", "4", "--num-experts", "6"],
+     "num_experts = 6 is not divisible by ep = 4"),
+    (["--num-experts", "4", "--moe-router-topk", "5"],
+     "moe_router_topk = 5 is larger than num_experts = 4"),
+    (["--dp", "2", "--ep", "4", "--num-experts", "4"], r"ep = 4 does not divide dp \* cp = 2"),
+    (["--dp", "2", "--ep", "2"], "ep = 2 needs an MoE model"),
+])
+def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flags, message):
+    out = tmp_path / "bad"
+    code = main(["train", "--tp", "1", "--pp", "1", "--dp", "1", "--out", str(out), *flags])
+    assert code == 2
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "3", "--seq-len", "16"],
+     r"seq_length = 16 is not divisible by 2 \* cp = 6"),
+    (["train", "--tp", "1", "--pp", "1", "--dp", "2", "--cp", "4", "--nprocs", "6"],
+     r"--cp 4 does not divide the world of 6 ranks \(--nprocs\)"),
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "0"],
+     r"cp must be a positive integer, got 0"),
+    (["plan", "--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "10",
+      "--global-batch-size", "1", "--micro-batch-size", "1", "--cp", "2"],
+     r"--seq-len 10 is not divisible by 2 \* --cp = 4"),
+])
+def test_bad_cp_input_exits_2_before_ranks_start(capsys, no_ranks, argv, message):
+    assert main(argv) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_zb_h1_refusals(capsys, no_ranks):
+    def run(*flags):
+        return main(["train", *flags])
+    assert run("--schedule", "zb-h1", "--pp", "2", "--vpp", "2", "--nprocs", "4") == 2
+    assert "vpp = 2 needs schedule interleaved, got 'zb-h1'" in capsys.readouterr().err
+    assert run("--schedule", "zb-h1", "--pp", "1", "--nprocs", "1") == 2
+    assert "schedule zb-h1 (zero bubble) needs pp >= 2, got pp = 1" in capsys.readouterr().err
