@@ -29,8 +29,9 @@ from _megatron_source import megatron_file
 
 from paraloom.commands import main
 from paraloom.explain import explain
-from paraloom.explain.run import annotate, render_run
+from paraloom.explain.run import annotate
 from paraloom.ledger import load
+from paraloom.report.explain_text import render_run
 
 ROOT = Path(__file__).resolve().parents[1]
 S, B, H = 8, 2, 16
