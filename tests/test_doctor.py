@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from paraloom.explain import explain_main
-from paraloom.explain.doctor import diagnose, doctor_main
-from paraloom.explain.llm import ProviderError, complete, load_provider
+from paraloom.commands.doctor import main as doctor_main
+from paraloom.commands.explain import main as explain_main
+from paraloom.llm import ProviderError, complete, diagnose, load_provider
 
 KEY = "sk-gateway-secret-42"
 MODELS = ["alpha-7b", "beta-13b", "gamma-70b"]

@@ -10,7 +10,8 @@ import re
 import pytest
 from _megatron_source import megatron_file
 
-from paraloom.explain import explain, explain_main
+from paraloom.commands.explain import main as explain_main
+from paraloom.explain import explain
 from paraloom.explain.rules import UNKNOWN
 
 
@@ -198,7 +199,7 @@ def test_snippets_with_missing_context():
     [s] = f["sites"]
     assert (s["line"], s["op"], s["phase"]) == (6, "all_reduce", UNKNOWN)
     assert s["async"].startswith(UNKNOWN) and "async_op=flag" in s["async"]
-    # issue 19: a group expression that names no parallel type gives kind "group"
+    # a group expression that names no parallel type gives kind "group"
     assert s["kind"] == "group" and s["condition"] == "not (self.world_size == 1)"
     assert [a["text"] for a in f["answers"].values()][:2] == [UNKNOWN, UNKNOWN]
     assert f["answers"]["sp_forbids_async"]["text"] == UNKNOWN

@@ -1,15 +1,20 @@
-"""paraloom explain on the minimal patterns of issue 19 that other projects' parallel code uses:
+"""paraloom explain on the minimal patterns that other projects' parallel code uses:
 calls into other modules, line ranges, functional collectives / DTensor / symmetric memory,
 P2POp spellings, nested autograd Functions, and the smaller fact readers. No process starts."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from paraloom.explain import explain, explain_main
+from paraloom.commands.explain import main as explain_main
+from paraloom.explain import explain
 from paraloom.explain.rules import UNKNOWN
 
 
@@ -273,3 +278,41 @@ def test_parameter_weights_tuple_world_size_and_wording():
     full = ws["self.norm_weight"]
     assert full["partition_dim"] is None and "per-partition size in the shape" not in \
         full["basis"].replace("no per-partition", "")
+
+
+ALIASED = '''\
+import torch.distributed as dist
+
+
+class Comm:
+    def _batched(self, t, group):
+        if group is not None:
+            dist.all_reduce(t, group=group)
+
+    def _plain(self, t, group):
+        if t.numel() > 0:
+            dist.all_reduce(t, group=group)
+
+    def run(self, t, group, batched):
+        if batched:
+            func = self._batched
+        else:
+            func = self._plain
+        func(t, group)
+'''
+
+
+def test_a_name_bound_to_two_helpers_reads_the_same_in_every_process(tmp_path):
+    """The helpers a name may be bound to are a set; the site they merge into (one per op, no
+    guard) must not depend on the process's string hashing."""
+    src = tmp_path / "aliased.py"
+    src.write_text(ALIASED)
+    outs = set()
+    for seed in ("0", "3", "5"):  # seeds that order this set differently
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        done = subprocess.run([sys.executable, "-m", "paraloom", "explain", str(src), "--json"],
+                              env=env, capture_output=True, text=True, timeout=120, check=True)
+        outs.add(json.dumps([s for s in json.loads(done.stdout)["sites"] if s["line"] == 18]))
+    assert len(outs) == 1
+    (sites,) = outs
+    assert [s["via"] for s in json.loads(sites)] == [["Comm._plain"]]

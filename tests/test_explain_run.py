@@ -14,7 +14,8 @@ import pytest
 
 from paraloom.commands import main
 from paraloom.explain import explain
-from paraloom.explain.run import annotate, parse_site, render_run
+from paraloom.explain.run import annotate, parse_site
+from paraloom.report.explain_text import render_run
 
 SOURCE = '''\
 import torch.distributed as dist

@@ -3,15 +3,17 @@ thread) that speaks the chat-completions and responses protocols and fails on cu
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from paraloom.explain import explain_main
-from paraloom.explain.doctor import diagnose
-from paraloom.explain.llm import contradictions
+from paraloom.commands.doctor import main as doctor_main
+from paraloom.commands.explain import main as explain_main
+from paraloom.explain import contradictions
+from paraloom.llm import diagnose
 
 KEY = "sk-test-0123456789"
 SNIPPET = '''\
@@ -127,6 +129,14 @@ def test_ask_sends_snippet_and_facts_and_flags_contradictions(server, tmp_path, 
     assert KEY not in sent  # the key travels only in the Authorization header
 
 
+def test_ask_about_stdin_sends_the_code_read_once(server, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PARALOOM_TEST_KEY", KEY)
+    monkeypatch.setattr("sys.stdin", io.StringIO(SNIPPET))
+    server.answer = "The all-reduce syncs the gradient in backward."
+    assert explain_main(["--ask", "q", "-", "--config", _config(tmp_path, server.url + "/v1")]) == 0
+    assert "## Communication sites" in capsys.readouterr().out
+    assert "torch.distributed.all_reduce(grad" in json.dumps(server.seen[-1][3])
+
 def test_contradiction_check_is_grounded():
     facts = {"lines": [1, 11], "sites": [{"op": "all_reduce", "phase": "backward", "line": 10}]}
     assert contradictions("The all-reduce is in backward (line 10).", facts) == []
@@ -187,8 +197,6 @@ def test_doctor_diagnoses_each_usual_mistake(server, tmp_path, monkeypatch):
 
 def test_doctor_cli_reads_codex_home_and_never_prints_the_key(server, tmp_path, monkeypatch,
                                                               capsys):
-    from paraloom.explain import doctor_main
-
     home = tmp_path / ".codex"
     home.mkdir()
     _config(home, server.url + "/v1", model="nope")

@@ -29,7 +29,8 @@ from _megatron_source import megatron_file
 
 from paraloom.commands import main
 from paraloom.explain import explain
-from paraloom.explain.run import annotate, render_run
+from paraloom.explain.run import annotate
+from paraloom.report.explain_text import render_run
 from paraloom.run_folder import read_json_lines as load
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,101 @@
-"""``paraloom explain`` (moving here from ``paraloom.explain``)."""
+"""``paraloom explain`` and ``paraloom doctor``.
 
-from ..explain import explain_main as main
+    paraloom explain PATH[:START-END] [--json] [--lang en|zh]       # or - for stdin
+    paraloom explain --ask "QUESTION" PATH[:START-END]              # via an OpenAI-compatible model
+    paraloom explain PATH --run DIR [--rank R|all]                  # next to a recorded run
+    paraloom doctor [--config ~/.codex/config.toml]                 # diagnose the provider setup
+
+Exit codes: 0 ok, 1 the provider failed or its answer contradicts the facts (``--ask``) or
+doctor found problems, 2 bad input (the message names the value).
+
+Wiring: the facts are :func:`paraloom.explain.explain`'s, the question and the check of the
+answer :mod:`paraloom.explain.grounding`'s, the answer :func:`paraloom.llm.ask`'s, the text
+:mod:`paraloom.report.explain_text`'s. ``paraloom doctor`` is :mod:`.doctor`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .. import llm
+from ..explain import (
+    SYSTEM,
+    SourceError,
+    annotate,
+    contradictions,
+    explain,
+    load_snippet,
+    question,
+    to_json,
+)
+from ..report.explain_text import render, render_run
 
 __all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="paraloom explain", description=__doc__.splitlines()[0])
+    ap.add_argument("target", metavar="PATH[:START-END]", help="a Python file, or - for stdin")
+    ap.add_argument("--json", action="store_true", help="print the facts as JSON")
+    ap.add_argument("--lang", choices=("en", "zh"), default="en")
+    ap.add_argument("--ask", metavar="QUESTION", help="ask an OpenAI-compatible model")
+    ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
+    ap.add_argument("--run", metavar="DIR", help="a recorded run (paraloom record/train folder "
+                    "or ledger.jsonl): mark each site with what the run did there")
+    ap.add_argument("--rank", default="0", help="rank of the run to show, or 'all' (default 0)")
+    return ap
+
+
+def _rank(text: str) -> int | None:
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise SourceError(f"--rank {text!r}: expected a rank number or 'all'") from None
+
+
+def _ask(args, snippet, facts: dict) -> dict:
+    """``{"answer", "flags", "provider"}``: the model's answer, checked against the facts."""
+    got = llm.ask(SYSTEM, question(args.ask, snippet, facts, args.lang), args.config)
+    return {"answer": got["answer"], "flags": contradictions(got["answer"], facts),
+            "provider": got["provider"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        snippet = load_snippet(args.target)  # once: stdin can be read only once
+        facts = explain(snippet, args.lang)
+        if args.run:
+            facts["run"] = annotate(facts, args.run, _rank(args.rank))
+    except SourceError as err:
+        print(f"paraloom explain: error: {err}", file=sys.stderr)
+        return 2
+    if args.ask:
+        try:
+            reply = _ask(args, snippet, facts)
+        except llm.ProviderError as err:
+            print(f"paraloom explain: provider error: {err}\n(run `paraloom doctor`)",
+                  file=sys.stderr)
+            return 1
+        if reply["flags"]:
+            print(f"paraloom explain: the answer contradicts the extracted facts in "
+                  f"{len(reply['flags'])} place(s) (marked !!); exit status 1", file=sys.stderr)
+        if args.json:
+            print(json.dumps(dict(to_json(facts), ask=reply), ensure_ascii=False, indent=1))
+            return 1 if reply["flags"] else 0
+        print(reply["answer"].rstrip() + "\n")
+        for flag in reply["flags"]:
+            print(f"!! {flag}")
+        print("\n--- extracted facts, for comparison ---\n")
+    if args.json and not args.ask:
+        doc = dict(to_json(facts), **({"run": facts["run"]} if "run" in facts else {}))
+        print(json.dumps(doc, ensure_ascii=False, indent=1))
+    else:
+        sys.stdout.write(render(facts, args.lang))
+        if "run" in facts:
+            sys.stdout.write(render_run(facts, facts["run"], args.lang))
+    return 1 if args.ask and reply["flags"] else 0

@@ -1,10 +1,19 @@
-"""Reading parallel-training source code: ``paraloom explain`` and ``paraloom doctor``.
+"""Reading parallel-training source code: ``paraloom explain`` (SPEC.md "Reading source code").
 
-``static`` finds the communication sites, ``facts`` the world sizes, partitions and local
-weights, ``answers`` the checklist answers and the order table, ``llm`` / ``doctor`` the optional
-OpenAI-compatible provider (see SPEC.md "Reading source code").
+The reader never imports or runs the code. ``source`` loads the snippet, ``static`` finds the
+communication sites (with ``module``, ``resolve``, ``names``, ``calls``, ``constants``,
+``spellings`` and ``rules``), ``facts`` the world sizes, partitions and local weights,
+``answers`` the checklist answers and the order table, ``reading`` puts them together
+(:func:`explain`, :func:`to_json`), ``run`` marks the sites with what a recorded run did there,
+and ``grounding`` writes the question for ``--ask`` and checks the model's answer against the
+facts. Everything here is data; the text report is :mod:`paraloom.report.explain_text`, the
+model is asked through :mod:`paraloom.llm`, the command line is :mod:`paraloom.commands.explain`.
 """
 
-from .command import doctor_main, explain, explain_main, render, to_json
+from .grounding import SYSTEM, contradictions, question
+from .reading import explain, to_json
+from .run import annotate, parse_site
+from .source import Snippet, SourceError, load_snippet
 
-__all__ = ["explain", "render", "to_json", "explain_main", "doctor_main"]
+__all__ = ["explain", "to_json", "annotate", "parse_site", "Snippet", "SourceError",
+           "load_snippet", "SYSTEM", "question", "contradictions"]

@@ -124,7 +124,7 @@ def classify(mod: Module, call: ast.Call, fn) -> tuple[list[tuple], str | None]:
         names = {_DIST + src(call.func)[len(root.id):]}
         assumed = f"`{root.id}` is not imported in the file: read as torch.distributed"
     out: list[tuple] = []
-    for name in names:
+    for name in sorted(names):  # a set: sorted, so a merged site's `via` is the same every run
         name = name.removesuffix(".default")
         head, _, last = name.rpartition(".")
         if (head == _DIST or head.endswith(".distributed")) and last in COLLECTIVES:

@@ -15,10 +15,10 @@ import ast
 import re
 from pathlib import Path
 
-from .module import Module
+from .module import Module, src
 from .names import WORLD_SIZE_CALL
 from .source import Snippet, parse_snippet
-from .static import find_sites, src
+from .static import find_sites
 
 __all__ = ["extract", "world_sizes", "partitions", "weights", "sp_async_guards"]
 

@@ -45,7 +45,7 @@ class Module:
 
     def __init__(self, tree: ast.Module, path: Path | None = None,
                  project: Project | None = None, context: Module | None = None) -> None:
-        self.tree, self.path, self.project = tree, path, project or Project()
+        self.tree, self.path, self.project = tree, path, project or Project(Module)
         self.imports: dict[str, str] = {}  # local name -> dotted origin
         self.aliases: dict[str, set[str]] = {}  # name -> dotted targets it was assigned
         self.parent: dict[ast.AST, ast.AST] = {}

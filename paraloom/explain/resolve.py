@@ -5,7 +5,8 @@ or an absolute one under any folder above the file: the file's package root or t
 under the current directory, and among installed packages (``importlib.util.find_spec`` of the
 top-level package only, which imports nothing but a parent package's ``__init__`` when the name
 is dotted, so only the top level is asked and the rest is walked on disk). Parsed files are
-cached per :class:`Project`.
+cached per :class:`Project`; what a parsed file becomes (a :class:`~.module.Module`) is given
+to the project by its maker, so this module needs nothing of the reader above it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["Project", "SKIPPED", "is_skipped"]
@@ -41,10 +43,13 @@ def _as_file(base: Path, parts: list[str]) -> Path | None:
 
 
 class Project:
-    """Finds and parses the source files that calls lead to (one parse per file)."""
+    """Finds and parses the source files that calls lead to (one parse per file).
 
-    def __init__(self) -> None:
-        self.modules: dict[Path, object] = {}  # path -> Module (or None if unparsable)
+    ``build(tree, path, project)`` makes what :meth:`load` returns for a parsed file."""
+
+    def __init__(self, build: Callable[[ast.Module, Path, Project], object]) -> None:
+        self.build = build
+        self.modules: dict[Path, object] = {}  # path -> built module (or None if unparsable)
         self._roots: dict[str, Path | None] = {}
 
     def find(self, dotted: str, importer: Path | None) -> Path | None:
@@ -86,11 +91,9 @@ class Project:
         return self._roots[top]
 
     def load(self, path: Path):
-        """The :class:`~paraloom.explain.module.Module` of ``path`` (None if it does not parse)."""
+        """The built module of ``path`` (None if it does not parse)."""
         path = path.resolve()
         if path not in self.modules:
-            from .module import Module
-
             self.modules[path] = None  # guards import cycles while parsing
             try:
                 text = path.read_text(encoding="utf-8")
@@ -98,5 +101,5 @@ class Project:
             except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
                 tree = None
             if tree is not None:
-                self.modules[path] = Module(tree, path=path, project=self)
+                self.modules[path] = self.build(tree, path, self)
         return self.modules[path]

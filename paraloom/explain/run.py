@@ -17,6 +17,7 @@ no site takes are listed as *missed by the static reading*.
 
 Per site and rank: count, phase, async, bytes and the order index ``#k`` (position in that
 rank's communication sequence, compute spans excluded — the index ``paraloom diff`` prints).
+The result is data; :func:`paraloom.report.explain_text.render_run` writes it as text.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import ast
 import re
 from pathlib import Path
 
-from .source import SourceError
+from ..run_folder import RunFolderError, load_events
+from .source import SourceError, load_snippet, parse_snippet
 
-__all__ = ["parse_site", "annotate", "render_run"]
+__all__ = ["parse_site", "annotate"]
 
 _SITE = re.compile(r"^(?P<path>.+?):(?P<line>\d+)(?:\s+(?P<func>\S.*))?$")
 
@@ -79,13 +81,12 @@ def _range_of(line: int, stmts: list[tuple[int, int]]) -> tuple[int, int]:
 
 def _load(run_dir: str) -> list[dict]:
     """The run's communication events (no compute spans), ordered by (rank, seq)."""
-    from ..record.diff import sequences
-    from ..run_folder import load_events
-
     try:
-        return [e for seq in sequences(load_events(run_dir)).values() for e in seq]
-    except (ValueError, OSError) as err:
+        events = load_events(run_dir)
+    except (RunFolderError, OSError) as err:
         raise SourceError(f"--run {run_dir!r}: {err}") from None
+    return sorted((e for e in events if e["op"] != "compute"),
+                  key=lambda e: (e["rank"], e.get("seq", 0)))
 
 
 def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
@@ -99,8 +100,6 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
     ranks = sorted({e["rank"] for e in events})
     if rank is not None and rank not in ranks:
         raise SourceError(f"--rank {rank}: the run in {run_dir!r} has ranks {ranks}")
-    from .source import load_snippet, parse_snippet
-
     tree = parse_snippet(load_snippet(str(file)))
     stmts, funcs = _statements(tree), _functions(tree)
     first, last = facts["lines"]
@@ -146,68 +145,3 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
         via.append(entry)
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
             "via": via, "missed": missed, "files": files, "matched": len(here)}
-
-
-def _summary(events: list[dict]) -> str:
-    """``rank 0: 2x all_gather backward async 512 B at #3, #8 in layers.0.mlp.fc1``."""
-    groups: dict[tuple, list[dict]] = {}
-    for e in events:
-        key = (e["rank"], e["phase"], e["op"], e["async"], e["bytes"], e.get("module"))
-        groups.setdefault(key, []).append(e)
-    parts = []
-    for (rank, phase, op, asy, nbytes, module), evs in groups.items():
-        idx = ", ".join(f"#{e['index']}" for e in evs)
-        parts.append(f"rank {rank}: {len(evs)}x {op} {phase} {'async' if asy else 'sync'} "
-                     f"{nbytes} B at {idx}" + (f" in {module}" if module else ""))
-    return "; ".join(parts)
-
-
-_HEAD = {
-    "en": ("Recorded run", "every rank", "order #k = position in the rank's communication "
-           "sequence", "Recorded in this file but missed by the static reading"),
-    "zh": ("实际运行记录", "所有 rank", "#k = 该 rank 通信序列中的位置",
-           "运行中在本文件记录到、但静态阅读未找到的通信"),
-}
-
-
-def render_run(facts: dict, run: dict, lang: str = "en") -> str:
-    """The text section appended to ``paraloom explain``'s report (headings en/zh)."""
-    h = _HEAD[lang]
-    who = h[1] if run["rank"] is None else f"rank {run['rank']}"
-    out = ["", f"## {h[0]}: {run['dir']} ({who}; {h[2]})"]
-    by_site = {m["site"]: m for m in run["sites"]}
-    via = {v["site"]: v for v in run.get("via", [])}
-    for i, s in enumerate(facts["sites"]):
-        where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
-        head = f"- line {s['line']} {where}: {s['op']} (static: {s['phase']}, async {s['async']})"
-        if i in by_site:
-            evs = by_site[i]["events"]
-            out.append(f"{head} -> recorded: {_summary(evs)}" if evs
-                       else f"{head} -> not run in the recorded run")
-            continue
-        chain, v = " -> ".join(s["via"]), via.get(i, {})
-        if v.get("to") is not None:
-            evs = by_site[v["to"]]["events"]
-            out.append(f"{head} -> via {chain}: at line {by_site[v['to']]['line']} (all its "
-                       f"callers): "
-                       + (_summary(evs) if evs else "not run in the recorded run"))
-        elif v.get("elsewhere") and v.get("events"):
-            lines = ", ".join(str(n) for n in sorted({e["line"] for e in v["events"]}))
-            out.append(f"{head} -> via {chain}: defined outside this file; recorded where this "
-                       f"file runs it, line {lines}: {_summary(v['events'])}")
-        elif v.get("elsewhere"):
-            out.append(f"{head} -> via {chain}: {v['elsewhere']} is not defined in this file; "
-                       f"its calls carry its own file's site")
-        else:
-            out.append(f"{head} -> via {chain}: several paths through helpers; see their "
-                       f"direct sites above and below")
-    if not facts["sites"]:
-        out.append("- no communication site in the static reading")
-    if not run.get("matched") and run.get("files"):
-        top = sorted(run["files"].items(), key=lambda kv: -kv[1])[:5]
-        out.append("- no recorded event names this file (or line range); the run's calls come "
-                   "from: " + ", ".join(f"{f} ({n})" for f, n in top))
-    out += ["", f"## {h[3]}"]
-    out += [f"- line {e['line']} {e['function'] or ''}: {_summary([e])}"
-            for e in run["missed"]] or ["- none"]
-    return "\n".join(out) + "\n"

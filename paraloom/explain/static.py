@@ -41,10 +41,9 @@ from .names import (
 from .rules import UNKNOWN, context_phase, kind_of, region_condition
 from .spellings import async_of, batch_kind, group_kind, p2p_directions, plan_sites
 
-__all__ = ["UNKNOWN", "Module", "find_sites", "src"]
+__all__ = ["find_sites"]
 
 _SAME = "same"  # a helper's site runs in the phase of its caller
-_P2P = ("send", "recv", "batch_p2p", "send_recv")
 
 
 def _autograd_method(mod: Module, fn) -> bool:

@@ -22,12 +22,14 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
+from ..explain.facts import extract
 from ..explain.run import parse_site
+from ..explain.source import SourceError, load_snippet
 
 __all__ = ["resolve_site", "site_facts"]
 
 _PKG = Path(__file__).resolve().parents[1]
-_NOT_SITES = ("report", "explain", "record")  # they name labels in text, never communicate
+_NOT_SITES = ("report", "explain", "record", "llm", "commands")  # name labels, never communicate
 _FACT_KEYS = ("line", "class", "function", "op", "kind", "phase", "async", "condition", "call")
 
 
@@ -75,9 +77,7 @@ def resolve_site(site: str) -> dict | None:
 
 @lru_cache(maxsize=64)
 def _facts_of(path: str) -> tuple[dict, ...] | None:
-    from ..explain.source import SourceError, load_snippet
     try:
-        from ..explain.facts import extract
         return tuple(extract(load_snippet(path))["sites"])
     except (SourceError, OSError, SyntaxError, ValueError, UnicodeDecodeError):
         return None

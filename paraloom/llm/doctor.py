@@ -1,4 +1,5 @@
-"""``paraloom doctor``: why the provider in config.toml does not answer, and the fix.
+"""Why the provider in config.toml does not answer, and the fix: :func:`diagnose`, the findings
+``paraloom doctor`` prints.
 
 Checks, in order: the config and its provider table; the key variable named by ``env_key``
 (missing, empty or a template placeholder: nothing is sent then); the base URL (a query string
@@ -12,11 +13,8 @@ deadline (``--timeout``). The key is sent only in the Authorization header and n
 
 from __future__ import annotations
 
-import argparse
 import difflib
-import json
 import re
-import sys
 import urllib.parse
 
 from .gateway import Probe, body_for, candidates, probe, split_base
@@ -30,7 +28,7 @@ from .provider import (
     load_provider,
 )
 
-__all__ = ["diagnose", "doctor_main"]
+__all__ = ["diagnose"]
 
 
 def _where(p: Provider) -> str:
@@ -228,27 +226,3 @@ def _scrub(found: list[dict], key: str) -> list[dict]:
     return [{k: v.replace(key, "***") if isinstance(v, str) else v for k, v in f.items()}
             for f in found]
 
-
-def doctor_main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="paraloom doctor", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
-    ap.add_argument("--json", action="store_true", help="print the findings as JSON")
-    ap.add_argument("--timeout", type=float, default=15.0, metavar="SECONDS",
-                    help="deadline of each request, whole answer included (default 15)")
-    args = ap.parse_args(argv)
-    if not 0 < args.timeout < 3600:
-        ap.error(f"--timeout {args.timeout:g}: expected seconds in (0, 3600)")
-    found = diagnose(args.config, timeout=args.timeout)
-    if args.json:
-        print(json.dumps(found, indent=1))
-    else:
-        for f in found:
-            if f["ok"]:
-                print(f"ok       {f['check']}: {f['detail']}")
-            else:
-                print(f"PROBLEM  {f['check']}: {f['problem']}\n         fix: {f['fix']}")
-    return 0 if all(f["ok"] for f in found) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(doctor_main())

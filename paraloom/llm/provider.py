@@ -13,8 +13,8 @@ Configuration is read from a Codex ``config.toml`` (default ``~/.codex/config.to
 The key never leaves the process except in the ``Authorization`` header: it is not written to
 disk, logged, or put in any message. Every request has ONE deadline for the whole exchange
 (connect, headers, body): a server that trickles bytes is cut there, where a socket timeout
-alone would wait for ever. Shared by ``llm`` (``explain --ask``) and ``doctor``; standard
-library only (urllib, tomllib; tomli on Python 3.10).
+alone would wait for ever. Shared by :mod:`.ask` (``explain --ask``) and :mod:`.doctor`;
+standard library only (urllib, tomllib; tomli on Python 3.10).
 """
 
 from __future__ import annotations
@@ -30,6 +30,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser from PyPI (a dependency there, see pyproject.toml)
+    import tomli as tomllib
 
 __all__ = ["Provider", "ProviderError", "DeadlineError", "PATHS", "load_provider",
            "config_path", "http", "is_placeholder"]
@@ -57,6 +62,9 @@ def is_placeholder(value: str) -> bool:
 
 @dataclass(frozen=True)
 class Provider:
+    """One ``[model_providers.NAME]`` table with the config's ``model``; the key stays in the
+    environment variable ``env_key`` until a request is made."""
+
     name: str
     model: str
     base_url: str
@@ -70,10 +78,6 @@ class Provider:
 
 
 def _toml(path: Path) -> dict:
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # Python 3.10: the same parser from PyPI (a dependency there, see pyproject.toml)
-        import tomli as tomllib
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as err:

@@ -1,8 +1,10 @@
-"""``explain --ask``: the provider's answer about a snippet, checked against the facts.
+"""``explain --ask`` grounded in the reading: the question a model is sent, and the sentences of
+its answer that contradict the facts.
 
-The provider, its configuration (a Codex ``config.toml``) and the HTTP request live in
-``provider`` (shared with ``doctor``); this module builds the question from the numbered code and
-the extracted facts, and flags the sentences of the answer that contradict those facts.
+The question holds the numbered code and the extracted facts (:func:`question`, with the system
+text :data:`SYSTEM`); the model is asked through :mod:`paraloom.llm`, which knows nothing of the
+reader. :func:`contradictions` then flags an op put in the wrong phase or at lines that do not
+hold it, and a cited line outside the snippet.
 """
 
 from __future__ import annotations
@@ -10,60 +12,14 @@ from __future__ import annotations
 import json
 import re
 
-from .gateway import is_page, page_title
-from .provider import PATHS, Provider, ProviderError, http, is_placeholder, load_provider
+from .source import Snippet
 
-__all__ = ["Provider", "ProviderError", "load_provider", "http", "complete", "ask",
-           "contradictions"]
+__all__ = ["SYSTEM", "question", "contradictions"]
 
-_SYSTEM = ("You explain Megatron-style parallel-training code. Answer only from the numbered "
-           "code and the extracted facts below; cite line numbers; say 'needs more context' "
-           "when the code shown does not decide the question. Do not invent code.")
-
-
-def _error_text(text: str) -> str:
-    if is_page("", text):
-        return f"a web page: {page_title(text) or text.strip()[:80]}"
-    try:
-        err = json.loads(text).get("error", {})
-        return err.get("message", "") if isinstance(err, dict) else str(err)
-    except (ValueError, AttributeError):
-        return text[:200]
-
-
-def complete(p: Provider, system: str, user: str, env=None, timeout: float = 60.0) -> str:
-    """One answer from the provider, over its ``wire_api``."""
-    key = p.key(env)
-    if key is None or is_placeholder(key):
-        state = "missing or empty" if key is None else "a placeholder"
-        raise ProviderError(f"environment variable {p.env_key} (env_key of provider {p.name!r})"
-                            f" is {state}: export {p.env_key}=<your key>")
-    if p.wire_api == "chat":
-        body = {"model": p.model, "messages": [{"role": "system", "content": system},
-                                               {"role": "user", "content": user}]}
-    else:
-        body = {"model": p.model, "instructions": system, "input": user}
-    status, _, text = http("POST", p.base_url + PATHS[p.wire_api], key, body, timeout)
-    if status != 200:
-        hint = {401: f"the key in {p.env_key} was rejected",
-                404: f"model = {p.model!r} is a placeholder" if is_placeholder(p.model)
-                else "wrong base_url path, wire_api or model id"}.get(status, "")
-        if status >= 500:
-            hint = "the server failed (not a wrong URL): retry later"
-        raise ProviderError(f"HTTP {status} from {p.base_url + PATHS[p.wire_api]}"
-                            f"{': ' + hint if hint else ''} ({_error_text(text)})")
-    try:
-        data = json.loads(text)
-        if p.wire_api == "chat":
-            return data["choices"][0]["message"]["content"]
-        if data.get("output_text"):
-            return data["output_text"]
-        return "".join(c.get("text", "") for item in data.get("output", [])
-                       for c in item.get("content", []) or [] if isinstance(c, dict))
-    except (ValueError, KeyError, IndexError, TypeError):
-        site = " (base_url is a web site, not the API)" if is_page("", text) else ""
-        raise ProviderError(f"unexpected {p.wire_api} reply: {_error_text(text)[:200]}{site}"
-                            ) from None
+SYSTEM = ("You explain Megatron-style parallel-training code. Answer only from the numbered "
+          "code and the extracted facts below; cite line numbers; say 'needs more context' "
+          "when the code shown does not decide the question. Do not invent code.")
+"""The system text of every question: answer from the code and the facts only."""
 
 
 def _facts_brief(facts: dict) -> str:
@@ -77,12 +33,18 @@ def _facts_brief(facts: dict) -> str:
     return json.dumps(brief, ensure_ascii=False)
 
 
+def question(text: str, snippet: Snippet, facts: dict, lang: str = "en") -> str:
+    """The user text for ``text`` about ``snippet``: the question, the numbered code and the
+    facts (JSON), and the language to answer in."""
+    return (f"Question: {text}\n\nCode ({snippet.name}, lines {snippet.first}-"
+            f"{snippet.last}):\n{snippet.numbered()}\n\nExtracted facts (JSON):\n"
+            f"{_facts_brief(facts)}\n\nAnswer in {'Chinese' if lang == 'zh' else 'English'}.")
+
+
 _OPS = {"all_reduce": r"all[-_ ]?reduce|allreduce", "all_gather": r"all[-_ ]?gather",
         "reduce_scatter": r"reduce[-_ ]?scatter", "all_to_all": r"all[-_ ]?to[-_ ]?all",
         "broadcast": r"\bbroadcast"}
 _PHASE_WORDS = {"forward": r"\bforward\b|前向", "backward": r"\bbackward\b|反向"}
-
-
 _LINE_REF = re.compile(r"\blines?\s+(\d+)((?:\s*(?:[-\u2013\u2014]|to|,|and|&)\s*\d+)*)"
                        r"|\u7b2c\s*(\d+)((?:\s*[-\u2013\u81f3\u5230\u3001,\u548c]\s*\d+)*)"
                        r"\s*\u884c", re.I)
@@ -139,16 +101,3 @@ def contradictions(answer: str, facts: dict) -> list[str]:
                     flags.append(f"cites line {line}, outside the snippet ({first}-{last}): "
                                  f"{sentence.strip()!r}")
     return flags
-
-
-def ask(question: str, snippet, facts: dict, config: str | None = None, lang: str = "en",
-        env=None, timeout: float = 60.0) -> dict:
-    """The provider's answer to ``question`` about ``snippet``, with the contradiction flags."""
-    p = load_provider(config, env)
-    user = (f"Question: {question}\n\nCode ({snippet.name}, lines {snippet.first}-"
-            f"{snippet.last}):\n{snippet.numbered()}\n\nExtracted facts (JSON):\n"
-            f"{_facts_brief(facts)}\n\nAnswer in {'Chinese' if lang == 'zh' else 'English'}.")
-    answer = complete(p, _SYSTEM, user, env, timeout)
-    return {"answer": answer, "flags": contradictions(answer, facts),
-            "provider": {"name": p.name, "model": p.model, "base_url": p.base_url,
-                         "wire_api": p.wire_api}}

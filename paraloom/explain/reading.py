@@ -1,0 +1,38 @@
+"""What ``paraloom explain`` reports on a snippet: :func:`explain` (every fact, the order table
+and the checklist answers) and :func:`to_json` (the ``--json`` document).
+
+The facts come from :func:`~.facts.extract` (static reading with ``ast``; nothing is imported
+or run), the table and the answers from :mod:`.answers`, which use the facts only. The text
+form is presentation: :func:`paraloom.report.explain_text.render`.
+"""
+
+from __future__ import annotations
+
+from .answers import answer_all, order_rows
+from .facts import extract
+from .source import Snippet, load_snippet
+
+__all__ = ["explain", "to_json"]
+
+_SITE_KEYS = ("line", "class", "function", "phase", "op", "kind", "async", "condition", "via",
+              "helper", "phase_basis", "through", "assumed")
+
+
+def explain(spec: str | Snippet, lang: str = "en", stdin=None) -> dict:
+    """Facts, order table and checklist answers of ``PATH[:START-END]`` (or ``-``: ``stdin``,
+    default ``sys.stdin``), or of an already loaded :class:`~.source.Snippet`."""
+    snippet = spec if isinstance(spec, Snippet) else load_snippet(spec, stdin)
+    facts = extract(snippet)
+    facts["table"] = order_rows(facts)
+    facts["answers"] = answer_all(facts, facts["guards"], lang)
+    return facts
+
+
+def to_json(facts: dict) -> dict:
+    """The ``--json`` document: file and lines, sites, unresolved calls, partitions, world sizes,
+    local weights, the order table and the answers."""
+    return {"file": facts["file"], "lines": facts["lines"],
+            "sites": [{k: s[k] for k in _SITE_KEYS} for s in facts["sites"]],
+            "unresolved": facts["unresolved"],
+            "partitions": facts["partitions"], "world_sizes": facts["world_sizes"],
+            "weights": facts["weights"], "table": facts["table"], "answers": facts["answers"]}
