@@ -7,14 +7,17 @@ from them, so the defaults of ``paraloom train`` are the defaults here.
 
 * :mod:`.parallel`: :class:`ParallelConfig` (the layout), :func:`default_schedule`;
 * :mod:`.model`: :class:`ModelConfig` (the GPT's shape), :func:`check_layout`;
-* :mod:`.train`: :class:`TrainConfig` and its parts :class:`OptimConfig`, :class:`DataConfig`,
-  :class:`RunConfig`.
+* :mod:`.train`: :class:`TrainConfig`, with its parts in :mod:`.optim` (:class:`OptimConfig`),
+  :mod:`.data` (:class:`DataConfig`) and :mod:`.run` (:class:`RunConfig`).
 """
 
+from .data import DataConfig
 from .fields import Flag, flags_of, option
 from .model import LLAMA, ModelConfig, check_layout
+from .optim import DEFAULT_MIN_LR, OptimConfig
 from .parallel import SCHEDULES, ParallelConfig, default_schedule, positive_int
-from .train import DEFAULT_MIN_LR, DataConfig, OptimConfig, RunConfig, TrainConfig
+from .run import RunConfig
+from .train import TrainConfig
 
 __all__ = ["ParallelConfig", "ModelConfig", "TrainConfig", "OptimConfig", "DataConfig",
            "RunConfig", "check_layout", "default_schedule", "positive_int", "SCHEDULES", "LLAMA",

@@ -1,5 +1,5 @@
-"""One ``paraloom train`` run: :class:`TrainConfig` and its parts (:class:`OptimConfig`,
-:class:`DataConfig`, :class:`RunConfig`).
+"""One ``paraloom train`` run: :class:`TrainConfig`, with its parts :class:`~.optim.OptimConfig`,
+:class:`~.data.DataConfig` and :class:`~.run.RunConfig`.
 
 ``TrainConfig()`` is exactly the run ``paraloom train`` makes without flags (tp = pp = dp = 2 on
 the bundled corpus): the command's defaults are these fields' defaults. A run folder's
@@ -10,152 +10,16 @@ in the flat layout of earlier paraloom versions (every setting at the top level)
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
+from .data import DataConfig
 from .fields import nested_configs, option
 from .model import ModelConfig, check_layout
+from .optim import OptimConfig
 from .parallel import SCHEDULES, ParallelConfig, default_schedule, positive_int
+from .run import RunConfig
 
-__all__ = ["TrainConfig", "OptimConfig", "DataConfig", "RunConfig", "DEFAULT_MIN_LR"]
-
-DEFAULT_MIN_LR = 3e-4
-"""The cosine schedule's final learning rate when none is given (or ``lr`` if that is lower)."""
-
-
-def _finite(name: str, value, *, low: float = 0.0, strict: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < low or (strict and value == low):
-        need = f"> {low:g}" if strict else f">= {low:g}"
-        raise ValueError(f"{name} must be a number {need}, got {value!r}")
-
-
-@dataclass(frozen=True, kw_only=True)
-class OptimConfig:
-    """AdamW with Megatron's defaults, under a linear warm-up and cosine decay."""
-
-    lr: float = option(3e-3, "--lr", help="peak learning rate (AdamW)")
-    """Peak learning rate, reached after ``warmup_steps``, then cosine decay to ``min_lr``."""
-    min_lr: float | None = option(None, "--min-lr", help=f"the cosine schedule's final learning "
-                                  f"rate (default: {DEFAULT_MIN_LR:g}, or --lr if lower)")
-    """Learning rate at the end of the cosine decay; ``None``: ``DEFAULT_MIN_LR`` or ``lr`` if
-    that is lower (resolved on creation, so a saved config holds the number)."""
-    warmup_steps: int = option(5, "--warmup-steps", "--lr-warmup-iters",
-                               help="linear warm-up steps")
-    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``)."""
-    weight_decay: float = option(0.1, "--weight-decay",
-                                 help="AdamW weight decay of matrices and embeddings; biases and "
-                                      "norm weights get none (Megatron-Core's rule)")
-    """AdamW weight decay (not applied to biases and norm weights, Megatron-Core's rule)."""
-    clip_grad: float = option(1.0, "--clip-grad",
-                              help="clip the global gradient norm to this (0: no clipping)")
-    """Clip the global gradient norm (over tp, pp and dp) to this value; 0 disables."""
-    adam_beta1: float = option(0.9, "--adam-beta1", help="Adam's first-moment decay")
-    """Adam's ``beta1`` (Megatron's ``--adam-beta1``, default 0.9)."""
-    adam_beta2: float = option(0.95, "--adam-beta2", help="Adam's second-moment decay")
-    """Adam's ``beta2``: 0.95, GPT-3's and Megatron-LM's GPT examples' value (its flag's own
-    default is 0.999)."""
-    adam_eps: float = option(1e-8, "--adam-eps", help="Adam's epsilon")
-    """Adam's ``eps`` (Megatron's ``--adam-eps``, default 1e-8)."""
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"lr (--lr) must be a positive number, got {self.lr}")
-        if self.min_lr is None:
-            object.__setattr__(self, "min_lr", min(DEFAULT_MIN_LR, self.lr))
-        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"min_lr (--min-lr) must be between 0 and lr = {self.lr} (the "
-                             f"schedule decays from lr down to it), got {self.min_lr}")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got "
-                             f"{self.weight_decay}")
-        if self.warmup_steps < 0 or not self.clip_grad >= 0:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) and clip_grad "
-                             f"({self.clip_grad}) must be >= 0")
-        for name in ("adam_beta1", "adam_beta2"):
-            value = getattr(self, name)
-            if not 0 <= value < 1:
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in [0, 1), got "
-                                 f"{value}")
-        _finite("adam_eps (--adam-eps)", self.adam_eps, strict=True)
-
-
-@dataclass(frozen=True, kw_only=True)
-class DataConfig:
-    """What the run reads: a text file (bytes are tokens), or a tokenizer and its data."""
-
-    file: str | None = option(None, "--data", metavar="FILE",
-                              help="text file, bytes are tokens, .gz decompressed (default: the "
-                                   "bundled corpus)")
-    """Training text file; ``None`` for the bundled corpus. Stored absolute."""
-    data_path: str | None = option(None, "--data-path", metavar="PREFIX",
-                                   help="a Megatron indexed dataset PREFIX.bin + PREFIX.idx "
-                                        "(paraloom preprocess or Megatron's preprocess_data.py); "
-                                        "needs --tokenizer")
-    """Prefix of a Megatron indexed dataset ``P.bin``/``P.idx``, read instead of ``file``; its
-    documents are joined with the tokenizer's end-of-document token between."""
-    tokenizer: str | None = option(None, "--tokenizer", "--tokenizer-model", metavar="DIR",
-                                   help="a local Hugging Face tokenizer folder (tokenizer.json); "
-                                        "the vocabulary size comes from it (default: bytes, "
-                                        "vocabulary 256)")
-    """A local Hugging Face tokenizer folder; ``None``: tokens are bytes."""
-
-    def __post_init__(self) -> None:
-        if self.file is not None and self.data_path is not None:
-            raise ValueError(f"--data {self.file!r} (a text file) and --data-path "
-                             f"{self.data_path!r} (an indexed dataset) both given: give one")
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """Where the run writes, what it records, and when it gives up."""
-
-    out: str = option("runs/latest", "--out", "--save", help="run folder")
-    """Run folder (config.json, metrics.jsonl, ledger.jsonl, trace.json, ...)."""
-    save_every: int = option(50, "--save-every", "--save-interval",
-                             help="checkpoint every N steps and at the end (0: never)")
-    """Save a checkpoint every N steps (and at the end when N > 0)."""
-    resume: str | None = option(None, "--resume", "--load", help="run or checkpoint folder")
-    """Run folder or checkpoint folder to continue from."""
-    init_from_hf: str | None = option(
-        None, "--init-from-hf", metavar="DIR",
-        help="start from a local Hugging Face GPT-2 or Llama checkpoint folder (config.json + "
-             "model.safetensors or pytorch_model.bin); the model shape comes from its config, "
-             "--seq-len may shorten it")
-    """A Hugging Face folder whose weights replace the initial ones (stored absolute, so the
-    run folder says where the model came from)."""
-    ledger_steps: int = option(2, "--ledger-steps", help="steps recorded in the ledger (-1: all)")
-    """Steps recorded in the ledger (from the first); -1 records every step."""
-    timeout_s: float = option(120.0, "--timeout",
-                              help="seconds any collective may wait before the run is ended")
-    """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
-    max_bad_steps: int = option(3, "--max-bad-steps",
-                                help="stop after this many consecutive NaN/Inf steps (each is "
-                                     "skipped)")
-    """Stop after this many consecutive steps with a NaN/Inf loss or gradient (each skipped)."""
-    tensorboard_dir: str | None = option(
-        None, "--tensorboard-dir", metavar="DIR",
-        help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
-    """Write TensorBoard scalars here (rank 0; Megatron's ``--tensorboard-dir``)."""
-    log_interval: int = option(1, "--log-interval", help="TensorBoard scalars every N steps")
-    """TensorBoard scalars every N steps (and at the last; Megatron's ``--log-interval``)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.ledger_steps, bool) or not isinstance(self.ledger_steps, int) or (
-                self.ledger_steps < 1 and self.ledger_steps != -1):
-            raise ValueError(f"ledger_steps (--ledger-steps) must be a positive number of steps "
-                             f"or -1 (every step), got {self.ledger_steps!r}")
-        if self.save_every < 0:
-            raise ValueError(f"save_every (--save-every) must be >= 0, got {self.save_every}")
-        positive_int("max_bad_steps", self.max_bad_steps)
-        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) \
-                or self.log_interval < 1:
-            raise ValueError(f"--log-interval must be a positive integer, got "
-                             f"{self.log_interval}")
-        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0
-                and math.isfinite(self.timeout_s)):
-            raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got "
-                             f"{self.timeout_s}")
+__all__ = ["TrainConfig", "migrate"]
 
 
 @dataclass(frozen=True, kw_only=True)

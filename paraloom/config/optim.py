@@ -1,0 +1,70 @@
+"""The optimiser and its schedule: :class:`OptimConfig` (AdamW, linear warm-up, cosine decay)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .fields import option
+
+__all__ = ["OptimConfig", "DEFAULT_MIN_LR"]
+
+DEFAULT_MIN_LR = 3e-4
+"""The cosine schedule's final learning rate when none is given (or ``lr`` if that is lower)."""
+
+
+def _finite(name: str, value, *, low: float = 0.0, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < low or (strict and value == low):
+        need = f"> {low:g}" if strict else f">= {low:g}"
+        raise ValueError(f"{name} must be a number {need}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with Megatron's defaults, under a linear warm-up and cosine decay."""
+
+    lr: float = option(3e-3, "--lr", help="peak learning rate (AdamW)")
+    """Peak learning rate, reached after ``warmup_steps``, then cosine decay to ``min_lr``."""
+    min_lr: float | None = option(None, "--min-lr", help=f"the cosine schedule's final learning "
+                                  f"rate (default: {DEFAULT_MIN_LR:g}, or --lr if lower)")
+    """Learning rate at the end of the cosine decay; ``None``: ``DEFAULT_MIN_LR`` or ``lr`` if
+    that is lower (resolved on creation, so a saved config holds the number)."""
+    warmup_steps: int = option(5, "--warmup-steps", "--lr-warmup-iters",
+                               help="linear warm-up steps")
+    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``)."""
+    weight_decay: float = option(0.1, "--weight-decay",
+                                 help="AdamW weight decay of matrices and embeddings; biases and "
+                                      "norm weights get none (Megatron-Core's rule)")
+    """AdamW weight decay (not applied to biases and norm weights, Megatron-Core's rule)."""
+    clip_grad: float = option(1.0, "--clip-grad",
+                              help="clip the global gradient norm to this (0: no clipping)")
+    """Clip the global gradient norm (over tp, pp and dp) to this value; 0 disables."""
+    adam_beta1: float = option(0.9, "--adam-beta1", help="Adam's first-moment decay")
+    """Adam's ``beta1`` (Megatron's ``--adam-beta1``, default 0.9)."""
+    adam_beta2: float = option(0.95, "--adam-beta2", help="Adam's second-moment decay")
+    """Adam's ``beta2``: 0.95, GPT-3's and Megatron-LM's GPT examples' value (its flag's own
+    default is 0.999)."""
+    adam_eps: float = option(1e-8, "--adam-eps", help="Adam's epsilon")
+    """Adam's ``eps`` (Megatron's ``--adam-eps``, default 1e-8)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr (--lr) must be a positive number, got {self.lr}")
+        if self.min_lr is None:
+            object.__setattr__(self, "min_lr", min(DEFAULT_MIN_LR, self.lr))
+        if not (isinstance(self.min_lr, (int, float)) and 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"min_lr (--min-lr) must be between 0 and lr = {self.lr} (the "
+                             f"schedule decays from lr down to it), got {self.min_lr}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got "
+                             f"{self.weight_decay}")
+        if self.warmup_steps < 0 or not self.clip_grad >= 0:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) and clip_grad "
+                             f"({self.clip_grad}) must be >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, name)
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in [0, 1), got "
+                                 f"{value}")
+        _finite("adam_eps (--adam-eps)", self.adam_eps, strict=True)

@@ -1,0 +1,63 @@
+"""Where a run writes, what it records and when it gives up: :class:`RunConfig`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .fields import option
+from .parallel import positive_int
+
+__all__ = ["RunConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Where the run writes, what it records, and when it gives up."""
+
+    out: str = option("runs/latest", "--out", "--save", help="run folder")
+    """Run folder (config.json, metrics.jsonl, ledger.jsonl, trace.json, ...)."""
+    save_every: int = option(50, "--save-every", "--save-interval",
+                             help="checkpoint every N steps and at the end (0: never)")
+    """Save a checkpoint every N steps (and at the end when N > 0)."""
+    resume: str | None = option(None, "--resume", "--load", help="run or checkpoint folder")
+    """Run folder or checkpoint folder to continue from."""
+    init_from_hf: str | None = option(
+        None, "--init-from-hf", metavar="DIR",
+        help="start from a local Hugging Face GPT-2 or Llama checkpoint folder (config.json + "
+             "model.safetensors or pytorch_model.bin); the model shape comes from its config, "
+             "--seq-len may shorten it")
+    """A Hugging Face folder whose weights replace the initial ones (stored absolute, so the
+    run folder says where the model came from)."""
+    ledger_steps: int = option(2, "--ledger-steps", help="steps recorded in the ledger (-1: all)")
+    """Steps recorded in the ledger (from the first); -1 records every step."""
+    timeout_s: float = option(120.0, "--timeout",
+                              help="seconds any collective may wait before the run is ended")
+    """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
+    max_bad_steps: int = option(3, "--max-bad-steps",
+                                help="stop after this many consecutive NaN/Inf steps (each is "
+                                     "skipped)")
+    """Stop after this many consecutive steps with a NaN/Inf loss or gradient (each skipped)."""
+    tensorboard_dir: str | None = option(
+        None, "--tensorboard-dir", metavar="DIR",
+        help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
+    """Write TensorBoard scalars here (rank 0; Megatron's ``--tensorboard-dir``)."""
+    log_interval: int = option(1, "--log-interval", help="TensorBoard scalars every N steps")
+    """TensorBoard scalars every N steps (and at the last; Megatron's ``--log-interval``)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ledger_steps, bool) or not isinstance(self.ledger_steps, int) or (
+                self.ledger_steps < 1 and self.ledger_steps != -1):
+            raise ValueError(f"ledger_steps (--ledger-steps) must be a positive number of steps "
+                             f"or -1 (every step), got {self.ledger_steps!r}")
+        if self.save_every < 0:
+            raise ValueError(f"save_every (--save-every) must be >= 0, got {self.save_every}")
+        positive_int("max_bad_steps", self.max_bad_steps)
+        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) \
+                or self.log_interval < 1:
+            raise ValueError(f"--log-interval must be a positive integer, got "
+                             f"{self.log_interval}")
+        if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0
+                and math.isfinite(self.timeout_s)):
+            raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got "
+                             f"{self.timeout_s}")
