@@ -10,12 +10,12 @@ from paraloom.analysis.calibrate import (
     _fit_alpha_beta,
     _fit_gemm,
     calibrate,
-    calibrate_main,
     fit_hardware,
     predict_run,
     to_toml,
 )
 from paraloom.analysis.hardware import hardware_from
+from paraloom.commands.plan_calibrate import main as calibrate_main
 
 
 def test_fits_recover_known_machines():
@@ -52,7 +52,7 @@ def test_calibrate_two_ranks_writes_hardware_that_predicts(tmp_path, capsys):
 
 
 def test_calibrate_cli_writes_toml(tmp_path, capsys, monkeypatch):
-    import paraloom.analysis.calibrate as cal
+    import paraloom.commands.plan_calibrate as cal
     from paraloom.analysis.hardware import GPUS
 
     measured = GPUS["a100-80gb"]  # the measuring itself is tested above; here the command

@@ -15,9 +15,10 @@ import shutil
 
 import pytest
 
-from paraloom.analysis.check import check_main, config_from_run
+from paraloom.analysis.check import config_from_run
 from paraloom.analysis.layout import chunk_buckets, chunk_params
 from paraloom.commands import main
+from paraloom.commands.check import main as check_main
 from paraloom.report.table import render_table, table_rows
 from paraloom.run_folder import read_json_lines as load
 

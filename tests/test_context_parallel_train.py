@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import assert_same_metrics, layout_config, run_training
 
-from paraloom.analysis.check import check_main
+from paraloom.commands.check import main as check_main
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4,

@@ -6,15 +6,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.utils.flop_counter import FlopCounterMode
-
-from paraloom.analysis.formulas import (
+from _flops_closed_form import (
     flops_per_iteration,
     hardware_flops_per_iteration,
     model_flops_per_iteration,
     recompute_flops_per_iteration,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
 
 
 def _counted(recompute: str, *, s=32, b=2, h=64, a=4, layers=2, vocab=256, ffn=None,

@@ -6,20 +6,16 @@ import itertools
 import json
 
 import pytest
+from _flops_closed_form import flops_per_iteration, model_flops_per_iteration
 from _gpt_ledger import A, B, H, L, S, V, record_gpt
 
 from paraloom.analysis.check import all_ok, check_run, compare, render_diff, tally
-from paraloom.analysis.formulas import (
-    CommConfig,
-    activation_bytes_per_layer,
-    bubble_fraction,
-    expected_comm,
-    flops_per_iteration,
-    model_flops_per_iteration,
-    param_count,
-    params_per_rank,
-)
-from paraloom.analysis.plan import plan, plan_main
+from paraloom.analysis.formulas import CommConfig, expected_comm
+from paraloom.analysis.layout import param_count, params_per_rank
+from paraloom.analysis.memory_formulas import activation_bytes_per_layer
+from paraloom.analysis.plan import plan
+from paraloom.commands.plan import main as plan_main
+from paraloom.pipeline_parallel.timetable import pipeline_bubble as bubble_fraction
 
 
 def _config(tp, sp, recompute, **kw) -> CommConfig:
@@ -121,7 +117,7 @@ def test_train_step_buckets_finalize_and_loss():
     skipped), the buckets cover exactly the rank's parameters, and the loss reduction is 16 B."""
     from dataclasses import replace
 
-    from paraloom.analysis.formulas import default_buckets
+    from paraloom.analysis.layout import default_buckets
 
     c = CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256, pp=2, dp=2,
                    num_microbatches=4, distributed_optimizer=True, overlap_grad_reduce=False)

@@ -293,7 +293,8 @@ def test_formulas_know_the_llama_parameters_and_sdpa_memory():
     from paraloom.analysis.formulas import CommConfig
     from paraloom.analysis.layout import chunk_params
     from paraloom.analysis.memory import expected_saved_bytes, saved_bytes_per_layer
-    from paraloom.analysis.plan import _config, _parser, plan
+    from paraloom.analysis.plan import plan
+    from paraloom.commands.plan import _config, _parser
     arch = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                         num_query_groups=2, untie_embeddings_and_output_weights=True,
                         add_bias_linear=False)

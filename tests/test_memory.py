@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from paraloom.analysis.formulas import activation_bytes_per_layer
 from paraloom.analysis.memory import SavedTensors, expected_saved_bytes, layer_saved_tensors
+from paraloom.analysis.memory_formulas import activation_bytes_per_layer
 from paraloom.config import ModelConfig
 from paraloom.mesh import ParallelMesh
 from paraloom.models.gpt import GPTModel, ParallelOptions

@@ -16,7 +16,7 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     import json
     import shutil
 
-    from paraloom.analysis.check import check_main
+    from paraloom.commands.check import main as check_main
     from paraloom.commands.table import main as table_main
 
     run = tmp_path / "run"
@@ -70,7 +70,7 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
     test_moe.py's cp layouts)."""
     import json
 
-    from paraloom.analysis.check import check_main
+    from paraloom.commands.check import main as check_main
 
     run = tmp_path / "cp2"
     extra = ["--moe-expert-capacity-factor", "1.0"] if capacity else []

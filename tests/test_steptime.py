@@ -9,12 +9,15 @@ from dataclasses import replace
 
 import pytest
 
+from paraloom.analysis.costs import Options, collective_time, spans_nodes
 from paraloom.analysis.formulas import CommConfig
 from paraloom.analysis.hardware import GPUS, hardware_from
-from paraloom.analysis.plan import memory_per_gpu, plan_main
-from paraloom.analysis.search import search, search_main
-from paraloom.analysis.steptime import Options, collective_time, spans_nodes, step_time
+from paraloom.analysis.memory_formulas import memory_per_gpu
+from paraloom.analysis.search import search
+from paraloom.analysis.steptime import step_time
 from paraloom.analysis.validation import CALIBRATION_ROWS, ROWS, fit, validate
+from paraloom.commands.plan import main as plan_main
+from paraloom.commands.plan_search import main as search_main
 
 A100 = GPUS["a100-80gb"]
 

@@ -1,9 +1,14 @@
-"""The analytical model of a step (formulas), its check against a recorded ledger, and the
-planner that extrapolates it to large layouts."""
+"""The analytical model: what a layout communicates (:mod:`.formulas`, with :mod:`.layout`,
+:mod:`.cp_formulas`, :mod:`.moe_formulas`), stores (:mod:`.memory_formulas`; per tensor:
+:mod:`.memory`) and computes (:mod:`.flops`); how long a step takes on described hardware
+(:mod:`.steptime`, :mod:`.costs`, :mod:`.hardware`, :mod:`.calibrate`, :mod:`.validation`); a
+recorded run checked against it (:mod:`.check`); and the plan and search built on it
+(:mod:`.plan`, :mod:`.search`). The shared data types are :mod:`.spec`."""
 
-from .check import check_main, check_run, compare, config_from_run, render_diff
-from .formulas import CommConfig, expected_comm
-from .plan import plan, plan_main
+from .check import check_run, compare, config_from_run, render_diff
+from .formulas import expected_comm
+from .plan import plan
+from .spec import Architecture, CommConfig
 
-__all__ = ["CommConfig", "expected_comm", "compare", "check_run", "render_diff", "plan",
-           "plan_main", "check_main", "config_from_run"]
+__all__ = ["CommConfig", "Architecture", "expected_comm", "plan", "check_run", "compare",
+           "render_diff", "config_from_run"]

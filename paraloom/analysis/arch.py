@@ -1,8 +1,8 @@
-"""The architecture switches the formulas need (Llama family), and the parameters they imply.
+"""The parameters an architecture implies (Llama family).
 
-:class:`Architecture` mirrors :class:`~paraloom.config.ModelConfig`'s architecture fields; its
-default is the GPT-2 model, for which nothing here changes any formula. For another architecture
-:func:`arch_chunk_params` lists a chunk's parameters the way
+:class:`~.spec.Architecture` mirrors :class:`~paraloom.config.ModelConfig`'s architecture
+fields; its default is the GPT-2 model, for which nothing here changes any formula. For another
+architecture :func:`arch_chunk_params` lists a chunk's parameters the way
 :class:`~paraloom.models.gpt.GPTModel` registers them (so the gradient buckets, the ZeRO
 all-gathers and the sequence-parallel sums come out exact):
 
@@ -17,38 +17,11 @@ all-gathers and the sequence-parallel sums come out exact):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from functools import cached_property
+from .spec import Architecture
 
-__all__ = ["Architecture", "arch_chunk_params", "layer_param_count", "arch_params_per_rank",
-           "arch_param_count"]
+__all__ = ["Architecture", "arch_chunk_params", "layer_param_count"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class Architecture:
-    """ModelConfig's architecture fields (same names and defaults: GPT-2)."""
-
-    normalization: str = "LayerNorm"
-    swiglu: bool = False
-    position_embedding_type: str = "learned_absolute"
-    num_query_groups: int | None = None
-    untie_embeddings_and_output_weights: bool = False
-    add_bias_linear: bool = True
-    attention: str = "core"
-
-    @classmethod
-    def from_model(cls, model: dict) -> Architecture:
-        """From a ``config.json``'s ``model`` dict (absent keys: GPT-2's values)."""
-        return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
-
-    @cached_property  # asked for every layout the search tries; the instance is frozen
-    def is_gpt2(self) -> bool:
-        """Every parameter as in GPT-2 (``attention`` changes no parameter)."""
-        return self == Architecture(attention=self.attention)
-
-    @property
-    def tied(self) -> bool:
-        return not self.untie_embeddings_and_output_weights
 
 
 def layer_param_count(arch: Architecture, h: int, a: int, f: int) -> tuple[int, int]:
@@ -102,23 +75,3 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
         if not arch.tied:
             out.append(param_cls("output_layer.weight", vocab // t * h))
     return out
-
-
-_COUNTS: dict = {}
-"""Counts already made, by what they depend on (``plan --search`` asks for many layouts)."""
-
-
-def arch_params_per_rank(c, pp_rank: int) -> int:
-    """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
-    key = (c.arch, c.layers, c.hidden, c.heads, c.f, c.seq_len, c.vocab, c.tp, c.pp, c.v, c.sp,
-           c.moe, pp_rank)
-    if key not in _COUNTS:
-        from .layout import chunk_params
-        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
-    return _COUNTS[key]
-
-
-def arch_param_count(c) -> int:
-    """Parameters of the whole model (one copy: tp = pp = 1)."""
-    from dataclasses import replace
-    return arch_params_per_rank(replace(c, tp=1, pp=1, vpp=None, sequence_parallel=False), 0)

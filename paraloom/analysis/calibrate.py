@@ -1,4 +1,4 @@
-"""``paraloom plan --calibrate``: describe *this* machine as hardware, by measuring it.
+"""Describe *this* machine as hardware, by measuring it (``paraloom plan --calibrate``).
 
 ``R`` local gloo ranks (``--nprocs``, with the intra-op threads ``paraloom train`` gives them:
 cores / R)
@@ -27,20 +27,27 @@ another world size: shared cores make the per-rank rate depend on it)::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from .hardware import Hardware
-from .steptime import collective_time, elementwise_bytes
+import torch
+import torch.nn.functional as F
 
-__all__ = ["measure_rank", "calibrate", "fit_hardware", "to_toml", "predict_run", "calibrate_main"]
+from .. import comm
+from ..config import ParallelConfig
+from ..launch import local_threads, spawn
+from ..mesh import ParallelMesh
+from .check import config_from_run
+from .costs import Options, collective_time, elementwise_bytes
+from .hardware import Hardware
+from .steptime import step_time
+
+__all__ = ["measure_rank", "calibrate", "fit_hardware", "to_toml", "predict_run"]
 
 GEMM_SHAPES = ((512, 64, 256), (512, 256, 64), (512, 256, 256), (512, 768, 256),
                (512, 1024, 256), (512, 256, 1024), (128, 512, 512), (1024, 1024, 1024))
@@ -48,7 +55,7 @@ ELEM_TOKENS, ELEM_WIDTH, ELEM_SEQ, ELEM_PROBS = 512, 256, 128, 4 * 8 * 128 * 128
 ELEM_BYTES = 3 * elementwise_bytes(ELEM_TOKENS, ELEM_TOKENS, ELEM_WIDTH, 4 * ELEM_WIDTH, 1,
                                    ELEM_PROBS, 4)
 """fp32 bytes the step-time model counts for the element-wise kernels of that reference layer,
-forward and backward (:func:`paraloom.analysis.steptime.elementwise_bytes`, times 3); calibrating
+forward and backward (:func:`paraloom.analysis.costs.elementwise_bytes`, times 3); calibrating
 ``hbm_bw`` against them makes it the machine's effective rate for exactly that mix."""
 AR_ELEMS = (1, 4096, 65536, 1 << 20)
 
@@ -73,7 +80,6 @@ def _best(fn, repeat: int, window: float = 0.03, loops: int | None = None) -> fl
 def _gemm_time(m: int, n: int, k: int, repeat: int) -> float:
     """Seconds of one ``(m, n, k)`` GEMM, averaged over the three ways a linear runs it:
     forward ``x W^T``, dgrad ``g W`` and wgrad ``g^T x``."""
-    import torch
 
     x, wt, g = torch.randn(m, k), torch.randn(n, k), torch.randn(m, n)
 
@@ -89,8 +95,6 @@ def _elementwise_time(repeat: int) -> float:
     (``T`` tokens, width ``h``, MLP ``4h``, ``probs`` attention scores; the GEMMs left out):
     two LayerNorms, the q/k/v head permutes, scale + causal mask + softmax, bias + tanh-GeLU,
     two residual adds — the mix the step-time model counts in bytes."""
-    import torch
-    import torch.nn.functional as F
 
     t, h = ELEM_TOKENS, ELEM_WIDTH
     heads = ELEM_PROBS // (ELEM_SEQ * ELEM_SEQ * (t // ELEM_SEQ))
@@ -116,9 +120,6 @@ def _allreduce_time(t, axis, repeat: int) -> float:
     """An all-reduce's cost as training sees it: each one follows ~1 ms of compute, so the
     ranks arrive as unevenly as a shared machine makes them (their wait is in the figure); the
     compute alone, timed the same way, is subtracted."""
-    import torch
-
-    from .. import comm
     a = torch.randn(192, 192)
     loops = max(2, min(40, (1 << 20) // t.numel()))
 
@@ -137,12 +138,6 @@ def _allreduce_time(t, axis, repeat: int) -> float:
 
 def measure_rank(rank: int, world: int, out: str, repeat: int = 7) -> None:
     """One rank's measurements (all ranks at once), written as JSON to ``out``/rank.json."""
-    import torch
-
-    from .. import comm
-    from ..config import ParallelConfig
-    from ..mesh import ParallelMesh
-
     mesh = ParallelMesh(ParallelConfig(dp=world))
     axis = mesh.world
     comm.barrier(axis)
@@ -197,9 +192,7 @@ def _fit_alpha_beta(world: int, allreduce: dict[int, float]) -> tuple[float, flo
 
 def calibrate(nprocs: int = 2, repeat: int = 7) -> tuple[Hardware, dict]:
     """Measure with ``nprocs`` ranks; the hardware and the medians it was fitted from."""
-    from ..launch import spawn
-
-    threads = max(1, (os.cpu_count() or 1) // nprocs)  # as ``paraloom train`` gives its ranks
+    threads = local_threads(nprocs)  # as ``paraloom train`` gives its ranks
     with tempfile.TemporaryDirectory(prefix="paraloom-calibrate-") as out:
         spawn(measure_rank, nprocs, out, repeat, threads=threads)
         ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(nprocs)]
@@ -239,9 +232,6 @@ def predict_run(cfg: dict, hw: Hardware) -> dict:
     paraloom's own switches: async tp all-reduce (its default: tp > 1 without sp), p2p posted
     ahead (gloo's default), torch's early-stopping checkpoint (proj's reduction re-run only),
     gradient-accumulation fusion as configured (off by default)."""
-    from .check import config_from_run
-    from .steptime import Options, step_time
-
     c = config_from_run(cfg)
     p = cfg["parallel"]
     async_tp = p.get("async_grad_allreduce")
@@ -259,31 +249,3 @@ def to_toml(hw: Hardware) -> str:
     for key, value in hw.to_dict().items():
         lines.append(f"{key} = " + (json.dumps(value) if isinstance(value, str) else repr(value)))
     return "\n".join(lines) + "\n"
-
-
-def calibrate_main(argv: list[str] | None = None) -> int:
-    """``paraloom plan --calibrate [--nprocs R] [--out FILE.toml]``."""
-    ap = argparse.ArgumentParser(prog="paraloom plan --calibrate",
-                                 description="measure this machine as plan hardware")
-    ap.add_argument("--calibrate", action="store_true")
-    ap.add_argument("--nprocs", type=int, default=2,
-                    help="ranks measuring at once: the world size you will train with")
-    ap.add_argument("--repeat", type=int, default=7, help="timed repeats (medians)")
-    ap.add_argument("--out", default=None, help="write the hardware as TOML here")
-    a = ap.parse_args(argv)
-    if a.nprocs < 1 or a.repeat < 1:
-        print(f"paraloom plan: error: --nprocs and --repeat must be >= 1, got {a.nprocs} and "
-              f"{a.repeat}", file=sys.stderr)
-        return 2
-    hw, _ = calibrate(a.nprocs, a.repeat)
-    text = to_toml(hw)
-    print(f"GEMM peak {hw.peak_flops / 1e9:.1f} GFLOP/s per rank (half-efficiency dimension "
-          f"{hw.gemm_half_dim:.0f}), memory {hw.hbm_bw / 1e9:.1f} GB/s, op overhead "
-          f"{hw.op_overhead * 1e6:.1f} us, gloo alpha {hw.intra_latency * 1e6:.0f} us, "
-          f"beta {hw.intra_bw / 1e9:.2f} GB/s ({a.nprocs} ranks)")
-    if a.out:
-        Path(a.out).write_text(text)
-        print(f"wrote {a.out} (paraloom plan --hardware {a.out} ...)")
-    else:
-        print(text, end="")
-    return 0

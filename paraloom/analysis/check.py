@@ -17,20 +17,17 @@ every row agrees; 1 naming the differences; 2 on an unreadable run folder.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import replace
 from pathlib import Path
 
-from .arch import Architecture
-from .formulas import CommConfig, expected_comm
-from .moe_formulas import moe_from_run
+from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
+from .formulas import expected_comm
+from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
+from .spec import Architecture, CommConfig
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
-           "check_main"]
+           "load_run"]
 
 
 def _phase(event: dict) -> str:
@@ -79,13 +76,11 @@ def check_run(config: CommConfig, events: list[dict], *, step: int | None = None
         pp_rank = rank // (config.tp * config.cp * config.dp)
         expected = expected_comm(config, pp_rank) if rank < world else {}  # outside: all DIFF
         if config.moe is not None and rank < world:  # token all-to-alls: bytes from the splits
-            from .moe_formulas import split_bytes
             for key, cell in split_bytes(config, events, rank, step).items():
                 expected[key] = {"count": expected.get(key, {"count": 0})["count"],
                                  "bytes": expected.get(key, {"bytes": 0})["bytes"] + cell["bytes"]}
         rows += compare(expected, events, rank=rank, step=step)
     if config.moe is not None:
-        from .moe_formulas import check_all_to_all
         rows += check_all_to_all(config, events, step=step)
     return rows
 
@@ -150,53 +145,21 @@ def _ffn(model: dict) -> int | None:
     return int(4 * model["hidden_size"] * 2 / 3 / 64) * 64
 
 
-def _load(run_dir: str) -> tuple[dict, list[dict], set[int]]:
-    """``config.json``, the ledger, and the steps metrics.jsonl marks ``skipped``."""
-    from ..run_folder import read_json_lines as load
-
+def load_run(run_dir: str) -> tuple[dict, list[dict], set[int]]:
+    """``config.json``, the ledger, and the steps metrics.jsonl marks ``skipped``; ``ValueError``
+    for a folder ``check`` cannot read (naming what is missing)."""
     root = Path(run_dir)
-    if not (root / "config.json").is_file() and any(root.glob("ledger/rank*.status.json")):
+    if not (root / CONFIG).is_file() and any(root.glob("ledger/rank*.status.json")):
         raise ValueError(f"{run_dir!r} was recorded by paraloom record: a recorded program has "
                          f"no formulas to check its ledger against (no config.json); read it "
                          f"with paraloom table, trace or report")
-    for name in ("config.json", "ledger.jsonl"):
+    for name in (CONFIG, LEDGER):
         if not (root / name).is_file():
             raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "
                              f"train holds config.json and ledger.jsonl)")
-    skipped = set()
-    if (root / "metrics.jsonl").is_file():
-        for line in (root / "metrics.jsonl").read_text().splitlines():
-            if line.strip() and (m := json.loads(line)).get("skipped"):
-                skipped.add(m["step"])
-    return (json.loads((root / "config.json").read_text()), load(root / "ledger.jsonl"),
-            skipped)
+    skipped = {m["step"] for m in read_json_lines(root / METRICS, strict=False)
+               if m.get("skipped")}
+    return read_json(root / CONFIG, "a run configuration"), read_json_lines(root / LEDGER), \
+        skipped
 
 
-def check_main(argv: list[str] | None = None) -> int:
-    """``paraloom check RUN_DIR [--step N] [--only-diff]``: 0 if the ledger agrees exactly
-    with the formulas on every rank and recorded step, 1 (differences named) if not, 2 on a
-    missing or unreadable run folder or an unrecorded step."""
-    ap = argparse.ArgumentParser(prog="paraloom check",
-                                 description="Compare a run's ledger with the formulas.")
-    ap.add_argument("run_dir", metavar="RUN_DIR")
-    ap.add_argument("--step", type=int, default=None, help="one recorded step (default: all)")
-    ap.add_argument("--only-diff", action="store_true", help="print the differing rows only")
-    args = ap.parse_args(argv)
-    try:
-        cfg, events, skipped = _load(args.run_dir)
-        config = config_from_run(cfg)
-        steps = sorted({e["step"] for e in events if e["op"] != "compute"})
-        if args.step is not None and args.step not in steps:
-            raise ValueError(f"step {args.step} is not in the ledger; recorded steps: {steps}")
-        if not steps:
-            raise ValueError(f"the ledger of {args.run_dir!r} holds no communication")
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as err:
-        print(f"paraloom check: error: {err}", file=sys.stderr)
-        return 2
-    ok = True
-    for step in [args.step] if args.step is not None else steps:
-        step_config = replace(config, optimizer_step=step not in skipped)
-        rows = check_run(step_config, events, step=step)
-        print(f"## step {step}\n\n" + render_diff(rows, only_diff=args.only_diff))
-        ok = ok and all_ok(rows)
-    return 0 if ok else 1

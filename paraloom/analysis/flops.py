@@ -1,4 +1,4 @@
-"""Model and hardware FLOPs of a :class:`~paraloom.analysis.formulas.CommConfig`, for every
+"""Model and hardware FLOPs of a :class:`~paraloom.analysis.spec.CommConfig`, for every
 architecture the model builds: GPT-2, the Llama family and mixture of experts.
 
 Per layer forward, on ``N = B s`` tokens (``d = h/a``, ``g`` key/value heads, ``f`` the MLP

@@ -9,7 +9,7 @@ Re-runs of forward communication under full recomputation are keyed with phase `
 
 A train step (``grad_sync``) adds the data-parallel bucket reductions of the exact bucket
 layout (:mod:`paraloom.analysis.layout`), ``finalize_model_grads``' sp and tied-embedding sums
-and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_main` compares all
+and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_run` compares all
 of it with a ``paraloom train`` run folder.
 
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``
@@ -25,150 +25,17 @@ Korthikanti et al. 2022 (sequence parallelism, Table 2 activation memory), Naray
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
-from .arch import Architecture, arch_params_per_rank
 from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
-from .layout import rank_buckets, sp_elems
+from .layout import rank_buckets, sp_elems, stage_layers
+from .moe_formulas import moe_comm
+from .spec import F32, CommConfig
 
-__all__ = ["CommConfig", "expected_comm", "bubble_fraction", "activation_bytes_per_layer",
-           "flops_per_iteration", "model_flops_per_iteration", "hardware_flops_per_iteration",
-           "recompute_flops_per_iteration", "param_count", "params_per_rank", "stage_layers",
-           "default_buckets"]
-
-F32 = 4
+__all__ = ["CommConfig", "expected_comm"]
 
 
-@dataclass(frozen=True, kw_only=True)
-class CommConfig:
-    """One layout of the GPT of :mod:`paraloom.models.gpt`, as the formulas need it."""
-
-    layers: int
-    """Transformer layers ``L`` (all stages)."""
-    hidden: int
-    """Model width ``h``."""
-    heads: int
-    """Attention heads ``a``."""
-    seq_len: int
-    """Tokens per sample ``s``."""
-    vocab: int
-    """Vocabulary ``V`` (already padded to a multiple of ``t``)."""
-    ffn: int | None = None
-    """MLP width; ``None`` means ``4h``."""
-    micro_batch: int = 1
-    """Samples per microbatch ``b``."""
-    num_microbatches: int = 1
-    """Microbatches per step ``m`` (per data-parallel rank)."""
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int | None = None
-    """Virtual pipeline stages per rank (interleaved 1F1B); ``None`` or 1: one chunk."""
-    sequence_parallel: bool = False
-    recompute: str = "none"
-    """``none``, ``selective`` (attention core only: no communication) or ``full`` (each layer's
-    forward communication runs again in backward, up to proj's reduction and fc1's gather: the
-    re-run stops once every saved tensor is rebuilt, so fc2's reduction is not repeated)."""
-    distributed_optimizer: bool = False
-    """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
-    grad_sync: bool = True
-    """The step is a train step: it reduces gradients (data-parallel buckets,
-    ``finalize_model_grads``) and the loss + gradient norm (kind ``loss``); ``False`` for a
-    bare forward + backward of the model."""
-    optimizer_step: bool = True
-    """The optimizer step ran; a train step whose loss or gradient norm is not finite skips
-    it (``"skipped"`` in metrics.jsonl), and with it the distributed optimizer's all-gathers."""
-    overlap_grad_reduce: bool = True
-    """Bucket reductions launched from backward hooks (phase ``backward``), else ``optimizer``."""
-    buckets: tuple[int, ...] | None = None
-    """Elements per gradient bucket of this rank (padded as the buffer pads them), an override
-    for one stage; ``None``: the exact layout (:func:`paraloom.analysis.layout.rank_buckets`)."""
-    bucket_size: int | None = None
-    """Elements at which a bucket closes (``None``: Megatron's ``max(40M, 1M * dp)``)."""
-    dtype_bytes: int = 4
-    """Bytes per activation / parameter element (fp32 4, bf16 2)."""
-    grad_bytes: int = 4
-    """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
-    label_smoothing: bool = False
-    """Cross-entropy reduces a third per-token number (the sum of logits)."""
-    arch: Architecture = Architecture()
-    """Llama-family switches (:mod:`paraloom.analysis.arch`); the default is GPT-2."""
-    cp: int = 1
-    """Context-parallel size: each rank holds ``s/cp`` tokens of every sequence
-    (:mod:`paraloom.analysis.cp_formulas`)."""
-    cp_comm_type: str = "p2p"
-    """``p2p`` (K/V ring) or ``all_gather``."""
-    moe: object = None
-    """Mixture of experts (:class:`paraloom.analysis.moe_formulas.MoECommConfig`); ``None``:
-    dense. Its all-to-alls are checked by :mod:`paraloom.analysis.moe_formulas`."""
-
-    def __post_init__(self) -> None:
-        if self.recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
-        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch",
-                     "num_microbatches", "tp", "pp", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.layers % (self.pp * self.v):
-            raise ValueError(f"layers = {self.layers} is not divisible by pp * vpp = "
-                             f"{self.pp} * {self.v}")
-
-    @property
-    def v(self) -> int:
-        return self.vpp or 1
-
-    @property
-    def f(self) -> int:
-        return self.ffn or 4 * self.hidden
-
-    @property
-    def sp(self) -> bool:
-        """Sequence parallelism in effect (it needs tp > 1)."""
-        return self.sequence_parallel and self.tp > 1
 
 
-def stage_layers(c: CommConfig) -> int:
-    """Transformer layers held by one pipeline rank (all of its virtual chunks)."""
-    return c.layers // c.pp
-
-
-def _layer_params(c: CommConfig) -> tuple[int, int]:
-    """``(split over tp, replicated)`` parameters of one layer: QKV, proj, fc1, fc2 (+ biases)
-    are split except the row biases; the two LayerNorms and row biases are replicated."""
-    h, f = c.hidden, c.f
-    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
-    return split, 4 * h + 2 * h
-
-
-def params_per_rank(c: CommConfig, pp_rank: int = 0) -> int:
-    """Parameters stored by one rank of pipeline stage ``pp_rank`` (tied embedding counted on
-    both the first and the last stage when ``pp > 1``)."""
-    if not c.arch.is_gpt2:
-        return arch_params_per_rank(c, pp_rank)
-    split, replicated = _layer_params(c)
-    n = stage_layers(c) * (split // c.tp + replicated)
-    if pp_rank == 0:
-        n += c.vocab * c.hidden // c.tp + c.seq_len * c.hidden
-    if pp_rank == c.pp - 1:
-        n += 2 * c.hidden + (c.vocab * c.hidden // c.tp if c.pp > 1 else 0)
-    return n
-
-
-def param_count(layers: int, hidden: int, vocab: int, seq_len: int,
-                ffn: int | None = None) -> int:
-    """Parameters of the whole GPT (tied embeddings, learned positions, final LayerNorm):
-    ``12 L h^2 + 13 L h + (V + s) h + 2h`` for ``ffn = 4h`` — Narayanan et al.'s
-    ``12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h))`` plus the final LayerNorm."""
-    f = ffn or 4 * hidden
-    per_layer = 4 * hidden * hidden + 2 * hidden * f + f + 9 * hidden
-    return layers * per_layer + (vocab + seq_len) * hidden + 2 * hidden
-
-
-def default_buckets(c: CommConfig, pp_rank: int = 0) -> tuple[int, ...]:
-    """Elements of each gradient bucket of this rank (all chunks, padded), exactly as the
-    gradient buffer cuts them (:func:`paraloom.analysis.layout.rank_buckets`)."""
-    return tuple(b.numel for b in rank_buckets(c, pp_rank))
 
 
 def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str], dict]:
@@ -224,7 +91,6 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)
     if c.moe is not None:  # MoE layers' tp/sp traffic instead of the dense MLP's, and ep counts
-        from .moe_formulas import moe_comm
         moe_comm(c, pp_rank, add)
     if c.grad_sync:
         _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
@@ -275,77 +141,3 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
     if c.tp * c.pp * c.dp > 1:
         stats = 3 + c.layers * c.moe.num_experts if c.moe is not None else 0
         add("loss", "all_reduce", "optimizer", 1, (2 + stats) * 8)
-
-
-def bubble_fraction(pp: int, num_microbatches: int, vpp: int | None = None) -> float:
-    """Idle fraction of a 1F1B step: ``(p-1)/(m+p-1)``; interleaved ``(p-1)/(v m + p-1)``."""
-    v = vpp or 1
-    return (pp - 1) / (v * num_microbatches + pp - 1)
-
-
-def activation_bytes_per_layer(s: int, b: int, h: int, a: int, t: int = 1, *,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               attention: str = "core") -> float:
-    """Activation bytes one layer keeps for backward (16-bit activations), Korthikanti et al.
-    2022 Table 2: none ``sbh(34 + 5as/h)``; tp ``sbh(10 + 24/t + 5as/(ht))``; tp + sp
-    ``sbh(34/t + 5as/(ht))``; selective + tp ``sbh(10 + 24/t)``; selective + tp + sp
-    ``sbh(34/t)``; full recomputation ``2sbh`` (only the layer input). ``attention="sdpa"``
-    (fused attention) keeps no ``s x s`` tensor: the ``5as/(ht)`` term drops, as with selective
-    recomputation (its per-row softmax statistics are O(sb), below this resolution)."""
-    sbh = s * b * h
-    if recompute == "full":
-        return 2.0 * sbh
-    attn = 0.0 if recompute == "selective" or attention == "sdpa" else 5 * a * s / (h * t)
-    if recompute not in ("none", "selective"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    if sequence_parallel and t > 1:
-        return sbh * (34 / t + attn)
-    return sbh * (10 + 24 / t + attn)
-
-
-def flops_per_iteration(batch: int, s: int, layers: int, h: int, vocab: int) -> float:
-    """Narayanan et al. 2021, eq. (3): ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` — forward,
-    backward and one forward recomputation of a GPT on a global batch of ``B`` samples."""
-    return 96 * batch * s * layers * h * h * (1 + s / (6 * h) + vocab / (16 * layers * h))
-
-
-def model_flops_per_iteration(batch: int, s: int, layers: int, h: int, vocab: int,
-                              ffn: int | None = None) -> float:
-    """The FLOPs the model needs per step, without any recomputation (what MFU divides):
-    forward ``2 B s (4h^2 + 2hf) + 4 B s^2 h`` per layer (QKV, proj, fc1, fc2 GEMMs; QK^T and
-    attention x V) plus the logits ``2 B s h V``; backward twice the forward. With ``f = 4h``:
-    ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))`` (Narayanan et al.'s eq. (3) without its fourth,
-    recomputed forward pass)."""
-    f = ffn or 4 * h
-    layer = 2 * batch * s * (4 * h * h + 2 * h * f) + 4 * batch * s * s * h
-    return 3 * (layers * layer + 2 * batch * s * h * vocab)
-
-
-def recompute_flops_per_iteration(batch: int, s: int, layers: int, h: int,
-                                  ffn: int | None = None, recompute: str = "none", *,
-                                  early_stop: bool = True) -> float:
-    """FLOPs that recomputation adds per step. ``full``: every layer's forward again
-    ``l (2 B s (4h^2 + 2hf) + 4 B s^2 h)`` (not the logits). ``selective``: the core attention
-    again; torch's non-reentrant checkpoint (paraloom's, ``early_stop=True``) stops once every
-    saved tensor is rebuilt, so only QK^T re-runs (the softmax output is what attention x V
-    saved): ``2 B s^2 h l``; Megatron's own checkpoint re-runs QK^T and attention x V:
-    ``4 B s^2 h l``. Both counted against ``torch.utils.flop_counter`` in the tests."""
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    f = ffn or 4 * h
-    if recompute == "full":
-        return layers * (2 * batch * s * (4 * h * h + 2 * h * f) + 4 * batch * s * s * h)
-    if recompute == "selective":
-        return (2 if early_stop else 4) * batch * s * s * h * layers
-    return 0.0
-
-
-def hardware_flops_per_iteration(batch: int, s: int, layers: int, h: int, vocab: int,
-                                 ffn: int | None = None, recompute: str = "none", *,
-                                 early_stop: bool = True) -> float:
-    """The FLOPs the GPUs execute per step (what HFU divides): model FLOPs plus the configured
-    recomputation. Full recomputation with ``f = 4h`` is Narayanan's eq. (3),
-    ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``."""
-    return (model_flops_per_iteration(batch, s, layers, h, vocab, ffn)
-            + recompute_flops_per_iteration(batch, s, layers, h, ffn, recompute,
-                                            early_stop=early_stop))

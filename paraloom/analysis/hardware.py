@@ -34,12 +34,11 @@ node, about ten across InfiniBand. Everything can be overridden by flags or a TO
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import asdict, dataclass, fields, replace
 
 import tomllib
 
-__all__ = ["Hardware", "GPUS", "hardware_from", "add_hardware_args", "hardware_from_args"]
+__all__ = ["Hardware", "GPUS", "FLAGS", "hardware_from"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +121,7 @@ GPUS: dict[str, Hardware] = {h.name: h for h in (
 )}
 """The presets of ``--gpu`` (DGX-class nodes of 8 GPUs)."""
 
-_FLAGS = ("gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "intra_latency",
+FLAGS = ("gpus_per_node", "peak_flops", "hbm_bytes", "hbm_bw", "intra_bw", "intra_latency",
           "inter_bw", "inter_latency", "gemm_efficiency", "gemm_half_dim", "link_efficiency",
           "mem_efficiency", "overlap_efficiency", "gather_factor", "op_overhead")
 
@@ -150,21 +149,3 @@ def hardware_from(gpu: str = "a100-80gb", path: str | None = None, **overrides) 
     if "name" not in values and (path or overrides):
         values["name"] = gpu + (" (modified)" if set(values) - {"name"} else "")
     return replace(GPUS[gpu], **values)
-
-
-def add_hardware_args(ap: argparse.ArgumentParser) -> None:
-    """``--gpu``, ``--hardware FILE.toml`` and one override flag per :class:`Hardware` field."""
-    g = ap.add_argument_group("hardware (step time, --search)")
-    g.add_argument("--gpu", choices=sorted(GPUS), default=None,
-                   help="GPU preset (default a100-80gb); see README, Predicting step time")
-    g.add_argument("--hardware", metavar="FILE.toml", default=None,
-                   help="a TOML hardware description (keys as the flags below, plus gpu)")
-    for name in _FLAGS:
-        kind = int if name == "gpus_per_node" else float
-        g.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
-
-
-def hardware_from_args(a: argparse.Namespace) -> Hardware:
-    """The hardware the flags describe (``ValueError`` names a bad one)."""
-    return hardware_from(a.gpu or "a100-80gb", a.hardware,
-                         **{name: getattr(a, name) for name in _FLAGS})

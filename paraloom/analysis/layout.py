@@ -20,41 +20,18 @@ parameters. This module derives that layout from the configuration alone (no mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
+from ..data_parallel.grad_buffer import cut_buckets
 from .arch import arch_chunk_params
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .formulas import CommConfig
+from .moe_formulas import moe_layer_params
+from .spec import Bucket, CommConfig, Param
 
 __all__ = ["Param", "Bucket", "chunk_params", "chunk_buckets", "rank_buckets", "sp_elems",
-           "bucket_size_of"]
+           "bucket_size_of", "stage_layers", "params_per_rank", "param_count",
+           "arch_params_per_rank", "arch_param_count", "default_buckets"]
 
 
-@dataclass(frozen=True)
-class Param:
-    """One parameter of a chunk as the gradient buffer sees it."""
-
-    name: str
-    numel: int
-    shared: bool = False
-    """``shared_embedding``: the tied word embedding when ``pp > 1`` (its own bucket)."""
-    sp: bool = False
-    """``sequence_parallel``: its gradient is all-reduced over tp by ``finalize_model_grads``."""
-    expert: bool = False
-    """An expert's parameter (``allreduce=False``): its own buffer, reduced over edp."""
-
-
-@dataclass(frozen=True)
-class Bucket:
-    """One gradient bucket: padded elements and whether it is reduce-scattered."""
-
-    numel: int
-    reduce_scatter: bool
-    names: tuple[str, ...]
-    expert: bool = False
-    """Expert parameters' bucket: reduced (and ZeRO-sharded) over edp, not dp."""
 
 
 def bucket_size_of(c: CommConfig) -> int:
@@ -87,7 +64,6 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
                 Param(p + "attention.proj.bias", h, sp=sp),
                 Param(p + "ln2.weight", h, sp=sp), Param(p + "ln2.bias", h, sp=sp)]
         if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
-            from .moe_formulas import moe_layer_params
             out += moe_layer_params(c, p + "mlp.")
             continue
         out += [Param(p + "mlp.fc1.weight", f // t * h), Param(p + "mlp.fc1.bias", f // t),
@@ -107,7 +83,6 @@ def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
 
 
 def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool) -> list[Bucket]:
-    from ..data_parallel.grad_buffer import cut_buckets  # the buffer's own rule
     pad = axis if c.distributed_optimizer else 1
     order = list(reversed(params))  # backward order: last layer first
     out = []
@@ -128,3 +103,64 @@ def rank_buckets(c: CommConfig, pp_rank: int) -> list[Bucket]:
 def sp_elems(c: CommConfig, pp_rank: int) -> int:
     """Elements of the rank's ``sequence_parallel`` parameters (one coalesced all-reduce)."""
     return sum(p.numel for chunk in range(c.v) for p in chunk_params(c, pp_rank, chunk) if p.sp)
+
+
+def stage_layers(c: CommConfig) -> int:
+    """Transformer layers held by one pipeline rank (all of its virtual chunks)."""
+    return c.layers // c.pp
+
+
+def _layer_params(c: CommConfig) -> tuple[int, int]:
+    """``(split over tp, replicated)`` parameters of one layer: QKV, proj, fc1, fc2 (+ biases)
+    are split except the row biases; the two LayerNorms and row biases are replicated."""
+    h, f = c.hidden, c.f
+    split = 3 * h * h + 3 * h + h * h + h * f + f + f * h
+    return split, 4 * h + 2 * h
+
+
+def params_per_rank(c: CommConfig, pp_rank: int = 0) -> int:
+    """Parameters stored by one rank of pipeline stage ``pp_rank`` (tied embedding counted on
+    both the first and the last stage when ``pp > 1``)."""
+    if not c.arch.is_gpt2:
+        return arch_params_per_rank(c, pp_rank)
+    split, replicated = _layer_params(c)
+    n = stage_layers(c) * (split // c.tp + replicated)
+    if pp_rank == 0:
+        n += c.vocab * c.hidden // c.tp + c.seq_len * c.hidden
+    if pp_rank == c.pp - 1:
+        n += 2 * c.hidden + (c.vocab * c.hidden // c.tp if c.pp > 1 else 0)
+    return n
+
+
+def param_count(layers: int, hidden: int, vocab: int, seq_len: int,
+                ffn: int | None = None) -> int:
+    """Parameters of the whole GPT (tied embeddings, learned positions, final LayerNorm):
+    ``12 L h^2 + 13 L h + (V + s) h + 2h`` for ``ffn = 4h`` — Narayanan et al.'s
+    ``12 L h^2 (1 + 13/(12h) + (V + s)/(12 L h))`` plus the final LayerNorm."""
+    f = ffn or 4 * hidden
+    per_layer = 4 * hidden * hidden + 2 * hidden * f + f + 9 * hidden
+    return layers * per_layer + (vocab + seq_len) * hidden + 2 * hidden
+
+
+def default_buckets(c: CommConfig, pp_rank: int = 0) -> tuple[int, ...]:
+    """Elements of each gradient bucket of this rank (all chunks, padded), exactly as the
+    gradient buffer cuts them (:func:`paraloom.analysis.layout.rank_buckets`)."""
+    return tuple(b.numel for b in rank_buckets(c, pp_rank))
+
+
+_COUNTS: dict = {}
+"""Counts already made, by what they depend on (``plan --search`` asks for many layouts)."""
+
+
+def arch_params_per_rank(c, pp_rank: int) -> int:
+    """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
+    key = (c.arch, c.layers, c.hidden, c.heads, c.f, c.seq_len, c.vocab, c.tp, c.pp, c.v, c.sp,
+           c.moe, pp_rank)
+    if key not in _COUNTS:
+        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+    return _COUNTS[key]
+
+
+def arch_param_count(c) -> int:
+    """Parameters of the whole model (one copy: tp = pp = 1)."""
+    return arch_params_per_rank(replace(c, tp=1, pp=1, vpp=None, sequence_parallel=False), 0)

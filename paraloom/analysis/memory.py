@@ -12,7 +12,7 @@ region's inputs, passes through ours. So the account is what backward will find 
 :class:`~paraloom.models.gpt.TransformerLayer` on this rank and returns the bytes it saved;
 :func:`layer_saved_tensors` gives them per tensor; :func:`expected_saved_bytes` is the exact
 accounting below, to compare with, and with Korthikanti et al. 2022, Table 2
-(:func:`paraloom.analysis.formulas.activation_bytes_per_layer`).
+(:func:`paraloom.analysis.memory_formulas.activation_bytes_per_layer`).
 
 What a pre-LayerNorm GPT layer written with autograd ops saves, per rank. ``s`` sequence, ``b``
 micro-batch, ``h`` hidden, ``a`` heads, ``f`` MLP width (4h), ``t`` tensor-parallel size, ``e``
@@ -78,6 +78,8 @@ import torch
 
 from ..config import ModelConfig
 from ..mesh import ParallelMesh
+from ..models.gpt import TransformerLayer
+from ..models.layers import RotaryEmbedding
 from ..tensor_parallel.random import MODEL_PARALLEL_RNG, get_rng_tracker, tensor_parallel_seed
 from ..utils import divide
 
@@ -160,7 +162,6 @@ def layer_saved_tensors(cfg: ModelConfig, mesh: ParallelMesh, options, s: int, b
     """The storages one training forward of ``TransformerLayer(cfg, mesh, 0, options)`` saves on
     this rank, for an input ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) in
     ``options.params_dtype``. Collective with the tensor-parallel group when ``tp > 1``."""
-    from ..models.gpt import TransformerLayer  # models import analysis-free code only
 
     device = torch.device(device)
     sp = options.sequence_parallel and mesh.tp.size > 1
@@ -170,7 +171,6 @@ def layer_saved_tensors(cfg: ModelConfig, mesh: ParallelMesh, options, s: int, b
                         dtype=options.params_dtype, device=device, requires_grad=True)
         rope = None
         if cfg.position_embedding_type == "rope":  # the angles are shared by every layer
-            from ..models.layers import RotaryEmbedding
             rope = tuple(t.to(options.params_dtype) for t in RotaryEmbedding(
                 cfg.head_dim, cfg.rotary_base)(torch.arange(s, device=device)))
         with SavedTensors(exclude=layer.parameters()) as saved:

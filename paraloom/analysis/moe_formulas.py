@@ -27,31 +27,15 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
 
-from .layout import Param
+from ..moe.router import expert_capacity
+from .spec import MoECommConfig, Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
            "check_all_to_all", "moe_from_run", "expert_params", "moe_param_bytes", "moe_plan",
            "split_bytes"]
 
 
-@dataclass(frozen=True)
-class MoECommConfig:
-    """The MoE part of a layout."""
-
-    num_experts: int
-    topk: int = 2
-    ep: int = 1
-    layer_freq: int = 1
-    capacity: bool = False
-    """A capacity factor is set: tokens may be dropped, dispatch rows are data-dependent."""
-    padded_rows: int = 0
-    """With ``moe_pad_expert_input_to_capacity``: rows every dispatch sends (``E x capacity``,
-    fixed); the token counts are then not exchanged. 0: not padded."""
-
-    def is_moe_layer(self, index: int) -> bool:
-        return index % self.layer_freq == 0
 
 
 def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommConfig | None:
@@ -69,7 +53,6 @@ def _padded_rows(model: dict, micro_batch: int) -> int:
     token of a microbatch, ``s x b``; under cp too), else 0."""
     if not model.get("moe_pad_expert_input_to_capacity"):
         return 0
-    from ..moe.router import expert_capacity
     return model["num_experts"] * expert_capacity(
         model["seq_length"] * micro_batch, model.get("moe_router_topk", 2),
         model["num_experts"], model["moe_expert_capacity_factor"])

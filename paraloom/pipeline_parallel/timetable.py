@@ -24,7 +24,8 @@ from .plan_check import check_plans
 from .zero_bubble import zb_h1_orders
 
 __all__ = ["SCHEDULES", "validate", "warmup_count", "stage_order", "timetable", "bubble_fraction",
-           "in_flight_profile", "max_in_flight", "p2p_plan", "check_plans"]
+           "pipeline_bubble", "idle_share", "in_flight_profile", "max_in_flight", "p2p_plan",
+           "check_plans"]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -124,11 +125,27 @@ def timetable(schedule: str, p: int, m: int, v: int = 1,
     return slots
 
 
+def idle_share(busy: float, rows: int, span: float) -> float:
+    """The bubble of any drawn or recorded schedule: the share of ``rows`` stages x ``span``
+    (time slots, or seconds) in which a stage does nothing (``busy``: the stages' busy total)."""
+    return 1.0 - busy / (rows * span) if rows and span > 0 else 0.0
+
+
 def bubble_fraction(slots: list[list[tuple]], p: int) -> float:
-    """Idle share of the ``p * len(slots)`` stage-slots: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
-    ``(p-1)/(3m+p-1)`` for ZB-H1 (``m >= p``; its ``B`` and ``W`` take one slot each)."""
-    busy = sum(len(slot) for slot in slots)
-    return 1.0 - busy / (p * len(slots)) if slots else 0.0
+    """Idle share of the ``p * len(slots)`` stage-slots of a timetable: what
+    :func:`pipeline_bubble` predicts."""
+    return idle_share(sum(len(slot) for slot in slots), p, len(slots))
+
+
+def pipeline_bubble(pp: int, num_microbatches: int, vpp: int | None = None,
+                    schedule: str = "1f1b") -> float:
+    """The bubble in closed form: ``(p-1)/(m+p-1)`` for GPipe and 1F1B (Narayanan et al. 2021),
+    ``(p-1)/(v m+p-1)`` interleaved, ``(p-1)/(3m+p-1)`` for ZB-H1 (``m >= p``: its ``B`` and
+    ``W`` take one slot each), 0 without pipelining."""
+    if schedule == "none" or pp == 1:
+        return 0.0
+    factor = 3 if schedule == "zb-h1" else (vpp or 1)
+    return (pp - 1) / (factor * num_microbatches + pp - 1)
 
 
 def in_flight_profile(ops) -> list[int]:

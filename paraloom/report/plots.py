@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..pipeline_parallel.timetable import idle_share
 from ..run_folder import read_json_lines
 
 __all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule", "plot_loss"]
@@ -79,8 +80,7 @@ def bubble_of(blocks: list[Block], rows: int) -> float:
     if not blocks:
         return 0.0
     span = max(b.start + b.duration for b in blocks) - min(b.start for b in blocks)
-    busy = sum(b.duration for b in blocks)
-    return 1.0 - busy / (rows * span) if span > 0 else 0.0
+    return idle_share(sum(b.duration for b in blocks), rows, span)
 
 
 def draw_schedule(blocks: list[Block], rows: list[str], out: str | Path, *, title: str = "",

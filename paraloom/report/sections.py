@@ -16,6 +16,7 @@ from dataclasses import replace
 from html import escape
 from pathlib import Path
 
+from ..analysis.check import all_ok, check_run, config_from_run
 from .sources import resolve_site, site_facts
 from .svg import line_chart
 from .table import HEADINGS, KEYS, group_rows, table_rows
@@ -42,7 +43,6 @@ def check_verdict(cfg: dict, events: list[dict], skipped: set[int]) -> tuple[boo
     """``(ok, text)``: whether the ledger agrees with the formulas on every rank and recorded
     step (``None`` when the check cannot run, the text saying why)."""
     try:
-        from ..analysis.check import all_ok, check_run, config_from_run
         config = config_from_run(cfg)
         steps = sorted({e["step"] for e in events if e["op"] != "compute"})
         if not steps:

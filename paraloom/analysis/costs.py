@@ -1,0 +1,156 @@
+"""The parts step time is built from (:mod:`.steptime`): one collective, one GEMM, the
+element-wise traffic and one transformer layer of one microbatch on one rank, on described
+hardware, and the software :class:`Options` that change them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cp_formulas import cp_kv_bytes
+from .hardware import Hardware
+from .spec import CommConfig
+
+__all__ = ["Options", "FWD_KERNELS", "BWD_KERNELS", "spans_nodes", "collective_time",
+           "elementwise_bytes", "gemm_time", "cp_comm_time", "layer_time"]
+
+FWD_KERNELS, BWD_KERNELS = 24, 48
+"""Kernels per layer forward / backward (what ``op_overhead`` multiplies)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """How the software runs a layout (what the formulas' config does not say)."""
+
+    async_tp: bool = True
+    """Backward tp reductions overlap the wgrad GEMM (Megatron's async dgrad; sp always)."""
+    overlap_p2p: bool = False
+    bubble_scale: float = 1.0
+    """Fraction of the 1F1B bubble that remains (0 for a zero-bubble schedule)."""
+    grad_accum_fusion: bool = True
+    """Weight grads accumulate straight into fp32 ``main_grad`` (Megatron-LM's default); off
+    (paraloom's default) each microbatch adds ``.grad`` into ``main_grad`` through memory."""
+    early_stop: bool = True
+    """torch's non-reentrant checkpoint (paraloom); ``False``: Megatron's re-runs everything."""
+    recompute_comm: float = 0.5
+    """Fraction of a layer's forward tp communication full recomputation repeats (paraloom: proj
+    only, 1/2; Megatron's reentrant checkpoint: 1)."""
+    p2p_scatter_gather: bool = False
+    """Megatron's scatter/gather of inter-node p2p tensors over tp (Narayanan et al. 4.1)."""
+
+
+def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a group of ``size`` ranks ``stride`` apart leaves a node of ``gpus_per_node``."""
+    return size > 1 and (stride * size > gpus_per_node or gpus_per_node % (stride * size) != 0)
+
+
+def collective_time(op: str, n: int, nbytes: float, hw: Hardware, inter: bool) -> float:
+    """Seconds for one collective of ``n`` ranks; ``nbytes``: the full tensor (all-reduce input,
+    all-gather output, reduce-scatter input, all-to-all input, p2p message)."""
+    if n <= 1 and op != "p2p":
+        return 0.0
+    alpha, beta = hw.link(inter)
+    if op == "all_reduce":
+        return 2 * (n - 1) * (alpha + nbytes / (n * beta))
+    if op in ("all_gather", "reduce_scatter"):
+        return hw.gather_factor * (n - 1) * (alpha + nbytes / (n * beta))
+    if op == "all_to_all":
+        return (n - 1) * (alpha + nbytes / (n * beta))
+    if op == "p2p":
+        return alpha + nbytes / beta
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def elementwise_bytes(tokens: float, outside: float, h: int, f: int, t: int, probs: float,
+                      e: int) -> float:
+    """Bytes the element-wise kernels of one layer forward move: LayerNorms and
+    bias-dropout-adds on the ``outside`` tokens (``T/t`` under sp) ``12 h``, bias + GeLU
+    ``4 f/t``, q/k/v splits ``6 h/t`` per token, scale-mask-softmax ``4`` per score."""
+    return e * (12 * outside * h + 4 * tokens * f / t + 6 * tokens * h / t + 4 * probs)
+
+
+def gemm_time(hw: Hardware, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """Seconds of ``batch`` GEMMs ``(m, n, k)`` at the hardware's size-dependent efficiency."""
+    d0 = hw.gemm_half_dim
+    eff = hw.gemm_efficiency * m / (m + d0) * n / (n + d0)
+    return 2 * m * n * k * batch / (hw.peak_flops * eff)
+
+
+def cp_comm_time(c: CommConfig, hw: Hardware, attention: float) -> tuple[float, float]:
+    """Exposed seconds of one layer's cp K/V exchange (:mod:`~paraloom.analysis.cp_formulas`):
+    ``(forward, backward)``. The ring (``p2p``) sends ``cp - 1`` K/V chunks forward and
+    ``2cp - 1`` backward, each step overlapping the attention of the chunk it already holds;
+    ``all_gather`` gathers K/V before attention and reduce-scatters their gradient after it."""
+    if c.cp == 1:
+        return 0.0, 0.0
+    kv, cp = cp_kv_bytes(c), c.cp
+    inter = spans_nodes(c.tp, cp, hw.gpus_per_node)
+    if c.cp_comm_type == "p2p":
+        step = collective_time("p2p", 2, kv, hw, inter)
+        hide = hw.overlap_efficiency * attention * (cp - 1) / cp  # the last chunk has no peer
+        return (max(0.0, (cp - 1) * step - hide),
+                max(0.0, (2 * cp - 1) * step - 2 * hide))
+    return (collective_time("all_gather", cp, cp * kv, hw, inter),
+            collective_time("reduce_scatter", cp, cp * kv, hw, inter))
+
+
+def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
+           moe_layer: bool = False) -> dict:
+    """Seconds of one layer (a MoE layer: ``moe_layer``) for one microbatch on one rank."""
+    t, h, f, a, e = c.tp, c.hidden, c.f, c.heads, c.dtype_bytes
+    s = c.seq_len // c.cp
+    tokens, b = s * c.micro_batch, c.micro_batch
+    d = h // a
+    qkv = (a + 2 * (c.arch.num_query_groups or a)) * d      # GQA: fewer K/V heads
+    fc1 = 2 * f if c.arch.swiglu else f                      # SwiGLU: gate and up
+    linears = gemm_time(hw, tokens, qkv / t, h) + gemm_time(hw, tokens, h, h / t)
+    if moe_layer:  # the router, then E/ep local experts of N k ep / E rows each (balanced)
+        m = c.moe
+        rows = tokens * m.topk * m.ep / m.num_experts
+        linears += gemm_time(hw, tokens, m.num_experts, h) + m.num_experts / m.ep * (
+            gemm_time(hw, rows, f / t, h) + gemm_time(hw, rows, h, f / t))
+        fc1 = m.topk * f
+    else:
+        linears += gemm_time(hw, tokens, fc1 / t, h) + gemm_time(hw, tokens, h, f / t)
+    qk = gemm_time(hw, s, c.seq_len, d, b * a / t)
+    av = gemm_time(hw, s, d, c.seq_len, b * a / t)
+    fwd = linears + qk + av
+    outside = tokens / t if c.sp else tokens                 # tokens outside the tp regions
+    probs = b * a / t * s * c.seq_len
+    elem_bytes = elementwise_bytes(tokens, outside, h, fc1, t, probs, e)
+    elem = elem_bytes / (hw.hbm_bw * hw.mem_efficiency) + FWD_KERNELS * hw.op_overhead
+    scale = min(1.0, hw.cores / ranks_per_node) if hw.cores else 1.0  # CPU: shared cores
+    fwd, elem, qk, av = fwd / scale, elem / scale, qk / scale, av / scale
+    # tensor-parallel communication of one layer
+    act = tokens * h * e
+    inter = spans_nodes(1, t, hw.gpus_per_node)
+    hide = hw.overlap_efficiency
+    if t == 1:
+        tp_fwd = tp_bwd = 0.0
+    elif c.sp:
+        ag = collective_time("all_gather", t, act, hw, inter)
+        rs = collective_time("reduce_scatter", t, act, hw, inter)
+        tp_fwd = 2 * (ag + rs)
+        # row layers gather the output grad (exposed); column layers re-gather under dgrad and
+        # reduce-scatter under wgrad
+        tp_bwd = 2 * ag + 2 * max(0.0, ag + rs - hide * linears / 2)
+    else:
+        ar = collective_time("all_reduce", t, act, hw, inter)
+        tp_fwd = 2 * ar
+        tp_bwd = 2 * max(0.0, ar - hide * linears / 4) if o.async_tp else 2 * ar
+    cp_fwd, cp_bwd = cp_comm_time(c, hw, qk + av)
+    ep_fwd = ep_comm = 0.0
+    if moe_layer and c.moe.ep > 1:  # counts, dispatch and combine (k N h each); reversed in bwd
+        ep, ep_inter = c.moe.ep, spans_nodes(t * c.cp, c.moe.ep, hw.gpus_per_node)
+        token_a2a = collective_time("all_to_all", ep, c.moe.topk * act, hw, ep_inter)
+        ep_fwd = 2 * token_a2a + collective_time("all_to_all", ep, 8 * c.moe.num_experts, hw,
+                                                 ep_inter)
+        ep_comm = ep_fwd + 2 * token_a2a
+    recompute = 0.0
+    if c.recompute == "full":
+        recompute = fwd + elem + o.recompute_comm * tp_fwd + cp_fwd + ep_fwd
+    elif c.recompute == "selective":
+        again = qk if o.early_stop and c.arch.attention == "core" else qk + av
+        recompute = again + cp_fwd + 4 * e * probs / (hw.hbm_bw * hw.mem_efficiency * scale)
+    return {"gemm": 3 * fwd, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
+            * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd,
+            "cp_comm": cp_fwd + cp_bwd, "ep_comm": ep_comm}

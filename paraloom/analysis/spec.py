@@ -1,0 +1,177 @@
+"""The data types of the analytical model: a layout as the formulas see it (:class:`CommConfig`,
+with its :class:`Architecture` and :class:`MoECommConfig` parts) and a rank's parameters and
+gradient buckets (:class:`Param`, :class:`Bucket`).
+
+They are plain frozen dataclasses with no behaviour beyond their derived sizes, so every formula
+module (``layout``, ``formulas``, ``cp_formulas``, ``moe_formulas``, ``steptime``, ...) imports
+them from here and none of those modules needs another in a circle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+
+__all__ = ["Architecture", "CommConfig", "MoECommConfig", "Param", "Bucket", "F32"]
+
+F32 = 4
+"""Bytes of a float32 (what the loss and cross-entropy reductions move per element)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """ModelConfig's architecture fields (same names and defaults: GPT-2)."""
+
+    normalization: str = "LayerNorm"
+    swiglu: bool = False
+    position_embedding_type: str = "learned_absolute"
+    num_query_groups: int | None = None
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True
+    attention: str = "core"
+
+    @classmethod
+    def from_model(cls, model: dict) -> Architecture:
+        """From a ``config.json``'s ``model`` dict (absent keys: GPT-2's values)."""
+        return cls(**{f.name: model[f.name] for f in fields(cls) if f.name in model})
+
+    @cached_property  # asked for every layout the search tries; the instance is frozen
+    def is_gpt2(self) -> bool:
+        """Every parameter as in GPT-2 (``attention`` changes no parameter)."""
+        return self == Architecture(attention=self.attention)
+
+    @property
+    def tied(self) -> bool:
+        return not self.untie_embeddings_and_output_weights
+
+
+@dataclass(frozen=True)
+class MoECommConfig:
+    """The MoE part of a layout."""
+
+    num_experts: int
+    topk: int = 2
+    ep: int = 1
+    layer_freq: int = 1
+    capacity: bool = False
+    """A capacity factor is set: tokens may be dropped, dispatch rows are data-dependent."""
+    padded_rows: int = 0
+    """With ``moe_pad_expert_input_to_capacity``: rows every dispatch sends (``E x capacity``,
+    fixed); the token counts are then not exchanged. 0: not padded."""
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index % self.layer_freq == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommConfig:
+    """One layout of the GPT of :mod:`paraloom.models.gpt`, as the formulas need it."""
+
+    layers: int
+    """Transformer layers ``L`` (all stages)."""
+    hidden: int
+    """Model width ``h``."""
+    heads: int
+    """Attention heads ``a``."""
+    seq_len: int
+    """Tokens per sample ``s``."""
+    vocab: int
+    """Vocabulary ``V`` (already padded to a multiple of ``t``)."""
+    ffn: int | None = None
+    """MLP width; ``None`` means ``4h``."""
+    micro_batch: int = 1
+    """Samples per microbatch ``b``."""
+    num_microbatches: int = 1
+    """Microbatches per step ``m`` (per data-parallel rank)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None
+    """Virtual pipeline stages per rank (interleaved 1F1B); ``None`` or 1: one chunk."""
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    """``none``, ``selective`` (attention core only: no communication) or ``full`` (each layer's
+    forward communication runs again in backward, up to proj's reduction and fc1's gather: the
+    re-run stops once every saved tensor is rebuilt, so fc2's reduction is not repeated)."""
+    distributed_optimizer: bool = False
+    """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
+    grad_sync: bool = True
+    """The step is a train step: it reduces gradients (data-parallel buckets,
+    ``finalize_model_grads``) and the loss + gradient norm (kind ``loss``); ``False`` for a
+    bare forward + backward of the model."""
+    optimizer_step: bool = True
+    """The optimizer step ran; a train step whose loss or gradient norm is not finite skips
+    it (``"skipped"`` in metrics.jsonl), and with it the distributed optimizer's all-gathers."""
+    overlap_grad_reduce: bool = True
+    """Bucket reductions launched from backward hooks (phase ``backward``), else ``optimizer``."""
+    buckets: tuple[int, ...] | None = None
+    """Elements per gradient bucket of this rank (padded as the buffer pads them), an override
+    for one stage; ``None``: the exact layout (:func:`paraloom.analysis.layout.rank_buckets`)."""
+    bucket_size: int | None = None
+    """Elements at which a bucket closes (``None``: Megatron's ``max(40M, 1M * dp)``)."""
+    dtype_bytes: int = 4
+    """Bytes per activation / parameter element (fp32 4, bf16 2)."""
+    grad_bytes: int = 4
+    """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
+    label_smoothing: bool = False
+    """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    arch: Architecture = Architecture()
+    """Llama-family switches (:mod:`paraloom.analysis.arch`); the default is GPT-2."""
+    cp: int = 1
+    """Context-parallel size: each rank holds ``s/cp`` tokens of every sequence
+    (:mod:`paraloom.analysis.cp_formulas`)."""
+    cp_comm_type: str = "p2p"
+    """``p2p`` (K/V ring) or ``all_gather``."""
+    moe: MoECommConfig | None = None
+    """Mixture of experts (:class:`MoECommConfig`); ``None``:
+    dense. Its all-to-alls are checked by :mod:`paraloom.analysis.moe_formulas`."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
+        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "micro_batch",
+                     "num_microbatches", "tp", "pp", "dp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.layers % (self.pp * self.v):
+            raise ValueError(f"layers = {self.layers} is not divisible by pp * vpp = "
+                             f"{self.pp} * {self.v}")
+
+    @property
+    def v(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def f(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def sp(self) -> bool:
+        """Sequence parallelism in effect (it needs tp > 1)."""
+        return self.sequence_parallel and self.tp > 1
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a chunk as the gradient buffer sees it."""
+
+    name: str
+    numel: int
+    shared: bool = False
+    """``shared_embedding``: the tied word embedding when ``pp > 1`` (its own bucket)."""
+    sp: bool = False
+    """``sequence_parallel``: its gradient is all-reduced over tp by ``finalize_model_grads``."""
+    expert: bool = False
+    """An expert's parameter (``allreduce=False``): its own buffer, reduced over edp."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One gradient bucket: padded elements and whether it is reduce-scattered."""
+
+    numel: int
+    reduce_scatter: bool
+    names: tuple[str, ...]
+    expert: bool = False
+    """Expert parameters' bucket: reduced (and ZeRO-sharded) over edp, not dp."""

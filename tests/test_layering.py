@@ -1,0 +1,167 @@
+"""The house keeps its floors (DESIGN.md, "Layers"): read from the source with ``ast``, no import.
+
+* a package imports only packages above it in :data:`LAYERS` (and itself);
+* nothing imports :mod:`paraloom.commands` but the command line itself (``paraloom/__main__.py``);
+* no function-local paraloom import outside ``commands/`` (they hid import circles); optional
+  third-party packages may still be imported where they are used;
+* no import cycle between modules;
+* command-line code (``argparse``) lives in ``commands/`` only;
+* every module has at most :data:`MAX_LINES` lines (:data:`LONG` lists the exceptions, with why);
+* comments and docstrings do not cite internal issue numbers.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "paraloom"
+
+LAYERS = ("config", "utils", "device", "mesh", "parallel_state", "ledger", "comm", "run_folder",
+          "launch", "tensor_parallel", "context_parallel", "moe", "pipeline_parallel",
+          "data_parallel", "models", "data", "training", "analysis", "record", "diagnose",
+          "explain", "llm", "report", "commands")
+"""The floors, top to bottom: each may import the ones before it."""
+
+MAX_LINES = 300
+LONG: dict[str, str] = {}
+"""Modules allowed past :data:`MAX_LINES`, each with its reason (none today)."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _target(module: str, node: ast.ImportFrom | ast.Import, path: Path) -> list[str]:
+    """The paraloom modules an import statement names (a package's ``__init__`` for
+    ``from package import name`` when ``name`` is not a module of it)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        base = module.split(".")
+        if path.name != "__init__.py":
+            base = base[:-1]
+        if node.level:
+            base = base[:len(base) - (node.level - 1)]
+            prefix = ".".join(base + ([node.module] if node.module else []))
+        else:
+            prefix = node.module or ""
+        names = [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in MODULES else prefix
+                 for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name.startswith("paraloom"):
+            out.append(name)
+    return out
+
+
+def _floor(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def _imports() -> list[tuple[str, str, int, bool, bool]]:
+    """``(importer, imported, line, at module level, only for type checking)``."""
+    out = []
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        top = {id(n) for n in tree.body}
+        checking = set()
+        for node in tree.body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                checking |= {id(n) for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for target in _target(module, node, path):
+                    out.append((module, target, node.lineno, id(node) in top,
+                                id(node) in checking))
+    return out
+
+
+IMPORTS = _imports()
+
+
+def test_every_package_is_on_a_floor():
+    floors = {_floor(m) for m in MODULES if _floor(m) not in (None, "__main__")}
+    assert floors <= set(LAYERS), sorted(floors - set(LAYERS))
+
+
+def test_packages_import_only_floors_above_them():
+    bad = []
+    for a, b, line, _, _ in IMPORTS:
+        fa, fb = _floor(a), _floor(b)
+        if fa in (None, "__main__") or fb is None or fa == fb:
+            continue  # paraloom/__init__ (the public names) and the entry point see everything
+        if LAYERS.index(fb) > LAYERS.index(fa):
+            bad.append(f"{a} (line {line}) imports {b}: {fb} is below {fa}")
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_in_the_library_imports_the_command_line():
+    bad = [f"{a} (line {line})" for a, b, line, _, _ in IMPORTS
+           if _floor(b) == "commands" and _floor(a) not in ("commands", "__main__")]
+    assert not bad, bad
+
+
+def test_no_function_local_paraloom_imports_outside_commands():
+    bad = [f"{a} line {line}: {b}" for a, b, line, top, checking in IMPORTS
+           if not top and not checking and _floor(a) != "commands"]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {m: set() for m in MODULES}
+    for a, b, _, top, checking in IMPORTS:
+        if top and not checking and a != b:
+            graph[a].add(b)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            pytest.fail("import cycle: " + " -> ".join(cycle))
+
+
+def test_command_line_code_lives_in_commands():
+    bad = [str(p.relative_to(ROOT)) for m, p in MODULES.items()
+           if _floor(m) != "commands" and re.search(r"^\s*import argparse\b", p.read_text(), re.M)]
+    assert not bad, bad
+
+
+def test_modules_are_short():
+    long = {str(p.relative_to(ROOT)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert set(long) <= set(LONG), {k: v for k, v in long.items() if k not in LONG}
+
+
+def test_no_internal_issue_numbers_in_the_source():
+    # another project's tracker may be cited by name ("Megatron-LM issue 737")
+    pattern = re.compile(r"(?<!Megatron-LM )(?<!PyTorch )\bissues? #?\d+", re.I)
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in MODULES.values()
+           for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not bad, bad
