@@ -8,8 +8,8 @@ by micro batch * dp, microbatches by pp for the interleaved schedule, the sequen
 sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes the powers of two
 up to ``--max-cp``; ep is tried only for a MoE model (``--num-experts``). Memory is
 :func:`paraloom.analysis.memory_formulas.memory_per_gpu` (the busiest stage) plus
-:func:`transient_bytes` (the layer being recomputed: a long sequence's attention scores), against ``fit_fraction`` of the
-GPU's memory (the rest: CUDA context, allocator slack, logits). Time is
+:func:`transient_bytes` (the layer being recomputed: a long sequence's attention scores),
+against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack, logits). Time is
 :func:`paraloom.analysis.steptime.step_time`, a few ten microseconds a layout, so a 1024-GPU
 search (about 25 000 candidates with cp) takes seconds.
 
