@@ -9,9 +9,9 @@ sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes t
 up to ``--max-cp``; ep is tried only for a MoE model (``--num-experts``). Memory is
 :func:`paraloom.analysis.memory_formulas.memory_per_gpu` (the busiest stage) plus
 :func:`transient_bytes` (the layer being recomputed: a long sequence's attention scores),
-against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack, logits). Time is
-:func:`paraloom.analysis.steptime.step_time`, a few ten microseconds a layout, so a 1024-GPU
-search (about 25 000 candidates with cp) takes seconds.
+against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack,
+logits). Time is :func:`paraloom.analysis.steptime.step_time`, a few ten microseconds a layout,
+so a 1024-GPU search (about 25 000 candidates with cp) takes seconds.
 
     paraloom plan --search --gpus 1024 --layers 96 --hidden 12288 --heads 96 --seq-len 2048 \\
         --global-batch-size 1536 --gpu a100-80gb
