@@ -40,11 +40,15 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="paraloom record", description=__doc__.splitlines()[0],
         usage="paraloom record [--nproc N] [--out DIR] [--steps K] [--compute] "
-              "[--timeout S] -- (SCRIPT.py | -m MODULE) [ARGS...]")
+              "[--megatron-on-cpu] [--timeout S] -- (SCRIPT.py | -m MODULE) [ARGS...]")
     ap.add_argument("--nproc", type=int, help="local ranks to start (default: join the world "
                                               "of torchrun's environment)")
     ap.add_argument("--out", default="record", help="output folder (default: record)")
     ap.add_argument("--steps", type=int, help="stop recording after K optimizer steps")
+    ap.add_argument("--megatron-on-cpu", action="store_true",
+                    help="run a megatron-core program on CPU ranks (gloo): opt-in run-time "
+                         "patches for what megatron-core asks of CUDA (paraloom.record."
+                         "megatron_cpu; README, 'Record Megatron-Core itself')")
     ap.add_argument("--compute", action="store_true",
                     help="also record leaf modules' forward/backward compute spans")
     ap.add_argument("--timeout", type=float, default=1800.0,
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for old in (out / "ledger").glob("rank_*"):
         old.unlink()
     codes, stop = launch_ranks(args.nproc, target, out, steps=args.steps, compute=args.compute,
-                               timeout=args.timeout)
+                               timeout=args.timeout, megatron_on_cpu=args.megatron_on_cpu)
     events = finish(out, codes)
     code = _report(out, codes, stop, args.timeout)
     _summary(out, events, len(codes), code)
@@ -203,7 +207,8 @@ def _join(args, target: list[str], out: Path) -> int:
     its program starts (:func:`paraloom.record.bootstrap.run_program`), so a status from an
     earlier record into the same folder cannot be taken for this run's: a program's
     ``init_process_group`` waits for every rank, hence for every removal."""
-    code = bootstrap.run_program(str(out), args.steps, args.compute, target)
+    code = bootstrap.run_program(str(out), args.steps, args.compute, target,
+                                 megatron_on_cpu=args.megatron_on_cpu)
     skip_finalization()  # the program's groups must not abort the exit (as local ranks do)
     rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
     if rank != 0:

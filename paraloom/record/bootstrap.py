@@ -24,7 +24,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..run_folder import rank_status
+from . import megatron_cpu
 from .recorder import record_comms
+
+MEGATRON_ON_CPU = "PARALOOM_MEGATRON_ON_CPU"
+"""Set to ``1`` by ``record --megatron-on-cpu`` for its local ranks."""
 
 __all__ = ["run_program"]
 
@@ -72,7 +76,7 @@ def _watch(seen: dict) -> None:
 
 
 def run_program(out: str, steps: int | None, compute: bool, target: list[str],
-                t0: float | None = None) -> int:
+                t0: float | None = None, megatron_on_cpu: bool = False) -> int:
     """Run ``target`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``) under
     ``record_comms``; returns the program's exit code (1 if it raised)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -81,6 +85,8 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
     status.unlink(missing_ok=True)  # an older record's: rank 0 of a joined world must not read it
     seen = {"init": False, "children": False}
     _watch(seen)
+    if megatron_on_cpu:
+        megatron_cpu.install()
     code, error = 0, None
     with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0) as ledger:
         try:
@@ -114,7 +120,8 @@ def main(argv: list[str]) -> int:
     out, steps, compute, *target = argv
     t0 = os.environ.get("PARALOOM_RECORD_T0")
     return run_program(out, int(steps) if steps != "0" else None, compute == "1", target,
-                       float(t0) if t0 else None)
+                       float(t0) if t0 else None,
+                       megatron_on_cpu=os.environ.get(MEGATRON_ON_CPU) == "1")
 
 
 if __name__ == "__main__":

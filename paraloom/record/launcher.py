@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..launch import PEER_GONE
 from ..run_folder import rank_status
+from .bootstrap import MEGATRON_ON_CPU
 
 __all__ = ["launch_ranks", "culprit", "status", "wait_for_statuses", "KILL_S", "JOIN_WAIT_S"]
 
@@ -82,7 +83,7 @@ def _stop_ranks(procs: dict, stop: dict) -> None:
 
 
 def launch_ranks(nproc: int, target: list[str], out: Path, *, steps: int | None, compute: bool,
-                 timeout: float) -> tuple[dict[int, int], dict]:
+                 timeout: float, megatron_on_cpu: bool = False) -> tuple[dict[int, int], dict]:
     """Start ``nproc`` ranks running ``target`` under the recorder and wait; returns each rank's
     exit code (negative: signal) and why the launcher stopped ranks: ``{"why": None | "failure" |
     "timeout" | "SIGTERM" | "SIGINT", "ranks": the ranks it stopped, "killed": those it had to
@@ -92,6 +93,8 @@ def launch_ranks(nproc: int, target: list[str], out: Path, *, steps: int | None,
                PARALOOM_RECORD_T0=repr(time.time()))
     env.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     env.setdefault("OMP_NUM_THREADS", "1")
+    if megatron_on_cpu:
+        env[MEGATRON_ON_CPU] = "1"
     cmd = [sys.executable, "-m", "paraloom.record.bootstrap", str(out), str(steps or 0),
            "1" if compute else "0", *target]
     arm = _die_with_launcher(os.getpid())

@@ -1,0 +1,244 @@
+"""Megatron-Core on CPU ranks: the opt-in run-time patches of ``paraloom record --megatron-on-cpu``.
+
+megatron-core targets CUDA; its training step (``GPTModel``, ``DistributedDataParallel``, the
+optimizers, ``get_forward_backward_func()``, ``finalize_model_grads``) does nothing a CPU could
+not, but it creates a few tensors on ``"cuda"``, asks CUDA for the current device and stream,
+checks tensor types by their CUDA names, and imports triton. Each patch below serves one such
+place, is applied only in the recorded ranks, and only where CUDA is absent; nothing of Megatron's
+source is copied or changed on disk. Communication is untouched: the recorder sees exactly the
+collectives Megatron issues.
+
+* ``triton``: :data:`PAGED_STASH`, megatron's triton kernels for MoE paged stashing, is imported
+  by ``pipeline_parallel/schedules.py`` (via ``transformer/moe/paged_stash.py``) whatever the
+  model; a stand-in module with the names the importer takes is registered when triton is missing.
+* ``torch.compile`` while megatron-core is imported: ``megatron/core/jit.py`` decorates its fused
+  kernels with it, which imports TorchInductor (~9 s of CPU per rank); they stay plain Python, as
+  Megatron's ``disable_jit_fuser`` leaves them (the local layer spec does not call them).
+* ``torch`` as seen by :data:`CUDA_MODULES`: a stand-in whose tensor factories put
+  ``device="cuda"`` tensors on the CPU, whose ``torch.cuda.current_device()`` is the CPU,
+  ``torch.cuda.synchronize`` a no-op and ``torch.cuda.current_stream()`` / ``Stream`` a stream
+  that does nothing (the scalars of the optimizer and grad scaler, the grad-norm and token-count
+  buffers, the p2p and tensor-parallel buffers, the bucket buffers); every other name is torch's.
+* ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` (etc.) for a CPU tensor when Megatron's
+  own code asks (``optimizer/optimizer.py``, ``optimizer/distrib_optimizer.py`` and
+  ``optimizer/clip_grads.py`` assert it), and ``Tensor.cuda()`` is the tensor itself when
+  Megatron's code calls it (the tied-embedding copy of ``language_module.py``, state reloads).
+* Megatron's RNG tracker (``tensor_parallel/random.py``) is its own inference tracker
+  (``initialize_rng_tracker(inference_rng_tracker=True)``): the training one saves and restores
+  CUDA generator states. Dropout inside tensor-parallel regions then draws from the default
+  generator; with dropout 0 (what the example uses) nothing draws at all.
+
+:func:`install` applies them, once per process; :data:`TESTED` is the version range they were
+made on (others get a warning naming the patches that did not find their target).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import sys
+import types
+import warnings
+
+import torch
+
+__all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH"]
+
+TESTED = ("0.19.",)
+"""megatron-core versions the patches were made and tested on."""
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+CUDA_MODULES = (
+    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.grad_scaler",
+    "megatron.core.optimizer.clip_grads", "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils",
+    "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
+    "megatron.core.tensor_parallel.data", "megatron.core.transformer.utils",
+)
+"""Modules whose ``torch`` is the CPU stand-in (each creates or places tensors on CUDA)."""
+PATCHES = {
+    "triton stand-in": "megatron/core/transformer/moe/ops/paged_stash.py: import triton",
+    "torch.compile during import": "megatron/core/jit.py: jit_fuser = torch.compile",
+    "torch on CPU": ", ".join(m.removeprefix("megatron.core.") for m in CUDA_MODULES)
+                    + ': device="cuda", torch.cuda.current_device/current_stream/synchronize',
+    "Tensor.type() CUDA names": "optimizer/optimizer.py, distrib_optimizer.py, clip_grads.py: "
+                                "assert ....type() == 'torch.cuda.FloatTensor'",
+    "Tensor.cuda() identity": "models/common/language_module/language_module.py: "
+                              "weight.data.cuda(); optimizer state reloads",
+    "inference RNG tracker": "tensor_parallel/random.py: CudaRNGStatesTracker.add saves CUDA "
+                             "generator states",
+}
+"""Every patch and the lines of megatron-core it serves (README, "Record Megatron-Core itself")."""
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
+              "empty_like", "full_like", "rand", "randn", "randint", "as_tensor")
+_INSTALLED = False
+
+
+class _NullStream:
+    """A CUDA stream on a CPU: every method does nothing (work is synchronous already)."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
+    def __getattr__(self, _name):
+        return lambda *_a, **_k: None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        return None
+
+
+def _cpu(device):
+    text = str(device) if device is not None else ""
+    return "cpu" if text.startswith("cuda") or isinstance(device, int) else device
+
+
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _cpu(kwargs["device"])
+        return factory(*args, **kwargs)
+    make.__name__ = getattr(factory, "__name__", "factory")
+    return make
+
+
+class _CudaOnCpu(types.ModuleType):
+    """``torch.cuda`` for :data:`CUDA_MODULES`: the device is the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.cuda")
+
+    def __getattr__(self, name):
+        if name == "current_device":
+            return lambda: torch.device("cpu")
+        if name == "synchronize":
+            return lambda *_a, **_k: None
+        if name in ("current_stream", "default_stream"):
+            return lambda *_a, **_k: _NullStream()
+        if name == "Stream":
+            return _NullStream
+        if name == "stream":
+            return lambda *_a, **_k: contextlib.nullcontext()
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` for :data:`CUDA_MODULES`: its factories put ``"cuda"`` tensors on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.__dict__["cuda"] = _CudaOnCpu()
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        return _on_cpu(value) if name in _FACTORIES else value
+
+
+_TORCH = _TorchOnCpu()
+
+
+def _from_megatron(depth: int = 2) -> bool:
+    return sys._getframe(depth).f_globals.get("__name__", "").startswith("megatron.")
+
+
+def _patch_tensor_methods() -> None:
+    type_, cuda = torch.Tensor.type, torch.Tensor.cuda
+
+    def tensor_type(self, *args, **kwargs):
+        name = type_(self, *args, **kwargs)
+        if not args and not kwargs and name.startswith("torch.") \
+                and not name.startswith("torch.cuda.") and _from_megatron():
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    def tensor_cuda(self, *args, **kwargs):
+        return self if _from_megatron() else cuda(self, *args, **kwargs)
+
+    torch.Tensor.type = tensor_type
+    torch.Tensor.cuda = tensor_cuda
+
+
+def _patch_module(module) -> None:
+    """What :data:`CUDA_MODULES` and the RNG module get, right after they are executed."""
+    name = module.__name__
+    if name in CUDA_MODULES and getattr(module, "torch", None) is torch:
+        module.torch = _TORCH
+    if name == "megatron.core.tensor_parallel.random":
+        initialize = module.initialize_rng_tracker
+
+        def initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                                   *args, **kwargs):
+            return initialize(use_te_rng_tracker, True, *args, **kwargs)
+        module.initialize_rng_tracker = initialize_rng_tracker
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: patches a megatron module right after it has run."""
+
+    def find_spec(self, name, path, target=None):
+        if not name.startswith("megatron."):
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    compile_ = torch.compile
+                    torch.compile = _no_compile
+                    try:
+                        run(module)
+                    finally:
+                        torch.compile = compile_
+                    _patch_module(module)
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+def _no_compile(model=None, **_options):
+    return model if model is not None else (lambda fn: fn)
+
+
+def _stub_triton() -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        stub = types.ModuleType(PAGED_STASH)
+        stub.__doc__ = "CPU stand-in for megatron-core's triton kernels (paraloom record)"
+        stub.GLOBAL_BLOCK_SIZE = 1024
+        stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = None
+        sys.modules.setdefault(PAGED_STASH, stub)
+
+
+def _check_version() -> None:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        found = version("megatron-core")
+    except PackageNotFoundError:
+        return
+    if not found.startswith(TESTED):
+        warnings.warn(f"paraloom record --megatron-on-cpu: made and tested on megatron-core "
+                      f"{' / '.join(v + 'x' for v in TESTED)}, found {found}; a patch whose "
+                      f"target moved is named when it does not apply", stacklevel=2)
+
+
+def install() -> None:
+    """Apply every patch in this process (a recorded rank), before the program imports
+    megatron-core; modules already imported are patched at once."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    _check_version()
+    _stub_triton()
+    _patch_tensor_methods()
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("megatron.")]:
+        _patch_module(module)
+    sys.meta_path.insert(0, _OnImport())
+    _INSTALLED = True
