@@ -345,7 +345,7 @@ def test_joined_rank0_names_the_ranks_whose_files_never_came(tmp_path, monkeypat
     from paraloom.commands import record as command
     from paraloom.record import bootstrap, launcher
 
-    def program(out, steps, compute, target):  # rank 0's own recorded run: one event
+    def program(out, steps, compute, target, **_kw):  # rank 0's own recorded run: one event
         (tmp_path / "rec" / "ledger").mkdir(parents=True, exist_ok=True)
         event = Ledger(rank=0).record(op="all_reduce", phase="other", kind="dp",
                                       site="x.py:1", nbytes=64, group=[0, 1, 2, 3])
