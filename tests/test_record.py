@@ -108,11 +108,14 @@ FAILING = '''
     dist.init_process_group("gloo")
     t = torch.ones(4)
     dist.all_reduce(t)
-    if how == "exit":  # recorded with --steps 2 --compute: the third step is not recorded
+    if how in ("exit", "marked"):  # recorded with --steps 2 --compute: not the third step
+        import paraloom.record
         p = torch.nn.Parameter(torch.ones(2))
         layer = torch.nn.Linear(2, 2)
         opt = torch.optim.SGD([p], lr=0.1)
         for _ in range(3):
+            if how == "marked":
+                paraloom.record.mark_step()
             dist.all_reduce(t)
             layer(p).sum().backward()
             opt.step()
@@ -182,6 +185,8 @@ def runs(tmp_path_factory):
                "kill": _start(tmp, FAILING, "kill", name="kill"),
                "exit": _start(tmp, FAILING, "exit", nproc=1, name="exit",
                               options=("--steps", "2", "--compute")),
+               "marked": _start(tmp, FAILING, "marked", nproc=1, name="marked",
+                                options=("--steps", "2")),
                "quit": _start(tmp, FAILING, "quit", name="quit"),
                "hang": _start(tmp, FAILING, "hang", name="hang", options=("--timeout", "25")),
                "mesh": _start(tmp, FAILING, "mesh", name="mesh"),
@@ -224,7 +229,8 @@ def test_ddp_bucket_all_reduces_in_backward(run):
     assert all(e["async"] for e in second)
     assert [e["bytes"] for e in second] == buckets
     assert buckets == [sum(sizes) for sizes in facts["ddp_params"]]  # last layer first
-    assert all(e["group"] == [0, 1] and e["kind"] == "group[0,1]" for e in second)
+    assert all(e["group"] == [0, 1] and e["kind"] == "world" for e in second)  # the default
+    assert all(e.get("param_grad") for e in second)  # fired by the gradients' hooks
     first = [e for e in part if e["step"] == 0 and e["phase"] == "backward"]
     assert [e["bytes"] for e in first] == [sum(buckets)]  # DDP's first step: one bucket
     assert all(e["t_start"] <= e["t_end"] for e in part)
@@ -324,8 +330,17 @@ def test_failing_program_keeps_partial_ledger(runs, how, code, says):
 def test_steps_stops_recording_and_torchrun_join(runs):
     _, _, out = runs["exit"]
     events = load(out / "ledger.jsonl")
-    assert [(e["op"], e["step"]) for e in events if e["op"] != "compute"] == \
-        [("all_reduce", 0)] * 2 + [("all_reduce", 1)]
+    # an iteration runs from a forward to the next forward: what the loop communicates before
+    # its first forward is setup, and later the collective before each forward belongs to the
+    # step before it (the rule of paraloom.record.tracking); step 2 begins: no more recording
+    assert [(e["op"], e["step"], e["phase"]) for e in events if e["op"] != "compute"] == \
+        [("all_reduce", 0, "setup")] * 2 + [("all_reduce", 0, "other"),
+                                            ("all_reduce", 1, "other")]
+    # the same loop marking its iterations (paraloom.record.mark_step): each its own step
+    code, err, marked = runs["marked"]
+    assert code == 3, err
+    assert [(e["step"], e["phase"]) for e in load(marked / "ledger.jsonl")] == \
+        [(0, "setup"), (0, "other"), (1, "other")]
     spans = [e for e in events if e["op"] == "compute"]  # --compute: none from step 2 on
     assert spans and {e["step"] for e in spans} == {0, 1}, spans
     code, err, out = runs["torchrun"]

@@ -44,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--nproc", type=int, help="local ranks to start (default: join the world "
                                               "of torchrun's environment)")
     ap.add_argument("--out", default="record", help="output folder (default: record)")
-    ap.add_argument("--steps", type=int, help="stop recording after K optimizer steps")
+    ap.add_argument("--steps", type=int, help="record K whole training-loop iterations (steps "
+                                              "0..K-1; see paraloom.record.tracking)")
     ap.add_argument("--megatron-on-cpu", action="store_true",
                     help="run a megatron-core program on CPU ranks (gloo): opt-in run-time "
                          "patches for what megatron-core asks of CUDA (paraloom.record."
@@ -78,7 +79,7 @@ def _check(args, target: list[str]) -> str | None:
     if args.nproc is not None and args.nproc < 1:
         return f"--nproc must be a positive integer, got {args.nproc}"
     if args.steps is not None and args.steps < 1:
-        return f"--steps must be a positive integer (optimizer steps), got {args.steps}"
+        return f"--steps must be a positive integer (iterations), got {args.steps}"
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
     problem = _preflight(target)

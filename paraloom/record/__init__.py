@@ -4,6 +4,6 @@ The one part of paraloom that observes ``torch.distributed`` from outside (every
 communicates through :mod:`paraloom.comm`). See :mod:`.intercept` for where it hooks in and why.
 """
 
-from .recorder import Recorder, record_comms
+from .recorder import Recorder, mark_step, record_comms
 
-__all__ = ["record_comms", "Recorder"]
+__all__ = ["record_comms", "Recorder", "mark_step"]

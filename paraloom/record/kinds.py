@@ -1,9 +1,11 @@
 """The ``kind`` of a recorded communication: which parallel dimension its group is.
 
 In order: Megatron-Core's ``parallel_state`` groups (only when the program has already imported
-``megatron.core.parallel_state``; nothing is imported for it), then the dimension names of the
-DeviceMeshes the program built (DTensor, FSDP2; ``DeviceMesh`` objects are collected while the
-recorder is installed, and a mesh group's ``group_desc`` — ``mesh_<dim>`` — names it otherwise),
+``megatron.core.parallel_state``; nothing is imported for it: :data:`MEGATRON_GROUPS`, e.g. the
+model-parallel group ``mp`` of the grad norm and the distributed optimizer's instance group
+``distopt``), then the dimension names of the DeviceMeshes the program built (DTensor, FSDP2;
+``DeviceMesh`` objects are collected while the recorder is installed, and a mesh group's
+``group_desc`` — ``mesh_<dim>`` — names it otherwise), then ``world`` for the default group,
 else the group's global ranks, ``group[0,1]``. Groups are matched by their ``group_name``, which
 identifies one process group, so two groups with the same ranks (Megatron's model-parallel and
 tensor-parallel groups at pp=1) keep their own names.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import sys
 import weakref
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["KindResolver", "MEGATRON_GROUPS"]
@@ -30,6 +33,9 @@ MEGATRON_GROUPS = (  # (kind, getter, keyword arguments), first match wins
     ("etp", "get_expert_tensor_parallel_group", {}),
     ("edp", "get_expert_data_parallel_group", {}),
     ("mp", "get_model_parallel_group", {}),
+    ("distopt", "get_intra_distributed_optimizer_instance_group", {}),
+    ("tp_ep", "get_expert_tensor_and_model_parallel_group", {}),
+    ("tp_ep_pp", "get_expert_tensor_model_pipeline_parallel_group", {}),
 )
 """Megatron-Core's parallel_state getters, by the ledger kind their group gets."""
 
@@ -37,6 +43,11 @@ MEGATRON_GROUPS = (  # (kind, getter, keyword arguments), first match wins
 def _names(group) -> list[str]:
     groups = group if isinstance(group, (list, tuple)) else [group]
     return [getattr(g, "group_name", None) for g in groups if g is not None]
+
+
+def _is_world(name: str) -> bool:
+    world = dist.group.WORLD if dist.is_initialized() else None
+    return world is not None and getattr(world, "group_name", None) == name
 
 
 class KindResolver:
@@ -71,6 +82,8 @@ class KindResolver:
         kind, final = self._megatron(name)
         if kind is None:
             kind = self._mesh(name, desc)
+        if kind is None and _is_world(name):
+            kind = "world"
         if kind is None:
             kind = "group[" + ",".join(map(str, ranks)) + "]"
         if final:

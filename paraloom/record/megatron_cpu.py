@@ -27,6 +27,10 @@ collectives Megatron issues.
   (``initialize_rng_tracker(inference_rng_tracker=True)``): the training one saves and restores
   CUDA generator states. Dropout inside tensor-parallel regions then draws from the default
   generator; with dropout 0 (what the example uses) nothing draws at all.
+* The local spec's norm without apex (``transformer/torch_norm.py``'s ``WrappedTorchNorm``)
+  refuses sequence parallelism; with it, the norm is built as usual and its parameters are
+  tagged ``sequence_parallel``, as the fused norm it replaces tags them (so
+  ``finalize_model_grads`` all-reduces their grads over the tensor-parallel group).
 
 :func:`install` applies them, once per process; :data:`TESTED` is the version range they were
 made on (others get a warning naming the patches that did not find their target).
@@ -35,12 +39,13 @@ made on (others get a warning naming the patches that did not find their target)
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import sys
 import types
 import warnings
 
 import torch
+
+from . import on_import
 
 __all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH"]
 
@@ -55,6 +60,9 @@ CUDA_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer", "megatron.core.utils",
     "megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings",
     "megatron.core.tensor_parallel.data", "megatron.core.transformer.utils",
+    "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.moe_layer",
 )
 """Modules whose ``torch`` is the CPU stand-in (each creates or places tensors on CUDA)."""
 PATCHES = {
@@ -68,6 +76,9 @@ PATCHES = {
                               "weight.data.cuda(); optimizer state reloads",
     "inference RNG tracker": "tensor_parallel/random.py: CudaRNGStatesTracker.add saves CUDA "
                              "generator states",
+    "sequence-parallel torch norm": "transformer/torch_norm.py: WrappedTorchNorm asserts not "
+                                    "config.sequence_parallel (the fused norm tags its "
+                                    "parameters sequence_parallel instead)",
 }
 """Every patch and the lines of megatron-core it serves (README, "Record Megatron-Core itself")."""
 
@@ -162,44 +173,67 @@ def _patch_tensor_methods() -> None:
     torch.Tensor.cuda = tensor_cuda
 
 
+def _missed(patch: str, target: str) -> None:
+    warnings.warn(f"paraloom record --megatron-on-cpu: patch {patch!r} did not apply "
+                  f"({target} not found in this megatron-core)", stacklevel=3)
+
+
+def _norm_with_sequence_parallel(cls) -> None:
+    """``WrappedTorchNorm`` (the local spec's norm without apex) refuses
+    ``config.sequence_parallel``; the fused norm it stands for accepts it and tags its
+    parameters ``sequence_parallel`` (so ``finalize_model_grads`` all-reduces their grads over
+    tp). The same here: built with the flag lowered for the check, then tagged."""
+    build = cls.__new__
+
+    def __new__(klass, config, *args, **kwargs):
+        if not getattr(config, "sequence_parallel", False):
+            return build(klass, config, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = build(klass, config, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+    cls.__new__ = __new__
+
+
 def _patch_module(module) -> None:
-    """What :data:`CUDA_MODULES` and the RNG module get, right after they are executed."""
+    """What :data:`CUDA_MODULES`, the RNG module and the torch norm get, right after they
+    are executed."""
     name = module.__name__
-    if name in CUDA_MODULES and getattr(module, "torch", None) is torch:
-        module.torch = _TORCH
+    if name in CUDA_MODULES:
+        if getattr(module, "torch", None) is torch:
+            module.torch = _TORCH
+        else:
+            _missed("torch on CPU", f"{name}.torch")
     if name == "megatron.core.tensor_parallel.random":
-        initialize = module.initialize_rng_tracker
+        initialize = getattr(module, "initialize_rng_tracker", None)
+        if initialize is None:
+            _missed("inference RNG tracker", f"{name}.initialize_rng_tracker")
+            return
 
         def initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
                                    *args, **kwargs):
             return initialize(use_te_rng_tracker, True, *args, **kwargs)
         module.initialize_rng_tracker = initialize_rng_tracker
+    if name == "megatron.core.transformer.torch_norm":
+        cls = getattr(module, "WrappedTorchNorm", None)
+        if cls is None:
+            _missed("sequence-parallel torch norm", f"{name}.WrappedTorchNorm")
+            return
+        _norm_with_sequence_parallel(cls)
 
 
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: patches a megatron module right after it has run."""
-
-    def find_spec(self, name, path, target=None):
-        if not name.startswith("megatron."):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                run = spec.loader.exec_module
-
-                def exec_module(module, run=run):
-                    compile_ = torch.compile
-                    torch.compile = _no_compile
-                    try:
-                        run(module)
-                    finally:
-                        torch.compile = compile_
-                    _patch_module(module)
-                spec.loader.exec_module = exec_module
-                return spec
-        return None
+@contextlib.contextmanager
+def _compile_off():
+    compile_ = torch.compile
+    torch.compile = _no_compile
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 def _no_compile(model=None, **_options):
@@ -238,7 +272,6 @@ def install() -> None:
     _check_version()
     _stub_triton()
     _patch_tensor_methods()
-    for module in [m for n, m in list(sys.modules.items()) if n.startswith("megatron.")]:
-        _patch_module(module)
-    sys.meta_path.insert(0, _OnImport())
+    on_import.around_import(_compile_off)
+    on_import.after_import("megatron.", _patch_module)
     _INSTALLED = True

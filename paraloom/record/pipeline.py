@@ -6,9 +6,10 @@
   ``get_fwd_recv_ops`` (activations, phase ``forward``) and ``get_bwd_send_ops`` /
   ``get_bwd_recv_ops`` (their gradients, ``backward``). Those methods are wrapped to tag each
   op's tensor; the recorder reads the tag when the send or receive launches
-  (:func:`p2p_phase`). The stage module is patched when it is imported (a ``sys.meta_path``
-  finder: importing pipelining up front would cost every record a second), or at once if the
-  program imported it already. The shape exchange at a stage's first step has no role: ``other``.
+  (:func:`p2p_phase`). The stage module is patched when it is imported (:mod:`.on_import`:
+  importing pipelining up front would cost every record a second), or at once if the program
+  imported it already. Megatron-Core's schedules tag theirs the same way
+  (:mod:`.megatron_core`). The shape exchange at a stage's first step has no role: ``other``.
 * **Compute spans** (with ``--compute``): each stage's ``forward_one_chunk`` /
   ``backward_one_chunk`` is one span with paraloom's pipeline sites (``pipeline.forward`` /
   ``pipeline.backward``), its ``stage`` and its ``microbatch`` (the chunk id), so ``paraloom
@@ -19,10 +20,11 @@
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import sys
 
-__all__ = ["install", "uninstall", "install_phases", "uninstall_phases", "p2p_phase"]
+from . import on_import
+
+__all__ = ["install", "uninstall", "install_phases", "uninstall_phases", "p2p_phase", "tag"]
 
 _STAGE = "torch.distributed.pipelining.stage"
 _ROLES = (("get_fwd_send_ops", "forward"), ("get_fwd_recv_ops", "forward"),
@@ -35,6 +37,11 @@ _PHASES: dict[int, str] = {}  # data_ptr of a made op's tensor -> its phase, unt
 def p2p_phase(tensor) -> str | None:
     """The phase of the pipelining op that sends or receives ``tensor`` (forgotten once read)."""
     return _PHASES.pop(tensor.data_ptr(), None) if _PHASES else None
+
+
+def tag(tensor, phase: str) -> None:
+    """Say that the next send or receive of ``tensor`` is of ``phase`` (its schedule knows)."""
+    _PHASES[tensor.data_ptr()] = phase
 
 
 def _tagging(orig, phase: str):
@@ -58,43 +65,14 @@ def _tag_stage(module) -> None:
             setattr(stage, name, _tagging(orig, phase))
 
 
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when the stage module is about to load, it lets the other finders
-    find it and tags the stage class right after the module has run."""
-
-    def find_spec(self, name, path, target=None):
-        if name != _STAGE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                run = spec.loader.exec_module
-
-                def exec_module(module, run=run):
-                    run(module)
-                    _tag_stage(module)
-                spec.loader.exec_module = exec_module
-                return spec
-        return None
-
-
-_FINDER = _OnImport()
-
-
 def install_phases() -> None:
     """Tag pipelining's p2p ops from now on (now if the stage module is loaded, else on its
     import)."""
-    if _STAGE in sys.modules:
-        _tag_stage(sys.modules[_STAGE])
-    elif _FINDER not in sys.meta_path:
-        sys.meta_path.insert(0, _FINDER)
+    on_import.after_import(_STAGE, _tag_stage)
 
 
 def uninstall_phases() -> None:
-    if _FINDER in sys.meta_path:
-        sys.meta_path.remove(_FINDER)
+    on_import.forget(_STAGE, _tag_stage)
     module = sys.modules.get(_STAGE)
     if module is not None:
         for name, orig in _TAGGERS.items():

@@ -25,12 +25,12 @@ import torch.distributed as dist
 
 from ..ledger import Ledger
 from ..run_folder import rank_ledger
-from . import intercept, pipeline
+from . import intercept, megatron_core, pipeline
 from .kinds import KindResolver
 from .ops import nbytes
 from .tracking import Tracker, site
 
-__all__ = ["record_comms", "Recorder"]
+__all__ = ["record_comms", "Recorder", "mark_step"]
 
 
 class Recorder:
@@ -47,7 +47,10 @@ class Recorder:
         self._final = 0  # file offset where the provisional lines start
         self.kinds = KindResolver()
         self.tracker = Tracker(compute=compute, on_step=self._stepped,
-                               on_optimizer=intercept.poll, ledger=ledger)
+                               on_optimizer=intercept.poll,
+                               on_optimizer_done=self._optimizer_done,
+                               on_setup_end=self._setup_ended, ledger=ledger)
+        self._setup: list[tuple[dict, str]] = []  # setup events and their phase as seen
         self._groups: dict[str, tuple[list[int], str]] = {}
         self.now = ledger.now
 
@@ -76,6 +79,11 @@ class Recorder:
             op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
             module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
             group=ranks, **extra)
+        if phase == "backward" and self.tracker.param_grad():
+            event["param_grad"] = True  # fired by a parameter's gradient (a DDP bucket hook)
+        if self.tracker.setup:
+            self._setup.append((event, phase))
+            event["phase"] = "setup"
         if tensors:
             event["shape"] = list(tensors[0].shape)
             event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
@@ -90,12 +98,23 @@ class Recorder:
             self._file = open(self.path, "w")  # noqa: SIM115 - kept open for the record
         return self._file
 
+    def _setup_ended(self, by_forward: bool) -> None:
+        """The first iteration began; a setup that ended at an optimizer step without any
+        forward was step 0 after all: its events get back the phase they were seen in."""
+        if not by_forward:
+            for event, phase in self._setup:
+                event["phase"] = phase
+        self._setup = []
+
     def _stepped(self, step: int) -> None:
         self.ledger.step = step
-        intercept.prune()
         if self.steps is not None and step >= self.steps:
             self.on = False
             self.tracker.stop_compute()  # no compute spans past the last recorded step either
+        self.flush()
+
+    def _optimizer_done(self) -> None:
+        intercept.prune()
         self.flush()
 
     def flush(self) -> None:
@@ -132,19 +151,31 @@ def _on_sigterm(signum, frame) -> None:
     os.kill(os.getpid(), signum)
 
 
+def mark_step() -> None:
+    """Say that a training-loop iteration begins here (call it at the top of each iteration).
+
+    For loops the automatic rule does not fit (:mod:`.tracking`: an iteration begins at the first
+    forward after an optimizer step). From the first call on, only these calls move the step:
+    the first ends ``setup``, each later one begins the next step. Does nothing when nothing is
+    being recorded, so a program may keep the call in production."""
+    if _CURRENT is not None:
+        _CURRENT.tracker.iteration_begins(explicit=True)
+
+
 @contextmanager
 def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = None,
                  compute: bool = False, rank: int | None = None, t0: float | None = None):
     """Record every communication of this process while the block runs; yields the Ledger.
 
     ``out``: a folder; this rank's events go to ``out/ledger/rank_R.jsonl``. ``steps``: stop
-    recording after that many optimizer steps (the program runs on). ``compute``: also record
+    recording when iteration ``steps`` begins, so steps ``0 .. steps-1`` are whole (the program
+    runs on; :mod:`.tracking` says where an iteration begins). ``compute``: also record
     leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
     process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).
     """
     global _CURRENT
     if steps is not None and (not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be a positive integer (optimizer steps), got {steps!r}")
+        raise ValueError(f"steps must be a positive integer (iterations), got {steps!r}")
     if rank is None:
         rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
     path = None if out is None else rank_ledger(out, rank)
@@ -156,6 +187,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     rec.kinds.install()
     rec.tracker.install()
     pipeline.install_phases()
+    megatron_core.install(rec.tracker)
     if compute:
         pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
@@ -172,6 +204,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
         rec.on = False
         pipeline.uninstall()
         pipeline.uninstall_phases()
+        megatron_core.uninstall()
         rec.tracker.uninstall()
         rec.kinds.uninstall()
         intercept.uninstall()

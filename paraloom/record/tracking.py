@@ -1,12 +1,25 @@
 """Where the program is when it communicates: phase, step, module and source site.
 
-* phase — ``optimizer`` between a ``torch.optim.Optimizer``'s step pre- and post-hooks (global
-  hooks, so every optimizer is seen), ``backward`` while the autograd engine runs a graph task on
-  this thread (``torch._C._current_graph_task_id() != -1``; true on autograd's device threads
-  too, and during activation recomputation), ``forward`` while an ``nn.Module``'s forward runs,
-  else ``other`` (``torch.distributed.pipelining``'s sends and receives: the role of the stage
-  method that made them, see :mod:`.pipeline`). Nothing is guessed from names.
-* step — optimizer steps seen so far (post-hooks).
+* phase — ``setup`` before the program's first iteration (see step); ``optimizer`` between a
+  ``torch.optim.Optimizer``'s step pre- and post-hooks (global hooks, so every optimizer is
+  seen) or inside a region a framework adapter marks (:meth:`Tracker.enter`: Megatron-Core's
+  optimizer ``step()`` and ``finalize_model_grads``, see :mod:`.megatron_core`); ``backward``
+  while the autograd engine runs a graph task on this thread
+  (``torch._C._current_graph_task_id() != -1``; true on autograd's device threads too, and
+  during activation recomputation); ``forward`` while an ``nn.Module``'s forward runs; else
+  ``other`` (pipeline schedules' sends and receives get the role of the schedule code that made
+  them, see :mod:`.pipeline`). Nothing is guessed from names.
+* step — the training-loop iteration. An iteration is everything the loop does from its first
+  forward to the first forward after its optimizer step, so what runs after torch's inner
+  ``step()`` (an optimizer wrapper's parameter all-gathers, the loop's agreement on the update
+  and its loss reduction) belongs to the step it follows. It begins at the first module forward
+  after an optimizer step (or at the entry into Megatron-Core's schedule, which calls the data
+  iterator before the model). Communication before the first iteration is phase ``setup`` of
+  step 0. A step without any module forward (a program of bare collectives) ends at its
+  optimizer step, as the hooks see it. Loops that fit neither rule (several optimizers stepped at
+  different times, evaluation forwards between steps that must not start a step) call
+  :func:`paraloom.record.mark_step` at the top of each iteration instead: from the first call
+  on, only the calls move the step (the first ends ``setup``).
 * module — the path (``layers.0.mlp.fc1``, from the outermost module's ``named_modules``) of the
   innermost module whose forward is running; in backward, the module whose forward produced the
   autograd node being run (its output's ``grad_fn``), or the owner of the parameter whose
@@ -68,9 +81,16 @@ class Tracker:
     """Global module and optimizer hooks that keep phase, step and module current."""
 
     def __init__(self, *, compute: bool = False, on_step=None, on_optimizer=None,
-                 ledger=None) -> None:
+                 on_optimizer_done=None, on_setup_end=None, ledger=None) -> None:
         self.step = 0
+        self.setup = True  # before the first iteration
         self._optimizer = 0
+        self._regions: list[str] = []  # phases of framework regions (Megatron's optimizer)
+        self._stepped = False  # the optimizer stepped: the next forward begins an iteration
+        self._forwarded = False  # a module forward ran in this iteration
+        self._explicit = False  # the program marks its iterations (mark_step)
+        self._on_setup_end = on_setup_end
+        self._on_optimizer_done = on_optimizer_done
         self._stack: list[str] = []
         self._names: dict[int, str] = {}
         self._params: dict[int, str] = {}
@@ -104,8 +124,12 @@ class Tracker:
         self._compute = False
 
     def phase(self) -> str:
+        """Where the program is now (the module docstring); ``setup`` is the caller's to apply
+        (:attr:`setup`), as a setup may end without a forward and keep its true phases."""
         if self._optimizer:
             return "optimizer"
+        if self._regions:
+            return self._regions[-1]
         if torch._C._current_graph_task_id() != -1:
             return "backward"
         return "forward" if self._stack else "other"
@@ -120,6 +144,58 @@ class Tracker:
         if path is None and type(node).__name__ == "AccumulateGrad":
             path = self._params.get(id(node.variable))
         return path
+
+    def param_grad(self) -> bool:
+        """Whether backward is accumulating a parameter's gradient right now (the autograd node
+        is an ``AccumulateGrad``: where DDP's bucket hooks fire)."""
+        node = torch._C._current_autograd_node()
+        return node is not None and type(node).__name__ == "AccumulateGrad"
+
+    # -- iterations ------------------------------------------------------------------------
+    def enter(self, phase: str) -> None:
+        """A framework region of ``phase`` begins (nested regions: the innermost wins)."""
+        self._regions.append(phase)
+
+    def leave(self) -> None:
+        if self._regions:
+            self._regions.pop()
+
+    def in_region(self) -> bool:
+        """Inside an optimizer step or a framework region."""
+        return bool(self._regions or self._optimizer)
+
+    def iteration_begins(self, explicit: bool = False) -> None:
+        """An iteration may begin here: the first forward after an optimizer step, a schedule's
+        entry, or (``explicit``) the program's own mark."""
+        if explicit:
+            self._explicit = True
+        elif self._explicit:
+            return
+        if self.setup:
+            self.setup = False
+            if self._on_setup_end is not None:
+                self._on_setup_end(True)
+        elif self._stepped or explicit:
+            self._stepped = False
+            self.step += 1
+            if self._on_step is not None:
+                self._on_step(self.step)
+        self._forwarded = True
+
+    def _optimizer_stepped(self) -> None:
+        if self._explicit or self._stepped:  # a second optimizer of the same iteration
+            return
+        if not self._forwarded:  # no forward in this iteration: the step ends right here
+            if self.setup:
+                self.setup = False
+                if self._on_setup_end is not None:
+                    self._on_setup_end(False)
+            self.step += 1
+            if self._on_step is not None:
+                self._on_step(self.step)
+            return
+        self._stepped = True
+        self._forwarded = False
 
     # -- hooks -----------------------------------------------------------------------------
     def _name(self, module) -> str:
@@ -139,6 +215,10 @@ class Tracker:
         return self._names[id(module)]
 
     def _pre(self, module, args) -> None:
+        if not self._stack and not self._optimizer:
+            if self._stepped or self.setup:
+                self.iteration_begins()
+            self._forwarded = True
         path = self._name(module)
         self._stack.append(path)
         if self._compute and self._ledger is not None and not module._modules:
@@ -181,6 +261,6 @@ class Tracker:
     def _opt_post(self, optimizer, args, kwargs) -> None:
         self._optimizer -= 1
         if self._optimizer == 0:
-            self.step += 1
-            if self._on_step is not None:
-                self._on_step(self.step)
+            self._optimizer_stepped()
+            if self._on_optimizer_done is not None:
+                self._on_optimizer_done()
