@@ -1,4 +1,5 @@
-"""``paraloom diff``: equal sequences exit 0, the first divergence is named, bad input exits 2.
+"""``paraloom diff``: equal sequences exit 0, every divergence is named where the alignment puts
+it, ``--step``/setup/one-rank groups/phases/shapes choose what is compared, bad input exits 2.
 
 Synthetic ledgers check each rule; ledgers recorded by paraloom's own tensor-parallel MLP on a
 2-rank gloo world check it on real sequences (same layout twice: equal; sequence parallelism or
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from paraloom.commands import main
-from paraloom.record.diff import compare, sequences
+from paraloom.record.diff import Options, compare, sequences
 from paraloom.run_folder import load_events as load_runs
 
 S, B, H = 8, 2, 16
@@ -58,16 +59,34 @@ def test_equal_ledgers_exit_0_and_compute_spans_are_ignored(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("field,value", [("bytes", 2048), ("async", True), ("phase", "backward"),
-                                         ("op", "all_reduce"), ("shape", [7])])
-def test_first_divergence_names_position_and_field(tmp_path, capsys, field, value):
+                                         ("op", "all_reduce"), ("shape", [7]),
+                                         ("dtype", "bfloat16"), ("group", [0, 2])])
+def test_a_changed_event_is_named_with_its_position_and_field(tmp_path, capsys, field, value):
     events = base()
     events[1][field] = value  # rank 0, communication #1
     code, out, _ = run_diff(capsys, write(tmp_path / "a.jsonl", base()),
                             write(tmp_path / "b.jsonl", events))
     assert code == 1
-    assert f"rank 0: first divergence at communication #1: {field}:" in out
+    assert "rank 0: different (4 vs 4 communications: 3 equal, 1 changed, 0 only in A, " \
+           "0 only in B)" in out
+    assert "changed: A #1, B #1" in out and f"A {field}" in out
     assert "rank 1: equal" in out
     assert "!1" in out and "!0" not in out  # the side-by-side table marks the diverging row
+
+
+def test_every_divergence_is_listed_aligned(tmp_path, capsys):
+    """An extra event and a missing one later: both found where they are, the rest aligned."""
+    events = base()
+    extra = ev(0, 10, op="broadcast", phase="forward")
+    b = [events[0], extra, *events[1:3]] + events[4:]  # rank 0: +broadcast at #1, -#3
+    for i, e in enumerate(x for x in b if x["rank"] == 0):
+        e["seq"] = i
+    code, out, _ = run_diff(capsys, write(tmp_path / "a.jsonl", base()),
+                            write(tmp_path / "b.jsonl", b))
+    assert code == 1
+    assert "rank 0: different (4 vs 4 communications: 3 equal, 0 changed, 1 only in A, " \
+           "1 only in B)" in out
+    assert "only in B: A after #0, B #1" in out and "only in A: A #3, B after #3" in out
 
 
 def test_names_compared_unless_ignored(tmp_path, capsys):
@@ -75,33 +94,62 @@ def test_names_compared_unless_ignored(tmp_path, capsys):
     events[2]["site"] = "elsewhere.py:12 f"
     a, b = write(tmp_path / "a.jsonl", base()), write(tmp_path / "b.jsonl", events)
     code, out, _ = run_diff(capsys, a, b)
-    assert code == 1 and "#2: site: s2 vs elsewhere.py:12 f" in out
+    assert code == 1 and "changed: A #2, B #2" in out and "elsewhere.py:12 f" in out
     assert run_diff(capsys, a, b, "--ignore-names")[0] == 0
 
 
-def test_kinds_sp_is_tp_by_dimension_unnamed_groups_match(tmp_path, capsys):
+def test_kinds_sp_is_tp_and_unnamed_groups_take_the_kind_of_their_ranks(tmp_path, capsys):
     events = base()
-    events[0]["kind"], events[1]["kind"] = "sp", "group[0,1]"
+    events[0]["kind"], events[1]["kind"] = "sp", "group[0,1]"  # ranks [0, 1]: tp's
     a, b = write(tmp_path / "a.jsonl", base()), write(tmp_path / "b.jsonl", events)
     assert run_diff(capsys, a, b)[0] == 0
     code, out, _ = run_diff(capsys, a, b, "--kinds", "exact")
-    assert code == 1 and "#0: kind: tp vs sp" in out
-    events[2]["bytes"] = 1  # a later divergence: the table does not mark row 0 (sp = tp)
-    code, out, _ = run_diff(capsys, a, write(tmp_path / "d.jsonl", events))
-    assert code == 1 and "#2: bytes: 1024 vs 1" in out and "!2" in out and "!0" not in out
+    assert code == 1 and "2 changed" in out
+    events[1]["group"] = [0, 3]  # an unnamed group of other ranks is not tp's
+    code, out, _ = run_diff(capsys, a, write(tmp_path / "u.jsonl", events))
+    assert code == 1 and "changed: A #1, B #1" in out and "A group" in out
+    events = base()
     events[0]["kind"] = "dp"  # a different dimension is always a difference
     code, out, _ = run_diff(capsys, a, write(tmp_path / "c.jsonl", events))
-    assert code == 1 and "#0: kind: tp vs dp" in out
+    assert code == 1 and "changed: A #0, B #0" in out and "A kind" in out
+
+
+def test_steps_setup_one_rank_groups_phases_and_numel(tmp_path, capsys):
+    a = base() + [ev(r, 10, phase="setup") for r in (0, 1)]  # setup: left out by default
+    b = base() + [ev(r, 11, step=1) for r in (0, 1)]          # a second step
+    b += [ev(r, 12, step=1, group=[r], kind="dp") for r in (0, 1)]  # a one-rank no-op
+    pa, pb = write(tmp_path / "a.jsonl", a), write(tmp_path / "b.jsonl", b)
+    assert run_diff(capsys, pa, pb, "--step", "0")[0] == 0
+    code, out, _ = run_diff(capsys, pa, pb)  # every step: B's step 1 is only in B
+    assert code == 1 and "1 only in B" in out
+    code, out, _ = run_diff(capsys, pb, pb, "--step", "1", "--one-rank-groups")
+    assert code == 0 and "equal (2 communications)" in out
+    code, out, _ = run_diff(capsys, pa, pb, "--step", "setup")
+    assert code == 1 and "1 only in A" in out
+    code, _, err = run_diff(capsys, pa, pb, "--step", "7")
+    assert code == 2 and "--step 7" in err and "setup, 0" in err and "0, 1" in err
+    code, _, err = run_diff(capsys, pa, pb, "--step", "x-1")
+    assert code == 2 and "'x-1'" in err
+    assert run_diff(capsys, pa, pb, "--step", "0-1")[0] == 1
+    c = base()  # a recorded program's "other" is paraloom's "optimizer"; same numel, other dims
+    c[0]["phase"], c[0]["shape"] = "other", [2, 128]
+    d = base()
+    d[0]["phase"] = "optimizer"
+    pc, pd = write(tmp_path / "c.jsonl", c), write(tmp_path / "d.jsonl", d)
+    assert run_diff(capsys, pc, pd)[0] == 1  # the shapes differ
+    assert run_diff(capsys, pc, pd, "--shapes", "numel")[0] == 0
+    assert run_diff(capsys, pc, pd, "--shapes", "numel", "--phases", "exact")[0] == 1
 
 
 def test_length_and_missing_rank(tmp_path, capsys):
     short = [e for e in base() if not (e["rank"] == 1 and e["seq"] == 3)]
     code, out, _ = run_diff(capsys, write(tmp_path / "a.jsonl", base()),
                             write(tmp_path / "b.jsonl", short))
-    assert code == 1 and "rank 1: first divergence at communication #3: A has 1 more" in out
+    assert code == 1 and "rank 1: different (4 vs 3 communications: 3 equal, 0 changed, " \
+                         "1 only in A, 0 only in B)" in out
     only0 = [e for e in base() if e["rank"] == 0]
     code, out, _ = run_diff(capsys, tmp_path / "a.jsonl", write(tmp_path / "c.jsonl", only0))
-    assert code == 1 and "rank 1: first divergence at communication #0: A has 4 more" in out
+    assert code == 1 and "rank 1: different (4 vs 0 communications" in out
     assert run_diff(capsys, tmp_path / "a.jsonl", tmp_path / "c.jsonl", "--rank", "0")[0] == 0
 
 
@@ -168,8 +216,9 @@ def test_paraloom_layers(world2, tmp_path, capsys):
     assert code == 0 and "rank 1: equal (5 communications)" in out
     code, out, _ = run_diff(capsys, runs["tp"], runs["tp_async"])
     assert code == 1, out  # the input-grad all-reduce of fc1 (backward, #1) becomes async
-    assert "rank 0: first divergence at communication #1: async: sync vs async" in out
+    assert "changed: A #1, B #1" in out and "A async" in out and "1 changed" in out
     code, out, _ = run_diff(capsys, runs["tp"], runs["sp"], "--ignore-names")
-    assert code == 1 and "#0: op: all_reduce vs all_gather" in out
+    assert code == 1 and "changed: A #0" in out
     a, b = sequences(load_runs(runs["sp"])), sequences(load_runs(runs["sp_again"]))
-    assert compare(a, b, ("kind",), kinds="exact") == {0: None, 1: None}
+    result = compare(a, b, Options(fields=("kind",), kinds="exact"))
+    assert all(not r["hunks"] and r["equal"] == 5 for r in result.values())

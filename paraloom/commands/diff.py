@@ -10,8 +10,11 @@ from ..record.diff import (
     DEFAULT_FIELDS,
     NAME_FIELDS,
     DiffError,
+    Options,
     compare,
+    equal,
     fields_to_compare,
+    parse_steps,
     report,
     sequences,
 )
@@ -25,35 +28,63 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Do two runs communicate identically, rank by rank?",
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="see `python -m pydoc paraloom.record.diff` for how "
-                                        "kinds are compared")
+                                        "events are chosen, aligned and compared")
     ap.add_argument("a", metavar="A", help="run/record folder or ledger.jsonl")
     ap.add_argument("b", metavar="B", help="run/record folder or ledger.jsonl")
+    ap.add_argument("--step", metavar="STEPS",
+                    help="steps to compare: 1, 0-2, setup, or a comma list (default: every "
+                         "step, setup excluded)")
     ap.add_argument("--ignore-names", action="store_true",
                     help="do not compare site and module (different implementations)")
     ap.add_argument("--rank", type=int, help="compare only this rank")
     ap.add_argument("--fields", help=f"comma-separated fields to compare (default: "
                                      f"{','.join(DEFAULT_FIELDS + NAME_FIELDS)})")
     ap.add_argument("--kinds", choices=("dimension", "exact"), default="dimension",
-                    help="dimension: sp counts as tp and unnamed groups match (default); "
-                         "exact: the kind strings must be equal")
-    ap.add_argument("--context", type=int, default=3, help="table rows around a divergence")
+                    help="dimension: sp counts as tp, unnamed groups take the kind of a named "
+                         "group with the same ranks (default); exact: equal strings")
+    ap.add_argument("--phases", choices=("loose", "exact"), default="loose",
+                    help="loose: a recorded program's 'other' equals 'optimizer' (default)")
+    ap.add_argument("--shapes", choices=("exact", "numel"), default="exact",
+                    help="numel: compare shapes by their element count")
+    ap.add_argument("--one-rank-groups", action="store_true",
+                    help="keep collectives on one-rank groups (no-ops; left out by default)")
+    ap.add_argument("--context", type=int, default=1,
+                    help="equal rows shown before each divergence (default 1)")
     args = ap.parse_args(argv)
     try:
-        fields = fields_to_compare(args.fields, args.ignore_names)
-        a, b = sequences(load_events(args.a)), sequences(load_events(args.b))
+        options = Options(fields=fields_to_compare(args.fields, args.ignore_names),
+                          steps=parse_steps(args.step), kinds=args.kinds, phases=args.phases,
+                          shapes=args.shapes, one_rank_groups=args.one_rank_groups)
+        events_a, events_b = load_events(args.a), load_events(args.b)
+        a, b = sequences(events_a, options), sequences(events_b, options)
         if args.rank is not None:
             if args.rank not in a and args.rank not in b:
-                raise DiffError(f"--rank {args.rank}: neither ledger has it (A has ranks "
-                                f"{sorted(a)}, B has {sorted(b)})")
+                raise DiffError(f"--rank {args.rank}: neither ledger has it in the chosen "
+                                f"steps (A has ranks {sorted(a)}, B has {sorted(b)})")
             a, b = {args.rank: a.get(args.rank, [])}, {args.rank: b.get(args.rank, [])}
         if not a and not b:
-            raise DiffError(f"neither {args.a!r} nor {args.b!r} holds any communication event")
+            raise DiffError(_nothing(args, events_a, events_b))
     except (DiffError, ValueError, OSError) as err:
         print(f"paraloom diff: error: {err}", file=sys.stderr)
         return 2
-    result = compare(a, b, fields, kinds=args.kinds)
-    print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(fields)} (kinds: {args.kinds})")
-    sys.stdout.write(report(a, b, result, fields, context=max(args.context, 0), kinds=args.kinds))
-    equal = all(d is None for d in result.values())
-    print("equal" if equal else "different")
-    return 0 if equal else 1
+    result = compare(a, b, options)
+    step = f"steps {args.step}" if args.step else "every step (setup excluded)"
+    print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(options.fields)} in {step} "
+          f"(kinds: {args.kinds}, phases: {args.phases}, shapes: {args.shapes})")
+    sys.stdout.write(report(a, b, result, options, context=max(args.context, 0)))
+    same = equal(result)
+    print("equal" if same else "different")
+    return 0 if same else 1
+
+
+def _nothing(args, events_a: list[dict], events_b: list[dict]) -> str:
+    """Why nothing was chosen: the steps each side has."""
+    def steps(events):
+        found = sorted({e["step"] for e in events if e["op"] != "compute"
+                        and e.get("phase") != "setup"})
+        setup = any(e.get("phase") == "setup" for e in events)
+        return (["setup"] if setup else []) + [str(s) for s in found]
+    if args.step is None:
+        return f"neither {args.a!r} nor {args.b!r} holds any communication event"
+    a, b = ", ".join(steps(events_a)) or "none", ", ".join(steps(events_b)) or "none"
+    return f"--step {args.step}: no communication in either run (A has steps {a}; B has {b})"

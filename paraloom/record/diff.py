@@ -1,89 +1,194 @@
 """``paraloom diff A B``: do two runs communicate identically, rank by rank?
 
-    paraloom diff RUN_A RUN_B [--ignore-names] [--rank R] [--fields phase,op,bytes] [--kinds exact]
+    paraloom diff RUN_A RUN_B [--step 1 | 0-2 | setup,0] [--ignore-names] [--rank R]
+                  [--fields phase,op,bytes] [--kinds exact] [--phases exact]
+                  [--shapes numel] [--one-rank-groups] [--context N]
 
 A and B are run or record folders (``ledger.jsonl``, or a recorder's partial
 ``ledger/rank_R.jsonl``) or ledger files (:func:`paraloom.run_folder.load_events`). Each rank's
-*communication sequence* is its events in launch order (``seq``) without the compute spans;
-two sequences are equal when every position agrees on the compared fields: phase, kind, op,
-async, bytes, shape, peer — and site and module unless ``--ignore-names`` (two implementations
-never share file names, so comparing Megatron-Core with paraloom needs it). The first divergence
-of each rank is printed with a side-by-side table around it. Exit codes: 0 equal, 1 different,
-2 bad input (the message names the value).
+*communication sequence* is its events of the chosen steps in launch order (``seq``), without the
+compute spans, without ``setup`` (unless ``--step`` names it) and without collectives on
+one-rank groups (Megatron issues its dp all-reduce at dp = 1 and its cross-entropy all-reduces
+at tp = 1 as no-ops; paraloom issues nothing; ``--one-rank-groups`` keeps them). Two events are
+equal when they agree on the compared fields: phase, kind, op, async, dtype, bytes, shape, peer,
+group (the global ranks of the process group) — and site and module unless ``--ignore-names``
+(two implementations never share file names). The two sequences are aligned by their longest
+common subsequence (``difflib``'s matcher, junk heuristics off), so every divergence is listed
+where it is — changed events side by side, events only in A or only in B on their own — with the
+counts of equal, changed, only-in-A and only-in-B events per rank. Exit codes: 0 equal (every
+rank, the same ranks on both sides), 1 different, 2 bad input (the message names the value).
 
-How ``kind`` is compared (``--kinds``):
+How fields are compared:
 
-* ``dimension`` (default): the parallel *dimension* is compared. ``sp`` counts as ``tp``:
-  sequence parallelism runs on the tensor-parallel group (paraloom's layers label those calls
-  ``sp``; a recorded Megatron-Core run, whose ``parallel_state`` has no sequence-parallel group,
-  labels them ``tp``), so a Megatron and a paraloom block compare equal exactly when they move
-  the same bytes in the same order on that group. A kind that names no dimension (a recorder's
-  ``group[0,1]`` for a group nobody named) matches any kind: nothing is known to disagree. Every
-  other pair (``tp`` vs ``dp``, ``pp`` vs ``cp``) must be equal.
-* ``exact``: the strings must be equal (``sp`` differs from ``tp``).
+* ``kind`` (``--kinds dimension``, the default) compares the parallel *dimension*: ``sp`` counts
+  as ``tp`` (sequence parallelism runs on the tensor-parallel group: paraloom's layers say
+  ``sp``, a recorded Megatron-Core run, whose ``parallel_state`` has no sequence-parallel group,
+  says ``tp``). A group nobody named (a recorder's ``group[0,1]``) takes the kind of a named
+  group with the same global ranks in either run, and otherwise stays itself; the ranks are
+  compared in ``group`` anyway. ``--kinds exact``: the kind strings must be equal.
+* ``phase`` (``--phases loose``, the default): ``other`` — a recorded program's code outside
+  every forward, autograd and optimizer region, such as Megatron-LM's ``train_step`` after
+  ``optimizer.step()`` — equals ``optimizer``, paraloom's phase for the same calls.
+  ``--phases exact``: the strings must be equal.
+* ``shape`` (``--shapes exact``, the default) compares dimensions; ``--shapes numel`` only the
+  element count (``[b, s, h]`` equals ``[s, b, h]``).
 """
 
 from __future__ import annotations
 
-__all__ = ["DEFAULT_FIELDS", "NAME_FIELDS", "DIMENSIONS", "VALID_FIELDS", "DiffError",
-           "sequences", "compare", "report", "fields_to_compare"]
+import difflib
+import math
 
-DEFAULT_FIELDS = ("phase", "kind", "op", "async", "bytes", "shape", "peer")
-"""Fields every position must agree on (``--fields`` replaces them)."""
+__all__ = ["DEFAULT_FIELDS", "NAME_FIELDS", "DIMENSIONS", "VALID_FIELDS", "DiffError",
+           "Options", "parse_steps", "sequences", "compare", "report", "fields_to_compare"]
+
+DEFAULT_FIELDS = ("phase", "kind", "op", "async", "dtype", "bytes", "shape", "peer", "group")
+"""Fields every aligned pair must agree on (``--fields`` replaces them)."""
 NAME_FIELDS = ("site", "module")
 """Where the call came from; compared unless ``--ignore-names``."""
 DIMENSIONS = {"tp": "tp", "sp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep",
-              "emb": "emb", "loss": "loss"}
+              "emb": "emb", "loss": "loss", "mp": "mp", "distopt": "distopt", "world": "world",
+              "etp": "etp", "edp": "edp", "tp_ep": "tp_ep", "tp_ep_pp": "tp_ep_pp"}
 """Known kinds and the parallel dimension (process group) each one runs on."""
 VALID_FIELDS = ("rank", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
-                 "async", "bytes", "shape", "dtype", "group", "peer")
+                "async", "bytes", "shape", "dtype", "group", "peer")
+_OUTSIDE = {"other": "optimizer"}  # --phases loose
 
 
 class DiffError(ValueError):
     """Bad input to ``paraloom diff`` (exit code 2)."""
 
 
+class Options:
+    """How events are chosen and compared (the command's flags)."""
+
+    def __init__(self, *, fields=DEFAULT_FIELDS, steps: set | None = None,
+                 kinds: str = "dimension", phases: str = "loose", shapes: str = "exact",
+                 one_rank_groups: bool = False) -> None:
+        for name, value, valid in (("kinds", kinds, ("dimension", "exact")),
+                                   ("phases", phases, ("loose", "exact")),
+                                   ("shapes", shapes, ("exact", "numel"))):
+            if value not in valid:
+                raise DiffError(f"--{name} {value!r}: valid values are {', '.join(valid)}")
+        self.fields = tuple(fields)
+        self.steps = steps
+        self.kinds, self.phases, self.shapes = kinds, phases, shapes
+        self.one_rank_groups = one_rank_groups
 
 
-def sequences(events: list[dict]) -> dict[int, list[dict]]:
-    """Each rank's communication events (no ``compute`` spans), in launch order."""
+def parse_steps(text: str | None) -> set | None:
+    """``--step``: ``1``, ``0-2``, ``setup``, or a comma list of those; ``None`` (all steps but
+    setup) when not given. The result holds step numbers and possibly ``"setup"``."""
+    if text is None:
+        return None
+    chosen: set = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, dash, hi = part.partition("-")
+        try:
+            if part == "setup":
+                chosen.add("setup")
+            elif dash:
+                a, b = int(lo), int(hi)
+                if a < 0 or b < a:
+                    raise ValueError
+                chosen.update(range(a, b + 1))
+            else:
+                if int(part) < 0:
+                    raise ValueError
+                chosen.add(int(part))
+        except ValueError:
+            raise DiffError(f"--step {text!r}: give a step (1), a range (0-2), 'setup', or a "
+                            f"comma list of them; {part!r} is none of these") from None
+    return chosen
+
+
+def _chosen(event: dict, options: Options) -> bool:
+    if event["op"] == "compute":
+        return False
+    group = event.get("group")
+    if not options.one_rank_groups and isinstance(group, list) and len(group) == 1:
+        return False
+    setup = event.get("phase") == "setup"
+    if options.steps is None:
+        return not setup
+    if setup:
+        return "setup" in options.steps
+    return event.get("step") in options.steps
+
+
+def sequences(events: list[dict], options: Options | None = None) -> dict[int, list[dict]]:
+    """Each rank's chosen communication events, in launch order."""
+    options = options or Options()
     out: dict[int, list[dict]] = {}
     for e in events:
-        if e["op"] != "compute":
+        if _chosen(e, options):
             out.setdefault(e["rank"], []).append(e)
     for seq in out.values():
         seq.sort(key=lambda e: e.get("seq", 0))
     return dict(sorted(out.items()))
 
 
-def _same(field: str, a, b, kinds: str) -> bool:
-    if field == "kind" and kinds == "dimension":
-        da, db = DIMENSIONS.get(a), DIMENSIONS.get(b)
-        return da is None or db is None or da == db
-    return a == b
+def _named_groups(*runs: dict[int, list[dict]]) -> dict[tuple, str]:
+    """Global rank sets of the groups a known kind names, in either run."""
+    named: dict[tuple, str] = {}
+    for run in runs:
+        for seq in run.values():
+            for e in seq:
+                dim = DIMENSIONS.get(e.get("kind"))
+                if dim is not None and isinstance(e.get("group"), list):
+                    named.setdefault(tuple(e["group"]), dim)
+    return named
 
 
-def compare(a: dict[int, list[dict]], b: dict[int, list[dict]], fields, *,
-            kinds: str = "dimension") -> dict[int, dict | None]:
-    """Per rank: ``None`` when equal, else the first divergence ``{"index", "fields", "why"}``
-    (``index`` counts communications from 0; ``fields`` the disagreeing ones)."""
-    out: dict[int, dict | None] = {}
+def _value(field: str, event: dict, options: Options, named: dict):
+    value = event.get(field)
+    if field == "kind" and options.kinds == "dimension" and value is not None:
+        dim = DIMENSIONS.get(value)
+        if dim is None and isinstance(event.get("group"), list):
+            dim = named.get(tuple(event["group"]))
+        return dim or value
+    if field == "phase" and options.phases == "loose":
+        return _OUTSIDE.get(value, value)
+    if field == "shape" and options.shapes == "numel" and isinstance(value, list):
+        return math.prod(value)
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _keys(seq: list[dict], options: Options, named: dict) -> list[tuple]:
+    return [tuple(_value(f, e, options, named) for f in options.fields) for e in seq]
+
+
+def compare(a: dict[int, list[dict]], b: dict[int, list[dict]],
+            options: Options | None = None) -> dict[int, dict]:
+    """Per rank: ``{"equal", "changed", "only_a", "only_b"}`` counts and ``hunks``, the
+    non-equal stretches of the alignment as ``(tag, a_from, a_to, b_from, b_to)`` with
+    ``tag`` one of ``replace`` (changed), ``delete`` (only in A), ``insert`` (only in B)."""
+    options = options or Options()
+    named = _named_groups(a, b)
+    out: dict[int, dict] = {}
     for rank in sorted(set(a) | set(b)):
-        sa, sb = a.get(rank, []), b.get(rank, [])
-        out[rank] = None
-        for i, (ea, eb) in enumerate(zip(sa, sb, strict=False)):
-            bad = [f for f in fields if not _same(f, ea.get(f), eb.get(f), kinds)]
-            if bad:
-                why = "; ".join(f"{f}: {_cell(ea.get(f))} vs {_cell(eb.get(f))}" for f in bad)
-                out[rank] = {"index": i, "fields": bad, "why": why}
-                break
-        else:
-            if len(sa) != len(sb):
-                longer, n = ("A", len(sa)) if len(sa) > len(sb) else ("B", len(sb))
-                out[rank] = {"index": min(len(sa), len(sb)), "fields": [],
-                             "why": f"{longer} has {n - min(len(sa), len(sb))} more "
-                                    f"communication(s) ({len(sa)} vs {len(sb)})"}
+        ka = _keys(a.get(rank, []), options, named)
+        kb = _keys(b.get(rank, []), options, named)
+        counts = {"equal": 0, "changed": 0, "only_a": 0, "only_b": 0, "hunks": []}
+        for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, ka, kb,
+                                                           autojunk=False).get_opcodes():
+            if tag == "equal":
+                counts["equal"] += i2 - i1
+                continue
+            counts["hunks"].append((tag, i1, i2, j1, j2))
+            paired = min(i2 - i1, j2 - j1) if tag == "replace" else 0
+            counts["changed"] += paired
+            counts["only_a"] += (i2 - i1) - paired
+            counts["only_b"] += (j2 - j1) - paired
+        out[rank] = counts
     return out
+
+
+def equal(result: dict[int, dict]) -> bool:
+    """Whether every rank's sequences are equal."""
+    return all(not r["hunks"] for r in result.values())
 
 
 def _cell(value) -> str:
@@ -91,46 +196,81 @@ def _cell(value) -> str:
         return "-"
     if isinstance(value, bool):
         return "async" if value else "sync"
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return "[" + ",".join(map(str, value)) + "]"
-    return str(value)
+    text = str(value)
+    return text if len(text) <= 48 else "…" + text[-47:]
 
 
-def _row(e: dict | None, fields) -> list[str]:
-    return [_cell(e.get(f)) if e is not None else "" for f in fields]
+def _table(rows: list[list[str]], split: int) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = []
+    for r in rows:
+        left = "  ".join(c.ljust(w) for c, w in zip(r[:split], widths[:split], strict=True))
+        right = "  ".join(c.ljust(w) for c, w in zip(r[split:], widths[split:], strict=True))
+        lines.append(f"    {left} | {right}".rstrip())
+    return lines
 
 
-def report(a: dict, b: dict, result: dict, fields, *, names=("A", "B"), context: int = 3,
-           kinds: str = "dimension") -> str:
-    """Plain text: per rank "equal (N communications)" or the first divergence and a
-    side-by-side table of the positions around it (``context`` before and after; ``!`` marks
-    disagreeing positions)."""
+def _hunk_rows(sa, sb, hunk, fields, options, named, context) -> tuple[list, list[str]]:
+    """The rows of one hunk (with ``context`` equal events before it) and the fields shown:
+    those that disagree, plus op and shape for orientation."""
+    tag, i1, i2, j1, j2 = hunk
+    pairs = []  # (mark, index A or None, index B or None)
+    for k in range(context, 0, -1):
+        if i1 - k >= 0 and j1 - k >= 0:
+            pairs.append((" ", i1 - k, j1 - k))
+    n = max(i2 - i1, j2 - j1)
+    for k in range(n):
+        ia = i1 + k if i1 + k < i2 else None
+        ib = j1 + k if j1 + k < j2 else None
+        pairs.append(("!", ia, ib))
+    differing = set()
+    for _, ia, ib in pairs:
+        if ia is not None and ib is not None:
+            for f in fields:
+                if _value(f, sa[ia], options, named) != _value(f, sb[ib], options, named):
+                    differing.add(f)
+    shown = [f for f in fields if f in differing or f in ("op", "shape", "kind", "phase")]
+    return pairs, shown
+
+
+def report(a: dict, b: dict, result: dict, options: Options | None = None, *,
+           names=("A", "B"), context: int = 1) -> str:
+    """Plain text: per rank the counts, then every hunk of the alignment as a side-by-side
+    table (``!`` marks the divergent rows; ``context`` equal rows before each hunk)."""
+    options = options or Options()
+    named = _named_groups(a, b)
     out = []
-    for rank, div in result.items():
+    for rank, r in result.items():
         sa, sb = a.get(rank, []), b.get(rank, [])
-        if div is None:
+        counts = (f"{r['equal']} equal, {r['changed']} changed, {r['only_a']} only in "
+                  f"{names[0]}, {r['only_b']} only in {names[1]}")
+        if not r["hunks"]:
             out.append(f"rank {rank}: equal ({len(sa)} communications)")
             continue
-        i = div["index"]
-        out.append(f"rank {rank}: first divergence at communication #{i}: {div['why']}")
-        lo, hi = max(0, i - context), min(max(len(sa), len(sb)), i + context + 1)
-        window = sa[lo:hi] + sb[lo:hi]  # columns empty on both sides (e.g. peer) are left out
-        shown = [f for f in fields if f in div["fields"]
-                 or any(e.get(f) is not None for e in window)]
-        head = ["#", *(f"{names[0]} {f}" for f in shown), *(f"{names[1]} {f}" for f in shown)]
-        rows = [head]
-        for k in range(lo, hi):
-            ea = sa[k] if k < len(sa) else None
-            eb = sb[k] if k < len(sb) else None
-            mark = "!" if k >= i and (ea is None or eb is None or any(
-                not _same(f, ea.get(f), eb.get(f), kinds) for f in shown)) else " "
-            rows.append([f"{mark}{k}", *_row(ea, shown), *_row(eb, shown)])
-        widths = [max(len(r[c]) for r in rows) for c in range(len(head))]
-        split = 1 + len(shown)
-        for r in rows:
-            left = "  ".join(c.ljust(w) for c, w in zip(r[:split], widths[:split], strict=True))
-            right = "  ".join(c.ljust(w) for c, w in zip(r[split:], widths[split:], strict=True))
-            out.append(f"  {left} | {right}".rstrip())
+        out.append(f"rank {rank}: different ({len(sa)} vs {len(sb)} communications: "
+                   f"{counts})")
+        for hunk in r["hunks"]:
+            tag, i1, i2, j1, j2 = hunk
+            what = {"replace": "changed", "delete": f"only in {names[0]}",
+                    "insert": f"only in {names[1]}"}[tag]
+            where = f"{names[0]} #{i1}" + (f"-{i2 - 1}" if i2 - i1 > 1 else "") \
+                if i2 > i1 else f"{names[0]} after #{i1 - 1}"
+            where += f", {names[1]} #{j1}" + (f"-{j2 - 1}" if j2 - j1 > 1 else "") \
+                if j2 > j1 else f", {names[1]} after #{j1 - 1}"
+            out.append(f"  {what}: {where}")
+            pairs, shown = _hunk_rows(sa, sb, hunk, options.fields, options, named, context)
+            head = ["#", *(f"{names[0]} {f}" for f in shown), "#",
+                    *(f"{names[1]} {f}" for f in shown)]
+            rows = [head]
+            for mark, ia, ib in pairs:
+                left = [f"{mark}{ia}" if ia is not None else "",
+                        *[_cell(sa[ia].get(f)) if ia is not None else "" for f in shown]]
+                right = [f"{ib}" if ib is not None else "",
+                         *[_cell(sb[ib].get(f)) if ib is not None else "" for f in shown]]
+                rows.append(left + right)
+            out.extend(_table(rows, 1 + len(shown)))
     return "\n".join(out) + "\n"
 
 
