@@ -40,11 +40,12 @@ def test_table_en_snapshot_tp2_async(runs):
         "RowParallelLinear output · layers.0.mlp.fc2 | no |",
     ]
     # backward: the input-grad all-reduce is async and overlaps the weight-gradient GEMM
-    assert lines[10] == (
-        "| 9 | tp | ColumnParallelLinear weight, output dim | all_reduce | backward · "
+    assert lines[11] == (
+        "| 10 | tp | ColumnParallelLinear weight, output dim | all_reduce | backward · "
         "ColumnParallelLinear input grad · layers.1.mlp.fc1 | yes, overlaps: "
         "ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
-    assert len(lines) == 2 + 4 * L + 4  # emb + 2L forward, CE max + sums, output + 2L backward
+    # emb + 2L forward, CE max + target + exp sum (Megatron's three), output + 2L backward
+    assert len(lines) == 2 + 4 * L + 5
     # every tp rank communicates the same, in the same order
     assert render_table(runs["async"], rank=3) == render_table(runs["async"], rank=0)
 
@@ -54,7 +55,7 @@ def test_table_zh_snapshot_and_sync_rows(runs):
     assert lines[0] == ZH_HEAD
     assert lines[2] == ("| 1 | tp | embedding rows, vocabulary range | all_reduce | forward · "
                         "VocabParallelEmbedding output · embedding.word_embeddings | 否 |")
-    assert lines[10].endswith("| 是, 重叠: ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
+    assert lines[11].endswith("| 是, 重叠: ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
     sync = table_rows(runs["sync"])
     grads = [r for r in sync if r["site"] == "ColumnParallelLinear.backward:input_grad"]
     assert len(grads) == 2 * L and all(r["async"] == "no" for r in grads)
@@ -64,7 +65,8 @@ def test_table_zh_snapshot_and_sync_rows(runs):
 def test_table_sp_rows_in_megatron_order(runs):
     rows = table_rows(runs["sp"])
     assert {r["parallel_type"] for r in rows} == {"sp", "tp"}  # tp: the cross-entropy only
-    assert [r["primitive"] for r in rows[:5]] == ["reduce_scatter", "all_gather",
+    # learned positions: the embedding all-reduced [b, s, h], then split (Megatron's choice)
+    assert [r["primitive"] for r in rows[:5]] == ["all_reduce", "all_gather",
                                                   "reduce_scatter", "all_gather",
                                                   "reduce_scatter"]
     fc1 = [r for r in rows if r["module"] == "layers.1.mlp.fc1" and r["phase"] == "backward"
@@ -80,24 +82,26 @@ def test_csv_and_json_parse_back(runs):
     parsed = list(csv.reader(io.StringIO(render_table(events, fmt="csv"))))
     assert parsed[0] == ["#", "Parallel type", "Split object", "Primitive", "Trigger location",
                          "Async"]
-    assert len(parsed) == 1 + 4 * L + 4
+    assert len(parsed) == 1 + 4 * L + 5
     assert parsed[2][3] == "all_reduce" and parsed[2][4].endswith("layers.0.attention.proj")
     doc = json.loads(render_table(events, fmt="json", lang="zh"))
     assert doc["rank"] == 0 and doc["step"] == 0
     assert doc["columns"]["parallel_type"] == "并行类型"
     assert [r["primitive"] for r in doc["rows"]] == [row[3] for row in parsed[1:]]
-    assert doc["rows"][8]["overlaps"] == ["ColumnParallelLinear wgrad (layers.1.mlp.fc1)"]
+    assert doc["rows"][9]["overlaps"] == ["ColumnParallelLinear wgrad (layers.1.mlp.fc1)"]
 
 
 def test_group_folds_identical_layers_only(runs):
     lines = render_table(runs["async"], group=True).splitlines()
-    assert len(lines) == 2 + 2 * 2 + 4
+    assert len(lines) == 2 + 2 * 2 + 5
     folded = [ln for ln in lines if "(x2 layers)" in ln]
     assert len(folded) == 4 and not any("layers.0" in ln or "layers.1" in ln for ln in lines)
     assert "layers.*.mlp.fc2 (x2 layers)" in lines[4]
     assert "(x2 层)" in render_table(runs["async"], group=True, lang="zh")
     sp = render_table(runs["sp"], group=True).splitlines()
-    assert len(sp) == 2 + 1 + 4 + 1 + 2 + 1 + 9 + 1  # emb, layer block, output, CE, ..., emb
+    # emb, layer block, output, CE x3, output backward (re-gather, reduce-scatter: as every
+    # sequence-parallel column layer), layer block backward, emb backward
+    assert len(sp) == 2 + 1 + 4 + 1 + 3 + 2 + 9 + 1
     # a layer whose rows differ (here: one primitive changed) is not folded
     altered = [dict(e) for e in runs["async"]]
     next(e for e in altered if e["rank"] == 0 and e["module"] == "layers.1.mlp.fc2")["op"] = \
@@ -164,7 +168,7 @@ def test_trace_is_valid_chrome_json(runs, tmp_path):
              and e["name"].endswith("wgrad")]
     assert len(wgrad) == 4 * L + 1  # column and row layers, and the output layer
     sync = [e for e in events if e["ph"] == "X" and e["tid"] == 1 and e["pid"] == 0]
-    assert len(sync) == 2 * L + 3 and all(e["args"]["op"] == "all_reduce" for e in sync)
+    assert len(sync) == 2 * L + 4 and all(e["args"]["op"] == "all_reduce" for e in sync)
     # trace_main rebuilds RUN_DIR/trace.json; sp kinds get their own thread
     run = tmp_path / "run"
     run.mkdir()
@@ -191,7 +195,15 @@ def test_split_of_a_recorded_program_is_its_tensor():
     from paraloom.report.table import _split
 
     event = {"kind": "group[0,1]", "op": "all_reduce", "phase": "backward", "shape": [16448],
-             "dtype": "float32", "site": "/job/ddp.py:9 <module>"}
-    assert _split(event, "en") == "float32 [16448]"
+             "dtype": "float32", "site": "/job/ddp.py:9 <module>", "param_grad": True}
+    assert _split(event, "en") == "gradients, float32 [16448]"  # a DDP bucket hook's
+    assert _split({**event, "param_grad": False}, "en") == "activation grads, float32 [16448]"
+    setup = {**event, "kind": "emb", "phase": "setup", "param_grad": False,
+             "site": "/x/language_module.py:308 LanguageModule.setup_embeddings_and_output_layer"}
+    assert _split(setup, "zh") == "初始化数据, float32 [16448]"  # not "tied embedding grads"
+    norm = {**event, "phase": "optimizer", "site": "clip_grads.py:132 get_grad_norm_fp32"}
+    assert _split(norm, "en") == "gradient norm, float32 [16448]"
+    p2p = {**event, "kind": "pp", "op": "recv", "phase": "backward", "shape": [8, 1, 4]}
+    assert _split(p2p, "en") == "activation grads [8, 1, 4] from the next stage"
     own = {**event, "kind": "tp", "site": "RowParallelLinear.forward:output"}
     assert _split(own, "en") == "—"  # paraloom's own events always name their split

@@ -16,10 +16,13 @@ from ..run_folder import METRICS, RunFolderError, load_events
 from .expert_load import plot_expert_load
 from .html import write_report
 from .plots import plot_loss
-from .table import render_table
+from .table import render_table, steps_of
 from .trace import write_trace
 
 __all__ = ["write_reports"]
+
+_SETUP = {"en": "## setup (before the first iteration)", "zh": "## 初始化（第一个迭代之前）"}
+_FIRST = {"en": "## the first step", "zh": "## 第一个迭代"}
 
 
 def write_reports(out: str | Path, events: list[dict] | None = None, *,
@@ -35,7 +38,15 @@ def write_reports(out: str | Path, events: list[dict] | None = None, *,
         write_trace(events, out / "trace.json")
     if events:
         rank = min(e["rank"] for e in events)
-        parts = [render_table(events, rank=rank, lang=lang) for lang in langs]
+        mine = [e for e in events if e["rank"] == rank]
+        setup = "setup" in steps_of(mine) and len(steps_of(mine)) > 1
+        parts = []
+        for lang in langs:
+            if setup:  # a recorded program's setup: its own section before the first step
+                parts.append(f"{_SETUP[lang]}\n\n" + render_table(events, rank=rank,
+                                                                  step="setup", lang=lang))
+                parts.append(f"{_FIRST[lang]}\n")
+            parts.append(render_table(events, rank=rank, lang=lang))
         (out / "comm_table.md").write_text("\n".join(parts) + ("\n" if len(langs) == 1 else ""))
     if (out / METRICS).is_file():
         try:

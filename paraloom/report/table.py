@@ -9,8 +9,10 @@ consecutive layers whose rows are identical except for the layer index into one 
 (pipeline p2p, the tied-embedding and sp finalize sums, the loss reduction) get a description
 of what travels, e.g. ``activations [16, 1, 32] to the next stage``.
 
-The command is ``paraloom table RUN_DIR [--lang en|zh] [--format md|csv|json] [--rank R]
-[--step N] [--group]`` (:mod:`paraloom.commands.table`).
+A recorded program's communication before its first iteration is its own section, ``setup``
+(``--step setup``); a step's table never holds it. The command is ``paraloom table RUN_DIR
+[--lang en|zh] [--format md|csv|json] [--rank R] [--step N|setup] [--group]``
+(:mod:`paraloom.commands.table`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import re
 
 from .moe_rows import ep_split
 
-__all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows"]
+__all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows", "steps_of"]
 
 HEADINGS = {
     "en": ("#", "Parallel type", "Split object", "Primitive", "Trigger location", "Async"),
@@ -53,7 +55,7 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
            "pp": "activations {shape} between stages",
            "emb": "tied word-embedding grads [V/tp, h], first + last stage",
            "loss": "per-rank partial sums (grad norm², loss)",
-           "sp": "sequence-parallel replicated grads (LayerNorms, row biases, positions)",
+           "sp": "sequence-parallel replicated grads (LayerNorms, row biases)",
            ("cp", "send", "forward"): "K,V {shape} of two sequence chunks to the next cp rank",
            ("cp", "recv", "forward"): "K,V {shape} of two sequence chunks from the previous "
                                       "cp rank",
@@ -70,7 +72,7 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
            "pp": "流水级之间的激活 {shape}",
            "emb": "共享词嵌入梯度 [V/tp, h]，首末流水级",
            "loss": "各 rank 的部分和（梯度范数²、损失）",
-           "sp": "序列并行下复制参数的梯度（LayerNorm、行并行偏置、位置嵌入）",
+           "sp": "序列并行下复制参数的梯度（LayerNorm、行并行偏置）",
            ("cp", "send", "forward"): "两个序列块的 K,V {shape}，发往下一个 cp rank",
            ("cp", "recv", "forward"): "两个序列块的 K,V {shape}，来自上一个 cp rank",
            ("cp", "send", "backward"): "K,V 或 dK,dV 累加和 {shape}，发往下一个 cp rank",
@@ -81,10 +83,42 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
 }
 
 
+_NOUNS = {  # what a recorded program's tensor is, from its site and phase (see _recorded)
+    "en": {"norm": "gradient norm", "grad": "gradients", "param": "parameters",
+           "setup": "set-up values", "backward": "activation grads", "forward": "activations",
+           "other": "values"},
+    "zh": {"norm": "梯度范数", "grad": "梯度", "param": "参数", "setup": "初始化数据",
+           "backward": "激活梯度", "forward": "激活", "other": "数据"},
+}
+
+
+def _recorded(event: dict, lang: str) -> str:
+    """A recorded program's event (its ``site`` is a ``file.py:LINE function``, it names no
+    split): what moves, from the site's function and the phase — a gradient norm, gradients or
+    parameters when the function's name says so (``get_grad_norm_fp32``, ``start_grad_sync``,
+    ``_allreduce_embedding_grad``, ``start_param_sync``), gradients too for a call made while a
+    parameter's gradient was accumulated (``param_grad``: DDP's bucket hooks), else the phase's
+    (an all-reduce in an ``__init__`` during setup is set-up values, not a gradient) — then the
+    dtype and shape."""
+    function = (event.get("site") or "").rpartition(" ")[2].rpartition(".")[2].lower()
+    nouns = _NOUNS[lang]
+    if "norm" in function:
+        noun = nouns["norm"]
+    elif event.get("param_grad") or ("grad" in function and event["phase"] != "forward"):
+        noun = nouns["grad"]
+    elif "param" in function and event["phase"] != "forward":
+        noun = nouns["param"]
+    else:
+        noun = nouns.get(event["phase"], nouns["other"])
+    shape = f" {list(event['shape'])}" if event.get("shape") is not None else ""
+    return f"{noun}, {event.get('dtype') or 'tensor'}{shape}"
+
+
 def _split(event: dict, lang: str) -> str:
     """The event's ``split``; for pp, emb, loss and finalize-sp events recorded without one, a
     description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``); for
-    a recorded program's events (which name no split), the dtype and shape of the tensor."""
+    a recorded program's events (which name no split), what :func:`_recorded` reads from them
+    (pipeline p2p: activations or their grads by the phase the schedule's code gave them)."""
     if event["kind"] == "ep" and event["op"] == "all_to_all":  # expert parallelism's words
         text = ep_split(event, lang)
         if text is not None:
@@ -92,12 +126,13 @@ def _split(event: dict, lang: str) -> str:
     if event.get("split"):
         return event["split"]
     kind, fill = event["kind"], _FILL[lang]
+    shape = str(list(event["shape"])) if event.get("shape") else "[s, b, h]"
+    if ".py:" in (event.get("site") or ""):  # a recorded program
+        text = fill.get((kind, event["op"], event["phase"])) if kind == "pp" else None
+        return text.format(shape=shape) if text else _recorded(event, lang)
     text = fill.get((kind, event["op"], event["phase"])) or fill.get(kind)
-    if text is None and ".py:" in (event.get("site") or "") and event.get("shape") is not None:
-        return f"{event.get('dtype') or 'tensor'} {list(event['shape'])}"  # a recorded program
     if text is None or (kind == "sp" and event["op"] != "all_reduce"):
         return "—"
-    shape = str(list(event["shape"])) if event.get("shape") else "[s, b, h]"
     return text.format(shape=shape)
 
 
@@ -105,16 +140,30 @@ def _phase(event: dict) -> str:
     return "backward (recompute)" if event.get("recompute") else event["phase"]
 
 
-def _select(events: list[dict], rank: int, step: int | None) -> list[dict]:
+def steps_of(events: list[dict]) -> list:
+    """The sections a ledger has: ``"setup"`` (communication before the first iteration) if
+    any, then its step numbers."""
+    setup = any(e.get("phase") == "setup" and e["op"] != "compute" for e in events)
+    steps = sorted({e["step"] for e in events if e.get("phase") != "setup"})
+    return (["setup"] if setup else []) + steps
+
+
+def _select(events: list[dict], rank: int, step) -> list[dict]:
+    """``rank``'s events of ``step``: a step number (``setup`` events are not part of it), or
+    ``"setup"``; ``None``: the first step (setup when there is nothing else)."""
     mine = [e for e in events if e["rank"] == rank]
     if not mine:
         ranks = sorted({e["rank"] for e in events})
         raise ValueError(f"rank {rank} has no events in this ledger; ranks present: {ranks}")
-    steps = sorted({e["step"] for e in mine})
-    step = steps[0] if step is None else step
-    if step not in steps:
-        raise ValueError(f"step {step} has no events on rank {rank}; steps present: {steps}")
-    return sorted((e for e in mine if e["step"] == step), key=lambda e: (e["t_start"], e["seq"]))
+    sections = steps_of(mine)
+    if step is None:
+        step = next((s for s in sections if s != "setup"), sections[0])
+    if step not in sections:
+        raise ValueError(f"step {step} has no events on rank {rank}; steps present: "
+                         f"{', '.join(map(str, sections))}")
+    chosen = [e for e in mine if e.get("phase") == "setup"] if step == "setup" else \
+        [e for e in mine if e["step"] == step and e.get("phase") != "setup"]
+    return sorted(chosen, key=lambda e: (e["t_start"], e["seq"]))
 
 
 def _summary(names: list[str], spans: list[dict]) -> str:
@@ -128,10 +177,11 @@ def _summary(names: list[str], spans: list[dict]) -> str:
     return "; ".join(f"{site} x{n}" if n > 1 else site for site, n in counts.items())
 
 
-def table_rows(events: list[dict], *, rank: int = 0, step: int | None = None,
+def table_rows(events: list[dict], *, rank: int = 0, step: int | str | None = None,
                lang: str = "en") -> list[dict]:
-    """One dict per communication of ``rank`` in ``step`` (default: its first step), in order
-    of launch: the table columns under :data:`KEYS` plus the raw fields behind them."""
+    """One dict per communication of ``rank`` in ``step`` (a number, or ``"setup"``; default:
+    its first step), in order of launch: the table columns under :data:`KEYS` plus the raw
+    fields behind them."""
     yes, no, overlaps, _ = _WORDS[lang]
     chosen = _select(events, rank, step)
     spans = [e for e in chosen if e["op"] == "compute"]
@@ -199,7 +249,7 @@ def group_rows(rows: list[dict], lang: str, members: bool = False) -> list[dict]
     return out
 
 
-def render_table(events: list[dict], *, rank: int = 0, step: int | None = None,
+def render_table(events: list[dict], *, rank: int = 0, step: int | str | None = None,
                  lang: str = "en", fmt: str = "md", group: bool = False) -> str:
     """The table as Markdown (``md``), CSV or JSON (``{"rank", "step", "columns", "rows"}``)."""
     if lang not in HEADINGS:
