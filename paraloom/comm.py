@@ -221,10 +221,11 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
     """Post sends and receives together (``P2POp`` + ``batch_isend_irecv``), so no pair deadlocks.
 
     ``ops`` are ``("send" | "recv", tensor, peer_global_rank)``; the received tensors are filled in
-    place. Each op is one ledger event (with its ``peer``); returns the list of tensors, or a
-    Handle when ``async_op``. An op may carry a fourth element, a dict of ledger fields for its
-    own event only (``{"phase": "backward", "microbatch": 3}``): one batch can mix a forward
-    activation and a backward gradient of different microbatches.
+    place. Each op is one ledger event (with its ``peer``), asynchronous (an ``isend`` /
+    ``irecv``, as Megatron's batched p2p; without ``async_op`` it is waited for at once); returns
+    the list of tensors, or a Handle when ``async_op``. An op may carry a fourth element, a
+    dict of ledger fields for its own event only (``{"phase": "backward", "microbatch": 3}``):
+    one batch can mix a forward activation and a backward gradient of different microbatches.
     """
     if not ops:
         return _done([], async_op)
@@ -238,7 +239,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
         if led:
             fields = dict(phase=phase, kind=kind, site=site, module=module, **extra)
             fields.update(*own)
-            events.append(led.record(op=name, async_op=async_op, tensor=tensor,
+            events.append(led.record(op=name, async_op=True, tensor=tensor,
                                      group=axis.ranks, peer=peer, **fields))
     works = dist.batch_isend_irecv(p2p)
     peers = ", ".join(f"{op[0]} {op[2]}" for op in ops)

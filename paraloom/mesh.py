@@ -11,7 +11,9 @@ stages are the furthest apart. ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.
 over which the tied word-embedding gradients are all-reduced. ``mesh.cp`` holds the ranks sharing
 one sequence (context parallelism); ``mesh.dp_cp`` is Megatron's data-parallel group "with context
 parallel" (the dp x cp ranks holding the same model shard), over which gradients are reduced. With
-``cp == 1`` it is the dp group itself.
+``cp == 1`` it is the dp group itself. ``mesh.mp`` is Megatron's model-parallel group (the tp x pp
+ranks holding one replica of the model), over which the gradient norm is summed and the step's
+update flag and norm are agreed.
 
 The grid itself (:func:`rank_groups`) is pure logic, tested without processes.
 
@@ -92,6 +94,7 @@ def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[tuple[
         "pp": [tuple(r(p, d, c, t) for p in P) for d in D for c in C for t in T],
         "cp": [tuple(r(p, d, c, t) for c in C) for p in P for d in D for t in T],
         "dp_cp": [tuple(r(p, d, c, t) for d in D for c in C) for p in P for t in T],
+        "mp": [tuple(r(p, d, c, t) for p in P for t in T) for d in D for c in C],
     }
     groups["emb"] = [tuple(dict.fromkeys((g[0], g[-1]))) for g in groups["pp"]]
     return groups
@@ -101,10 +104,12 @@ def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
                        ) -> dict[str, list[tuple[int, ...]]]:
     """The ``ep`` and ``edp`` groups (Megatron-Core's expert-model-parallel and expert-data-parallel
     groups): the ``dp * cp`` ranks at each (pp, tp) position, in rank order ``tp-cp-dp-pp``, split
-    into consecutive blocks of ``ep``.
+    into consecutive blocks of ``ep``; and ``tp_ep_pp``, the ranks holding one replica of every
+    expert (tp x ep x pp, Megatron's expert tensor-model-pipeline group: the experts' grad norm).
 
-    >>> expert_rank_groups(tp=1, pp=1, dp=4, ep=2)
-    {'ep': [(0, 1), (2, 3)], 'edp': [(0, 2), (1, 3)]}
+    >>> groups = expert_rank_groups(tp=1, pp=1, dp=4, ep=2)
+    >>> groups["ep"], groups["edp"], groups["tp_ep_pp"]
+    ([(0, 1), (2, 3)], [(0, 2), (1, 3)], [(0, 1), (2, 3)])
     """
     dp_cp = dp * cp
     if ep < 1 or dp_cp % ep:
@@ -120,6 +125,8 @@ def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
                for p in range(pp) for b in range(edp) for t in range(tp)],
         "edp": [tuple(r(p, b * ep + e, t) for b in range(edp))
                 for p in range(pp) for e in range(ep) for t in range(tp)],
+        "tp_ep_pp": [tuple(r(p, b * ep + e, t) for p in range(pp) for e in range(ep)
+                           for t in range(tp)) for b in range(edp)],
     }
 
 
@@ -169,10 +176,14 @@ class ParallelMesh:
     dp_cp = property(lambda self: self.axes["dp_cp"],
                      doc="Data-parallel x context-parallel axis: where gradients are reduced.")
     emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
+    mp = property(lambda self: self.axes["mp"],
+                  doc="Model-parallel axis (tp x pp: one model replica): the grad norm's group.")
     world = property(lambda self: self.axes["world"], doc="Every rank (the step's scalars).")
     ep = property(lambda self: self.axes["ep"], doc="Expert-parallel axis (experts divided).")
     edp = property(lambda self: self.axes["edp"],
                    doc="Expert-data-parallel axis (replicas of this rank's experts).")
+    tp_ep_pp = property(lambda self: self.axes["tp_ep_pp"],
+                        doc="tp x ep x pp: one replica of every expert (their grad norm).")
 
     @property
     def vpp(self) -> int:

@@ -2,8 +2,8 @@
 
 Six tiny runs (one recorded step each) are trained once for the module through the real command
 line (``paraloom.commands.main(["train", ...])`` forks the local ranks) and shared by every test: tp
-with dp (synchronous column all-reduce, overlap off, several small buckets), sp with full
-recomputation and dp, pp 1F1B with tp (the default switches: async column all-reduce),
+with dp (synchronous column all-reduce, overlap off: one bucket), sp with full recomputation and
+dp (several small buckets), pp 1F1B with tp (the default switches: async column all-reduce),
 interleaved pp, pp with the distributed optimizer (and Megatron-Core's blocking p2p batches),
 and everything at once in bf16.
 """
@@ -27,15 +27,16 @@ TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--ledger-steps", "1", "--save-every", "0", "--timeout", "60"]
 LAYOUTS = {  # name: (flags, kinds the ledger must hold)
     "tp-dp": ("--tp 2 --pp 1 --dp 2 --no-async-tensor-model-parallel-allreduce "
-              "--bucket-size 3000 --no-overlap-grad-reduce", {"tp", "dp", "loss"}),
-    "sp-dp": ("--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full",
-              {"sp", "tp", "dp", "loss"}),
-    "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "loss"}),
-    "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "loss"}),
+              "--bucket-size 3000 --no-overlap-grad-reduce", {"tp", "dp", "mp"}),
+    "sp-dp": ("--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full --bucket-size 3000",
+              {"sp", "tp", "dp", "mp"}),
+    "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "mp"}),
+    "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "mp"}),
     "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer --no-overlap-p2p-communication",
-             {"pp", "dp", "emb", "loss"}),
+             {"pp", "dp", "emb", "distopt", "mp"}),
     "3d-bf16": ("--tp 2 --pp 2 --dp 2 --sequence-parallel --distributed-optimizer "
-                "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "loss"}),
+                "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "distopt",
+                                                     "mp"}),
 }
 
 
@@ -72,17 +73,26 @@ def test_check_agrees_exactly_on_real_runs(runs, name, capsys):
 def test_check_through_cli_and_bucket_layout(runs, capsys):
     assert main(["check", str(runs["tp-dp"]), "--step", "0"]) == 0
     assert "DIFF" not in capsys.readouterr().out
-    # several buckets, launched at finish (overlap off): the derived layout is the real one
-    events = load(runs["tp-dp"] / "ledger.jsonl")
-    buckets = [e["bytes"] for e in events if e["rank"] == 0 and e["kind"] == "dp"]
+    # Megatron's buckets: without overlap one bucket, reduced synchronously at finish
+    def buckets(name, rank=0):
+        return [e for e in load(runs[name] / "ledger.jsonl") if e["rank"] == rank
+                and e["site"].startswith(("DistributedDataParallel", "DistributedOptimizer"))]
     cfg = config_from_run(json.loads((runs["tp-dp"] / "config.json").read_text()))
-    assert buckets == [4 * b.numel for b in chunk_buckets(cfg, 0)] and len(buckets) > 3
-    assert {e["phase"] for e in events if e["kind"] == "dp"} == {"optimizer"}
-    # distributed optimizer: the tied embedding's own bucket stays an all-reduce
-    zero = [(e["op"], e["phase"]) for e in load(runs["zero"] / "ledger.jsonl")
-            if e["rank"] == 0 and e["kind"] == "dp"]
-    assert zero == [("reduce_scatter", "backward"), ("all_reduce", "backward"),
-                    ("all_gather", "optimizer"), ("all_gather", "optimizer")]
+    one = buckets("tp-dp")
+    assert [e["bytes"] for e in one] == [4 * b.numel for b in chunk_buckets(cfg, 0)]
+    assert len(one) == 1 and not one[0]["async"] and one[0]["phase"] == "optimizer"
+    # with overlap, several buckets; the first step launches them all at finish (Megatron's
+    # DDP launches from its hooks only once it has seen a step): the derived layout is real
+    cfg = config_from_run(json.loads((runs["sp-dp"] / "config.json").read_text()))
+    many = buckets("sp-dp")
+    assert [e["bytes"] for e in many] == [4 * b.numel for b in chunk_buckets(cfg, 0)]
+    assert len(many) > 3 and {(e["phase"], e["async"]) for e in many} == {("optimizer", True)}
+    # distributed optimizer: every bucket reduce-scattered, the tied embedding's on its own;
+    # the first stage launches at finish, the last one (--align-grad-reduce) from the schedule
+    assert [(e["op"], e["phase"]) for e in buckets("zero", 0)] == \
+        [("reduce_scatter", "optimizer")] * 2 + [("all_gather", "optimizer")] * 2
+    assert [(e["op"], e["phase"]) for e in buckets("zero", 2)] == \
+        [("reduce_scatter", "backward")] * 2 + [("all_gather", "optimizer")] * 2
 
 
 def _input_grad_all_reduces(run) -> list[dict]:
@@ -119,9 +129,12 @@ def test_default_column_backward_all_reduce_is_async(runs):
 def test_no_overlap_p2p_communication_runs_blocking_batches(runs):
     """The default (gloo) posts pipeline p2p ahead (async); --no-overlap-p2p-communication runs
     Megatron-Core's blocking batches; the check above agrees exactly for both."""
-    def pp_async(name):
-        return {e["async"] for e in load(runs[name] / "ledger.jsonl") if e["kind"] == "pp"}
-    assert pp_async("1f1b") == {True} and pp_async("zero") == {False}
+    def pp(name):
+        return [e for e in load(runs[name] / "ledger.jsonl") if e["kind"] == "pp"]
+    # isend/irecv either way (async); the blocking batches pair a send with a receive
+    assert {e["async"] for e in pp("1f1b") + pp("zero")} == {True}
+    assert not any("_recv_" in e["site"] for e in pp("1f1b"))
+    assert any(e["site"] == "p2p.send_forward_recv_backward" for e in pp("zero"))
     assert json.loads((runs["zero"] / "config.json").read_text())["overlap_p2p_comm"] is False
 
 
@@ -145,7 +158,7 @@ def test_check_names_a_changed_byte_count(runs, tmp_path, capsys):
         return events
     assert check_main([_altered(runs["zero"], tmp_path / "b", grow), "--only-diff"]) == 1
     out = capsys.readouterr().out
-    assert "rank 1 dp reduce_scatter backward" in out
+    assert "rank 1 dp reduce_scatter optimizer" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("| 1 | dp | reduce_scatter"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert int(cells[7]) - int(cells[6]) == 4 and cells[8] == "DIFF"
@@ -212,11 +225,16 @@ def test_table_snapshot_pipeline_en(runs):
     assert len(pp) == 2 * 8  # 8 microbatches, first stage: sends activations, gets grads
     last = [_cells(r) for r in table_rows(events, rank=2)]
     assert {c[2] for c in last if c[0] == "pp"} == {"recv", "send"}
-    assert last[-2:] == [
+    assert last[-5:] == [
         ("emb", "tied word-embedding grads [V/tp, h], first + last stage", "all_reduce",
          "optimizer · finalize_model_grads embedding grads", "no"),
-        ("loss", "per-rank partial sums", "all_reduce",
-         "optimizer · train_step grad norm and loss", "no")]
+        ("mp", "this rank's squared gradient norm", "all_reduce",
+         "optimizer · get_grad_norm_fp32 squared norm", "no"),
+        ("mp", "whether any rank has separately-normed parameters", "all_reduce",
+         "optimizer · has_grad_norm_group flag", "no"),
+        ("mp", "whether this rank updated", "all_reduce",
+         "optimizer · train_step update successful", "no"),
+        ("mp", "the gradient norm", "all_reduce", "optimizer · train_step grad norm", "no")]
     md = render_table(events, rank=0).splitlines()
     assert md[0] == "| # | Parallel type | Split object | Primitive | Trigger location | Async |"
     assert md[2].startswith("| 1 | tp | embedding rows, vocabulary range | all_reduce | ")
@@ -225,9 +243,10 @@ def test_table_snapshot_pipeline_en(runs):
 def test_table_snapshot_data_parallel_zh(runs):
     rows = table_rows(load(runs["tp-dp"] / "ledger.jsonl"), rank=0, lang="zh")
     dp = [_cells(r) for r in rows if r["parallel_type"] == "dp"]
-    assert len(dp) > 3 and set(dp) == {
-        ("dp", "gradient bucket (replicated)", "all_reduce",
-         "optimizer · DistributedDataParallel bucket grads", "是")}
+    assert dp == [("dp", "gradient bucket (replicated)", "all_reduce",
+                   "optimizer · DistributedDataParallel bucket grads", "否"),
+                  ("dp", "loss sum and token count", "all_reduce", "optimizer · train_step loss",
+                   "否")]
     assert not any(r["parallel_type"] == "pp" for r in rows)
     zero = load(runs["zero"] / "ledger.jsonl")
     head = render_table(zero, rank=3, lang="zh").splitlines()[0]
@@ -235,9 +254,10 @@ def test_table_snapshot_data_parallel_zh(runs):
     rows = table_rows(zero, rank=3, lang="zh")  # last stage, dp rank 1
     assert [(c[2], c[1]) for c in map(_cells, rows) if c[0] == "dp"] == [
         ("reduce_scatter", "gradient bucket, 1/dp contiguous shard"),
-        ("all_reduce", "gradient bucket (replicated)"),
+        ("reduce_scatter", "gradient bucket, 1/dp contiguous shard"),
         ("all_gather", "parameter bucket, 1/dp contiguous shard"),
-        ("all_gather", "parameter bucket, 1/dp contiguous shard")]
+        ("all_gather", "parameter bucket, 1/dp contiguous shard"),
+        ("all_reduce", "loss sum and token count")]
     pp = [c for c in map(_cells, rows) if c[0] == "pp"]
     assert {(c[2], c[1]) for c in pp} == {("recv", "激活 [16, 1, 32]，来自上一流水级"),
                                           ("send", "激活梯度 [16, 1, 32]，发往上一流水级")}
@@ -264,7 +284,10 @@ def test_layout_matches_the_model_and_its_grad_buffer():
         named = list(model.named_parameters())
         assert [(p.name, p.numel) for p in chunk_params(c, pp_rank)] == \
             [(n, p.numel()) for n, p in named]
-        buf = GradBuffer(named, bucket_size=4000, pad_to=2)
+        # Megatron: bucket_size on the first stage only; the distributed optimizer's layout
+        buf = GradBuffer(named, bucket_size=4000 if pp_rank == 0 else None, shard_over=2,
+                         hold_params=True)
         assert [(b.numel, b.reduce_scatter, b.names) for b in chunk_buckets(c, pp_rank)] == \
-            [(b.numel, not any(getattr(p, "shared_embedding", False) for p in b.params),
-              tuple(b.names)) for b in buf.buckets]
+            [(b.numel, True, tuple(b.names)) for b in buf.buckets]
+        # the first stage cuts at 4000 elements; the last stage is one bucket and the embedding's
+        assert len(buf.buckets) > 2 if pp_rank == 0 else len(buf.buckets) == 2

@@ -41,7 +41,8 @@ def test_formulas_equal_recorded_gpt_ledgers_exactly(ledgers):
     # the shape of the numbers, not just their agreement: tp=2, sp off, L=2, [s,b,h] fp32
     exp = expected_comm(_config(2, False, "none"))
     act = S * B * H * 4
-    assert exp["tp", "all_reduce", "forward"] == {"count": 2 * L + 1 + 2,
+    # (2 rows + embedding) [s, b, h], Megatron's 3 cross-entropy all-reduces of fp32 [s, b]
+    assert exp["tp", "all_reduce", "forward"] == {"count": 2 * L + 1 + 3,
                                                    "bytes": (2 * L + 1) * act + 3 * S * B * 4}
     assert exp["tp", "all_reduce", "backward"] == {"count": 2 * L + 1, "bytes": (2 * L + 1) * act}
     full = expected_comm(_config(4, True, "full"))
@@ -64,7 +65,7 @@ def test_check_names_an_altered_ledger(ledgers):
     assert "rank 1 tp all_reduce backward" in render_diff(rows)
 
     changed = [dict(e) for e in events]
-    victim = next(e for e in changed if e["rank"] == 0 and e["site"].endswith(":sums"))
+    victim = next(e for e in changed if e["rank"] == 0 and e["site"].endswith(":sum_exp"))
     victim["bytes"] += 1
     rows = compare(expected_comm(config), changed, rank=0)
     assert [(r["op"], r["phase"], r["recorded_bytes"] - r["expected_bytes"])
@@ -112,9 +113,11 @@ def test_pipeline_and_data_parallel_formulas():
 
 
 def test_train_step_buckets_finalize_and_loss():
-    """A train step's additions, per rank: the tied embedding's own bucket stays an all-reduce
-    under the distributed optimizer, every bucket's shard is all-gathered (not when the step was
-    skipped), the buckets cover exactly the rank's parameters, and the loss reduction is 16 B."""
+    """A train step's additions, per rank, as Megatron's: under the distributed optimizer every
+    bucket is reduce-scattered (the tied embedding's own bucket too) and its shard all-gathered
+    (not when the step was skipped); one bucket besides the embedding's without overlap; the
+    grad norm over the optimizer instance (once more in the first step), the update and norm
+    agreed over tp x pp, the loss [sum, tokens] over dp on the last stage."""
     from dataclasses import replace
 
     from paraloom.analysis.layout import default_buckets
@@ -125,20 +128,28 @@ def test_train_step_buckets_finalize_and_loss():
     for r in (0, 1):
         exp = expected_comm(c, r)
         rest = params_per_rank(c, r) - emb
-        assert default_buckets(c, r) == (rest + rest % 2, emb)  # padded to a multiple of dp
-        assert exp["dp", "reduce_scatter", "optimizer"] == {"count": 1,
-                                                            "bytes": (rest + rest % 2) * 4}
-        assert exp["dp", "all_reduce", "optimizer"] == {"count": 1, "bytes": emb * 4}
-        assert exp["dp", "all_gather", "optimizer"]["count"] == 2
+        buckets = default_buckets(c, r)
+        # the first stage's embedding is registered first (its bucket comes last), the last
+        # stage's tied copy last (first); buckets padded to multiples of lcm(dp, 128)
+        assert buckets[1 - r] == emb and buckets[r] >= rest and buckets[r] % 128 == 0
+        assert exp["dp", "reduce_scatter", "optimizer"] == {"count": 2,
+                                                            "bytes": sum(buckets) * 4}
+        assert exp["dp", "all_gather", "optimizer"] == {"count": 2,
+                                                        "bytes": sum(buckets) // 2 * 4}
         assert exp["emb", "all_reduce", "optimizer"] == {"count": 1, "bytes": emb * 4}
-        assert exp["loss", "all_reduce", "optimizer"] == {"count": 1, "bytes": 16}
+        assert exp["distopt", "all_reduce", "optimizer"] == {"count": 1, "bytes": 4}
+        assert expected_comm(replace(c, first_step=True), r)[
+            "distopt", "all_reduce", "optimizer"] == {"count": 2, "bytes": 8}
+        assert exp["mp", "all_reduce", "optimizer"] == {"count": 2, "bytes": 8}
+        loss = exp.get(("dp", "all_reduce", "optimizer"))
+        assert loss == ({"count": 1, "bytes": 8} if r == 1 else None)
         assert ("dp", "all_gather", "optimizer") not in expected_comm(
             replace(c, optimizer_step=False), r)
-    small = replace(c, bucket_size=5000, distributed_optimizer=False)
+    small = replace(c, bucket_size=5000, distributed_optimizer=False, overlap_grad_reduce=True)
     assert len(default_buckets(small, 0)) > 2 and sum(default_buckets(small, 0)) == \
         params_per_rank(small, 0)
-    assert ("loss", "all_reduce", "optimizer") not in expected_comm(
-        CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256))  # one rank: no comm
+    assert len(default_buckets(small, 1)) == 1  # Megatron: no bucketing after the first stage
+    assert not expected_comm(CommConfig(layers=4, hidden=32, heads=4, seq_len=16, vocab=256))
 
 
 def test_korthikanti_activation_memory_gpt3_175b():

@@ -68,8 +68,8 @@ def _rank(rank, world, cfg, t0, fault=None):
                 state["step"] = step
                 return real_step(run, step)
 
-            def nan_norm(self, device):
-                value = real_norm(self, device)
+            def nan_norm(self, device, expert=False):
+                value = real_norm(self, device, expert)
                 return value * float("nan") if state["step"] in steps and rank == who else value
             loop.train_step = counted_step
             GradNorm.local_sq_norm = nan_norm

@@ -86,10 +86,10 @@ def _browse(page: Path, tmp: Path, *, hash_: str = "", shot: Path | None = None)
 
 
 def _expected_rows(run: Path) -> int:
-    """Communications of rank 0 in one step, by the formulas (pipeline stage 0)."""
-    from paraloom.analysis.check import config_from_run
+    """Communications of rank 0 in its first step (the table's), by the formulas (stage 0)."""
+    from paraloom.analysis.check import config_from_run, step_config
     from paraloom.analysis.formulas import expected_comm
-    config = config_from_run(json.loads((run / "config.json").read_text()))
+    config = step_config(config_from_run(json.loads((run / "config.json").read_text())), 0, {})
     return sum(v["count"] for (kind, op, phase), v in expected_comm(config, 0).items()
                if phase != "setup")
 
@@ -153,8 +153,8 @@ def test_report_of_a_recorded_torch_ddp_run(runs):
     assert sorted(map(int, re.findall(r'<g class="lane" data-rank="(\d+)"', dom))) == [0, 1]
     en = _table(dom, "en")
     from paraloom.run_folder import read_json_lines as load
-    events = [e for e in load(runs["record"] / "ledger.jsonl")
-              if e["rank"] == 0 and e["step"] == 0 and e["op"] != "compute"]
+    events = [e for e in load(runs["record"] / "ledger.jsonl") if e["rank"] == 0
+              and e["step"] == 0 and e["op"] != "compute" and e["phase"] != "setup"]
     assert events and en.count('<tr class="row"') == len(events)
     assert "<td>all_reduce</td>" in en and "ddp.py:" in en  # the program's own file:line
     assert "no formula check" in dom
@@ -163,7 +163,7 @@ def test_report_of_a_recorded_torch_ddp_run(runs):
 def test_tensorboard_scalars_read_back(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from paraloom.analysis.check import config_from_run
+    from paraloom.analysis.check import config_from_run, step_config
     from paraloom.analysis.formulas import expected_comm
     from paraloom.training.tensorboard import TAGS
     acc = EventAccumulator(str(runs["tb"]))
@@ -171,20 +171,25 @@ def test_tensorboard_scalars_read_back(runs):
     metrics = [json.loads(line) for line in
                (runs["train"] / "metrics.jsonl").read_text().splitlines()]
     config = config_from_run(json.loads((runs["train"] / "config.json").read_text()))
-    per_kind: dict[str, int] = {}
-    for (kind, _, phase), v in expected_comm(config, 0).items():
-        if phase != "setup" and v["bytes"]:
-            per_kind[kind] = per_kind.get(kind, 0) + v["bytes"]
+
+    def per_kind(step: int) -> dict[str, int]:  # the writer is the last rank: the last stage
+        out: dict[str, int] = {}
+        for (kind, _, phase), v in expected_comm(step_config(config, step, {}),
+                                                 config.pp - 1).items():
+            if phase != "setup" and v["bytes"]:
+                out[kind] = out.get(kind, 0) + v["bytes"]
+        return out
     tags = set(acc.Tags()["scalars"])
-    assert tags == set(TAGS) | {f"comm-bytes/{k}" for k in per_kind}
+    assert tags == set(TAGS) | {f"comm-bytes/{k}" for k in per_kind(0)}
     for tag, key in zip(TAGS[:3], ("loss", "lr", "grad_norm"), strict=True):
         got = acc.Scalars(tag)  # float32 values
         assert [s.step for s in got] == [m["step"] + 1 for m in metrics]
         assert [s.value for s in got] == pytest.approx([m[key] for m in metrics], rel=1e-6)
     assert all(s.value > 0 for s in acc.Scalars(TAGS[3]))
-    for kind, nbytes in per_kind.items():
+    for kind in per_kind(0):
         assert [(s.step, s.value) for s in acc.Scalars(f"comm-bytes/{kind}")] == [
-            (1, nbytes), (2, nbytes)]
+            (1, per_kind(0)[kind]), (2, per_kind(1)[kind])]
+    assert per_kind(0)["mp"] == per_kind(1)["mp"] + 4  # the first step's one-off flag
 
 
 def test_cli_errors_and_options(runs, tmp_path, monkeypatch, capsys):

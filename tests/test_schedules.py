@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import paraloom.commands as cli
-from paraloom.pipeline_parallel import schedules
+from paraloom.pipeline_parallel import runtime
 from paraloom.pipeline_parallel import stage as st
 from paraloom.pipeline_parallel import timetable as tt
 from paraloom.report import plots
@@ -118,12 +118,12 @@ def test_check_plans_catches_unwaited_and_unposted():
 
 def test_overlap_switch():
     cpu = torch.device("cpu")
-    assert schedules._overlap(None, cpu, False) and not schedules._overlap(None, cpu, True)
-    assert not schedules._overlap(False, cpu, False)
+    assert runtime._overlap(None, cpu, False) and not runtime._overlap(None, cpu, True)
+    assert not runtime._overlap(False, cpu, False)
     with pytest.raises(ValueError, match="variable_seq_lengths=False"):
-        schedules._overlap(True, cpu, True)
+        runtime._overlap(True, cpu, True)
     with pytest.raises(ValueError, match="for gloo"):
-        schedules._overlap(True, torch.device("cuda"), False)
+        runtime._overlap(True, torch.device("cuda"), False)
 
 
 def test_check_plans_catches_deadlock_and_swaps():

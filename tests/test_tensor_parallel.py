@@ -212,12 +212,14 @@ def gather_and_scatter_paths(tp):
 
 
 def embedding_case(tp, reduce_scatter):
+    """Megatron's contract: ids ``[b, s]``; all-reduce gives ``[b, s, h]``, reduce-scatter the
+    sequence-first ``[s/tp, b, h]``."""
     mesh = ParallelMesh(tp=tp, dp=4 // tp)
     vocab = 24
     g = torch.Generator().manual_seed(3)
     table = torch.randn(vocab, H, generator=g)
-    ids = torch.randint(0, vocab, (S, B), generator=g)
-    dy = torch.randn(S, B, H, generator=g)
+    ids = torch.randint(0, vocab, (B, S), generator=g)
+    dy = torch.randn(B, S, H, generator=g)
     ref = torch.nn.Embedding(vocab, H)
     with torch.no_grad():
         ref.weight.copy_(table)
@@ -226,7 +228,7 @@ def embedding_case(tp, reduce_scatter):
     with torch.no_grad():
         emb.weight.copy_(shard(table, 0, mesh))
     out = emb(ids)
-    seq = (lambda t: shard(t, 0, mesh)) if reduce_scatter else (lambda t: t)
+    seq = (lambda t: shard(t.transpose(0, 1), 0, mesh)) if reduce_scatter else (lambda t: t)
     torch.testing.assert_close(out, seq(ref(ids).detach()), **TOL)
     out.backward(seq(dy))
     torch.testing.assert_close(emb.weight.grad, shard(ref.weight.grad, 0, mesh), **TOL)

@@ -12,7 +12,8 @@ all-gathers and the sequence-parallel sums come out exact):
 * RMSNorm: one weight, no bias;
 * rope: no position-embedding table;
 * untied output layer: ``output_layer.weight`` on the last chunk, the word embedding only on the
-  first; no embedding-group all-reduce.
+  first; no embedding-group all-reduce (tied: the last chunk's copy of the word embedding comes
+  after its final norm, where the output layer would be).
 """
 
 from __future__ import annotations
@@ -49,20 +50,21 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
         if not rms:
             out.append(param_cls(name + ".bias", h, sp=sp))
 
-    if first or (last and arch.tied):
-        out.append(param_cls("embedding.word_embeddings.weight", vocab // t * h,
-                             shared=c.pp > 1 and arch.tied))
-    if first and arch.position_embedding_type == "learned_absolute":
-        out.append(param_cls("embedding.position_embeddings.weight", c.seq_len * h, sp=sp))
+    word = param_cls("embedding.word_embeddings.weight", vocab // t * h,
+                     shared=c.pp > 1 and arch.tied)
+    if first:
+        out.append(word)
+    if first and arch.position_embedding_type == "learned_absolute":  # replicated, even with sp
+        out.append(param_cls("embedding.position_embeddings.weight", c.seq_len * h))
     for i in layer_ids:
         p = f"layers.{i}."
         norm(p + "ln1")
-        out.append(param_cls(p + "attention.qkv.weight", qkv // t * h))
-        if bias:
-            out.append(param_cls(p + "attention.qkv.bias", qkv // t))
         out.append(param_cls(p + "attention.proj.weight", h * (h // t)))
         if bias:
             out.append(param_cls(p + "attention.proj.bias", h, sp=sp))
+        out.append(param_cls(p + "attention.qkv.weight", qkv // t * h))
+        if bias:
+            out.append(param_cls(p + "attention.qkv.bias", qkv // t))
         norm(p + "ln2")
         out.append(param_cls(p + "mlp.fc1.weight", fc1 // t * h))
         if bias:
@@ -74,4 +76,6 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
         norm("final_layernorm")
         if not arch.tied:
             out.append(param_cls("output_layer.weight", vocab // t * h))
+        elif not first:  # the last stage's tied copy, registered as its output layer
+            out.append(word)
     return out

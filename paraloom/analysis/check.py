@@ -10,15 +10,17 @@ of its own pipeline stage. :func:`render_diff` prints the rows as a Markdown tab
 
 reads ``RUN_DIR/config.json`` (the run's ``TrainConfig``), derives the :class:`CommConfig`
 (:func:`config_from_run`; the bucket layout is derived from the model's parameters, see
-:mod:`paraloom.analysis.layout`; a step ``metrics.jsonl`` marks ``skipped`` expects no optimizer
-all-gathers), compares every rank of every recorded step (or ``--step N``) and exits 0 only if
-every row agrees; 1 naming the differences; 2 on an unreadable run folder.
+:mod:`paraloom.analysis.layout`; :func:`step_config` reads metrics.jsonl for the steps that
+skipped their update or were their process's first), compares every rank of every recorded
+step (or ``--step N``) and exits 0 only if every row agrees; 1 naming the differences; 2 on an
+unreadable run folder.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
@@ -27,7 +29,7 @@ from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
 from .spec import Architecture, CommConfig
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
-           "load_run"]
+           "load_run", "step_config"]
 
 
 def _phase(event: dict) -> str:
@@ -131,7 +133,9 @@ def config_from_run(cfg: dict) -> CommConfig:
         recompute=cfg.get("recompute", "none"),
         distributed_optimizer=cfg.get("distributed_optimizer", False),
         overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
-        bucket_size=cfg.get("bucket_size"),
+        align_grad_reduce=cfg.get("align_grad_reduce", True),
+        bucket_size=cfg.get("bucket_size"), bucket_tail_splits=cfg.get("bucket_tail_splits", 0),
+        schedule=cfg.get("schedule"),
         dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
         arch=Architecture.from_model(m),
         cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"),
@@ -145,9 +149,19 @@ def _ffn(model: dict) -> int | None:
     return int(4 * model["hidden_size"] * 2 / 3 / 64) * 64
 
 
-def load_run(run_dir: str) -> tuple[dict, list[dict], set[int]]:
-    """``config.json``, the ledger, and the steps metrics.jsonl marks ``skipped``; ``ValueError``
-    for a folder ``check`` cannot read (naming what is missing)."""
+def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> CommConfig:
+    """``config`` for one recorded step: the optimizer step skipped or not (metrics.jsonl
+    ``skipped``), and whether it was the first step its process ran (``first_of_process``; the
+    first step communicates differently, as Megatron's: see :class:`CommConfig`). Without a
+    metrics line, step 0 is a first step."""
+    line = metrics.get(step, {})
+    return replace(config, optimizer_step=not line.get("skipped", False),
+                   first_step=bool(line.get("first_of_process", step == 0)))
+
+
+def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:
+    """``config.json``, the ledger, and metrics.jsonl's lines by step; ``ValueError`` for a
+    folder ``check`` cannot read (naming what is missing)."""
     root = Path(run_dir)
     if not (root / CONFIG).is_file() and any(root.glob("ledger/rank*.status.json")):
         raise ValueError(f"{run_dir!r} was recorded by paraloom record: a recorded program has "
@@ -157,9 +171,9 @@ def load_run(run_dir: str) -> tuple[dict, list[dict], set[int]]:
         if not (root / name).is_file():
             raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "
                              f"train holds config.json and ledger.jsonl)")
-    skipped = {m["step"] for m in read_json_lines(root / METRICS, strict=False)
-               if m.get("skipped")}
+    metrics = {m["step"]: m for m in read_json_lines(root / METRICS, strict=False)} \
+        if (root / METRICS).is_file() else {}
     return read_json(root / CONFIG, "a run configuration"), read_json_lines(root / LEDGER), \
-        skipped
+        metrics
 
 

@@ -8,9 +8,10 @@ Re-runs of forward communication under full recomputation are keyed with phase `
 (the ledger marks them ``recompute: true``; their recorded phase is ``forward``).
 
 A train step (``grad_sync``) adds the data-parallel bucket reductions of the exact bucket
-layout (:mod:`paraloom.analysis.layout`), ``finalize_model_grads``' sp and tied-embedding sums
-and the loss + gradient-norm all-reduce; :func:`paraloom.analysis.check.check_run` compares all
-of it with a ``paraloom train`` run folder.
+layout (:mod:`paraloom.analysis.layout`), ``finalize_model_grads``' sp and tied-embedding sums,
+the gradient norm and the step's agreements and loss (:func:`_grad_sync`);
+:func:`paraloom.analysis.check.check_run` compares all of it with a ``paraloom train`` run
+folder.
 
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``
 vocabulary, ``t``/``p``/``d`` tp/pp/dp sizes, ``v`` virtual stages, ``m`` microbatches. With
@@ -72,21 +73,22 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
                 # needs is rebuilt: fc2's reduced output only joins the residual sum, so only
                 # proj's reduction is repeated (Megatron's reentrant checkpoint repeats both)
                 add("tp", "all_reduce", "recompute", ml, act)
-        if first:  # vocabulary-parallel embedding: partial rows summed
-            if sp:
-                add("sp", "reduce_scatter", "forward", m, act)
-                add("sp", "all_gather", "backward", m, shard)
+        if first:  # vocabulary-parallel embedding: partial rows summed [b, s, h]
+            if sp and c.arch.position_embedding_type != "learned_absolute":
+                add("sp", "reduce_scatter", "forward", m, act)  # rotary: reduce-scattered
             else:
-                add("tp", "all_reduce", "forward", m, act)
+                add("tp", "all_reduce", "forward", m, act)  # (sp: then split locally)
+            if sp:  # the backward of the sequence split: the gradient all-gathered
+                add("sp", "all_gather", "backward", m, shard)
         if last:  # output layer input (copy / sequence gather) and vocab-parallel cross-entropy
-            if sp:
+            if sp:  # as a column-parallel linear: gather; backward re-gather + reduce-scatter
                 add("sp", "all_gather", "forward", m, shard)
+                add("sp", "all_gather", "backward", m, shard)
                 add("sp", "reduce_scatter", "backward", m, act)
             else:
                 add("tp", "all_reduce", "backward", m, act)
-            tokens = local_seq(c) * c.micro_batch
-            add("tp", "all_reduce", "forward", m, tokens * F32)                   # MAX
-            add("tp", "all_reduce", "forward", m, (3 if c.label_smoothing else 2) * tokens * F32)
+            tokens = local_seq(c) * c.micro_batch  # MAX, target logit, exp sum (+ logit sum)
+            add("tp", "all_reduce", "forward", (4 if c.label_smoothing else 3) * m, tokens * F32)
     add_cp_comm(c, ml, add)
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)
@@ -110,17 +112,35 @@ def _pipeline(c: CommConfig, r: int, add, nbytes: int) -> None:
     add("pp", "recv", "backward", sends * m, nbytes)
 
 
+def _bucket_phase(c: CommConfig, r: int) -> str:
+    """Where a step's bucket reductions are launched: from the gradient hooks or the schedule's
+    ``grad_sync_func`` (phase ``backward``), or in ``finish_grad_sync`` (``optimizer``): always
+    without overlap; in the first step unless the schedule launches them (Megatron's DDP launches
+    nothing from its hooks before it has seen one step)."""
+    if not c.overlap_grad_reduce:
+        return "optimizer"
+    schedule = c.schedule or ("none" if c.pp == 1 else "interleaved" if c.v > 1 else "1f1b")
+    by_schedule = c.align_grad_reduce and (schedule == "interleaved"
+                                           or (schedule == "1f1b" and r > 0))
+    return "backward" if by_schedule or not c.first_step else "optimizer"
+
+
 def _grad_sync(c: CommConfig, r: int, add) -> None:
-    """What a train step adds after the schedule: the data-parallel bucket reductions (launched
-    from the gradient hooks, phase ``backward``, or at finish, phase ``optimizer``; under the
-    distributed optimizer reduce-scattered, except a tied embedding's own bucket, and every
-    bucket's parameter shard all-gathered), ``finalize_model_grads`` (one coalesced all-reduce
-    over tp of the sequence-parallel grads, one over the embedding group of the tied word
-    embedding) and the step's loss + gradient-norm reduction over all ranks (2 float64)."""
+    """What a train step adds after the schedule, in Megatron-Core's and Megatron-LM's terms:
+
+    * the data-parallel bucket reductions (:func:`_bucket_phase`; under the distributed
+      optimizer every bucket reduce-scattered, and after the update every bucket's parameter
+      shard all-gathered),
+    * ``finalize_model_grads``: one coalesced all-reduce over tp of the sequence-parallel
+      grads, one over the embedding group of the tied word embedding,
+    * the optimizer's gradient norm: one fp32 ``[1]`` over its grad-stats group (``mp`` = tp x
+      pp; ``distopt`` = every rank with the distributed optimizer; MoE: a second over the
+      experts' group), in the first step once more (an int32 flag per group),
+    * Megatron-LM's ``train_step``: the update flag and the norm agreed over ``mp`` (two
+      ``[1]``), and on the last stage the loss ``[sum, tokens]`` over dp (x cp),
+    * with MoE, paraloom's statistics over every rank (float64)."""
     if c.dp > 1:
-        phase = "backward" if c.overlap_grad_reduce else "optimizer"
-        buckets = [(b.numel, b.reduce_scatter) for b in rank_buckets(c, r)] \
-            if c.buckets is None else [(n, c.distributed_optimizer) for n in c.buckets]
+        phase = _bucket_phase(c, r)
         edp = c.dp // c.moe.ep if c.moe is not None else c.dp
         if c.buckets is None:
             buckets = [(b.numel, b.reduce_scatter, edp if b.expert else c.dp)
@@ -138,6 +158,17 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
     if c.pp > 1 and r in (0, c.pp - 1) and c.arch.tied:
         vocab = -(-c.vocab // c.tp) * c.tp
         add("emb", "all_reduce", "optimizer", 1, vocab * c.hidden // c.tp * c.grad_bytes)
-    if c.tp * c.pp * c.dp > 1:
-        stats = 3 + c.layers * c.moe.num_experts if c.moe is not None else 0
-        add("loss", "all_reduce", "optimizer", 1, (2 + stats) * 8)
+    mp, world = c.tp * c.pp, c.tp * c.pp * c.dp
+    groups = [("distopt", world)] if c.distributed_optimizer else [("mp", mp)]
+    if c.moe is not None:  # Megatron's expert optimizer: tp x ep x pp (distributed: the world)
+        groups.append(("distopt", world) if c.distributed_optimizer
+                      else ("tp_ep_pp", mp * c.moe.ep))
+    for kind, size in groups:
+        if size > 1:
+            add(kind, "all_reduce", "optimizer", 2 if c.first_step else 1, F32)
+    if mp > 1:
+        add("mp", "all_reduce", "optimizer", 2, F32)  # update flag (int32), norm (fp32)
+    if r == c.pp - 1 and c.dp > 1:
+        add("dp", "all_reduce", "optimizer", 1, 2 * F32)  # [loss sum, tokens]
+    if c.moe is not None and world > 1:
+        add("world", "all_reduce", "optimizer", 1, (3 + c.layers * c.moe.num_experts) * 8)

@@ -5,24 +5,25 @@ and bytes depend on how :class:`~paraloom.data_parallel.grad_buffer.GradBuffer` 
 parameters. This module derives that layout from the configuration alone (no model):
 
 * :func:`chunk_params` lists one pipeline chunk's parameters in registration order, as
-  :class:`~paraloom.models.gpt.GPTModel` creates them — ``embedding.word_embeddings.weight``
-  (``[V/t, h]``; tied, ``shared_embedding``, when ``pp > 1``), ``embedding.position_embeddings
-  .weight`` (``[s, h]``, first chunk only), per layer ``ln1``, ``attention.qkv``,
-  ``attention.proj``, ``ln2``, ``mlp.fc1``, ``mlp.fc2`` (weights then biases), and
-  ``final_layernorm`` on the last chunk — with their ``sequence_parallel`` marks (LayerNorms,
-  row biases and position embeddings under sequence parallelism with ``t > 1``).
+  :class:`~paraloom.models.gpt.GPTModel` creates them — on the first chunk
+  ``embedding.word_embeddings.weight`` (``[V/t, h]``; tied, ``shared_embedding``, when
+  ``pp > 1``) and ``embedding.position_embeddings.weight`` (``[s, h]``, replicated), per layer
+  ``ln1``, ``attention.proj``, ``attention.qkv`` (Megatron's order), ``ln2``, ``mlp.fc1``,
+  ``mlp.fc2`` (weights then biases), and on the last chunk ``final_layernorm`` then
+  (``pp > 1``) its copy of the tied word embedding — with their ``sequence_parallel`` marks
+  (LayerNorms and row biases under sequence parallelism with ``t > 1``).
 * :func:`chunk_buckets` replays the buffer's cut (the same function,
-  :func:`paraloom.data_parallel.grad_buffer.cut_buckets`): parameters in *reverse* order, a
-  bucket closes once it holds ``bucket_size`` elements (halving in the last ``bucket_size``), a
-  shared embedding gets a bucket of its own, and every bucket is padded to a multiple of ``dp``
-  under the distributed optimizer.
+  :func:`paraloom.data_parallel.grad_buffer.bucket_layout`): Megatron's layout, with
+  ``bucket_size`` only where Megatron applies it (overlap on, the first pipeline stage, a rank's
+  first chunk; else one bucket) and the distributed optimizer's padding and separate
+  shared-embedding bucket.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..data_parallel.grad_buffer import cut_buckets
+from ..data_parallel.grad_buffer import bucket_layout
 from .arch import arch_chunk_params
 from .moe_formulas import moe_layer_params
 from .spec import Bucket, CommConfig, Param
@@ -32,36 +33,37 @@ __all__ = ["Param", "Bucket", "chunk_params", "chunk_buckets", "rank_buckets", "
            "arch_params_per_rank", "arch_param_count", "default_buckets"]
 
 
-
-
-def bucket_size_of(c: CommConfig) -> int:
-    """Elements per bucket: ``c.bucket_size`` or Megatron's ``max(40M, 1M * dp)``."""
+def bucket_size_of(c: CommConfig, pp_rank: int = 0, chunk: int = 0) -> int | None:
+    """Elements at which a bucket of this chunk closes: ``c.bucket_size`` or Megatron's
+    ``max(40M, 1M * dp)``; ``None`` (one bucket) without overlap, on a pipeline rank > 0 or
+    for a chunk after the first (Megatron's ``disable_bucketing``)."""
+    if not c.overlap_grad_reduce or pp_rank > 0 or chunk > 0:
+        return None
     return c.bucket_size or max(40_000_000, 1_000_000 * c.dp)
 
 
 def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
     """The parameters of chunk ``chunk`` on pipeline rank ``pp_rank``, in registration order."""
-    t, h, f, s = c.tp, c.hidden, c.f, c.seq_len
     per_chunk = c.layers // (c.pp * c.v)
     virtual = chunk * c.pp + pp_rank
     first, last = virtual == 0, virtual == c.pp * c.v - 1
+    layer_ids = range(virtual * per_chunk, (virtual + 1) * per_chunk)
     if not c.arch.is_gpt2:  # Llama family: see paraloom.analysis.arch
-        layer_ids = range(virtual * per_chunk, (virtual + 1) * per_chunk)
         return arch_chunk_params(c, first, last, layer_ids, Param)
+    t, h, f, s = c.tp, c.hidden, c.f, c.seq_len
     sp = c.sp
     vocab = -(-c.vocab // t) * t  # padded to a multiple of tp
+    word = Param("embedding.word_embeddings.weight", vocab // t * h, shared=c.pp > 1)
     out: list[Param] = []
-    if first or last:
-        out.append(Param("embedding.word_embeddings.weight", vocab // t * h, shared=c.pp > 1))
     if first:
-        out.append(Param("embedding.position_embeddings.weight", s * h, sp=sp))
-    for i in range(virtual * per_chunk, (virtual + 1) * per_chunk):
+        out += [word, Param("embedding.position_embeddings.weight", s * h)]
+    for i in layer_ids:
         p = f"layers.{i}."
         out += [Param(p + "ln1.weight", h, sp=sp), Param(p + "ln1.bias", h, sp=sp),
-                Param(p + "attention.qkv.weight", 3 * h // t * h),
-                Param(p + "attention.qkv.bias", 3 * h // t),
                 Param(p + "attention.proj.weight", h * (h // t)),
                 Param(p + "attention.proj.bias", h, sp=sp),
+                Param(p + "attention.qkv.weight", 3 * h // t * h),
+                Param(p + "attention.qkv.bias", 3 * h // t),
                 Param(p + "ln2.weight", h, sp=sp), Param(p + "ln2.bias", h, sp=sp)]
         if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
             out += moe_layer_params(c, p + "mlp.")
@@ -70,29 +72,31 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
                 Param(p + "mlp.fc2.weight", h * (f // t)), Param(p + "mlp.fc2.bias", h, sp=sp)]
     if last:
         out += [Param("final_layernorm.weight", h, sp=sp), Param("final_layernorm.bias", h, sp=sp)]
+        if not first:  # the tied copy, registered as the last stage's output layer
+            out.append(word)
     return out
 
 
 def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
     """The gradient buckets of one chunk, in launch order (as ``GradBuffer`` cuts them): the
-    non-expert buffer's, then the expert buffer's (padded to a multiple of edp under ZeRO)."""
+    non-expert buffer's, then the expert buffer's (sharded over edp under ZeRO)."""
     params = chunk_params(c, pp_rank, chunk)
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
-    return _cut(c, [p for p in params if not p.expert], c.dp, False) + \
-        _cut(c, [p for p in params if p.expert], edp, True)
+    size = bucket_size_of(c, pp_rank, chunk)
+    return _cut(c, [p for p in params if not p.expert], c.dp, False, size) + \
+        _cut(c, [p for p in params if p.expert], edp, True, size)
 
 
-def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool) -> list[Bucket]:
-    pad = axis if c.distributed_optimizer else 1
+def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool,
+         size: int | None) -> list[Bucket]:
+    if not params:
+        return []
     order = list(reversed(params))  # backward order: last layer first
-    out = []
-    for group in cut_buckets([(p.numel, p.shared) for p in order], bucket_size_of(c)):
-        members = [order[i] for i in group]
-        n = sum(p.numel for p in members)
-        out.append(Bucket(-(-n // pad) * pad, c.distributed_optimizer and
-                          not any(p.shared for p in members),
-                          tuple(p.name for p in members), expert))
-    return out
+    layout = bucket_layout([(p.numel, p.shared) for p in order], size, shard_over=axis,
+                           sharded=c.distributed_optimizer, tail_splits=c.bucket_tail_splits)
+    return [Bucket(end - start, c.distributed_optimizer,
+                   tuple(order[i].name for i, _, _ in members), expert)
+            for start, end, members in layout]
 
 
 def rank_buckets(c: CommConfig, pp_rank: int) -> list[Bucket]:

@@ -97,11 +97,11 @@ class CommConfig:
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
     grad_sync: bool = True
     """The step is a train step: it reduces gradients (data-parallel buckets,
-    ``finalize_model_grads``) and the loss + gradient norm (kind ``loss``); ``False`` for a
-    bare forward + backward of the model."""
+    ``finalize_model_grads``), the gradient norm and the step's agreements and loss; ``False``
+    for a bare forward + backward of the model."""
     optimizer_step: bool = True
-    """The optimizer step ran; a train step whose loss or gradient norm is not finite skips
-    it (``"skipped"`` in metrics.jsonl), and with it the distributed optimizer's all-gathers."""
+    """The optimizer step ran; a train step whose gradient norm is not finite skips it
+    (``"skipped"`` in metrics.jsonl), and with it the distributed optimizer's all-gathers."""
     overlap_grad_reduce: bool = True
     """Bucket reductions launched from backward hooks (phase ``backward``), else ``optimizer``."""
     buckets: tuple[int, ...] | None = None
@@ -109,6 +109,16 @@ class CommConfig:
     for one stage; ``None``: the exact layout (:func:`paraloom.analysis.layout.rank_buckets`)."""
     bucket_size: int | None = None
     """Elements at which a bucket closes (``None``: Megatron's ``max(40M, 1M * dp)``)."""
+    bucket_tail_splits: int = 0
+    """paraloom's halving of the last buckets (0: Megatron's equal buckets)."""
+    align_grad_reduce: bool = True
+    """Megatron-LM's ``--align-grad-reduce``: the schedule launches the reduction of 1F1B stages
+    after the first and of every interleaved chunk (phase ``backward`` even in the first step)."""
+    first_step: bool = False
+    """The run's first step: Megatron launches no bucket from the gradient hooks yet, and agrees
+    once on separate grad-norm groups (one more int32 all-reduce per grad-stats group)."""
+    schedule: str | None = None
+    """``1f1b``, ``interleaved``, ``none``, ``zb-h1``; ``None``: the default for pp and vpp."""
     dtype_bytes: int = 4
     """Bytes per activation / parameter element (fp32 4, bf16 2)."""
     grad_bytes: int = 4

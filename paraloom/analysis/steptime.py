@@ -81,7 +81,7 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
         inter, act = spans_nodes(1, t, hw.gpus_per_node), tokens * c.hidden * e
         gather = 2 * collective_time("reduce_scatter", t, act, hw, inter) if c.sp else \
             collective_time("all_reduce", t, act, hw, inter)
-        loss = 2 * collective_time("all_reduce", t, 3 * tokens * 4, hw, inter)
+        loss = 3 * collective_time("all_reduce", t, tokens * 4, hw, inter)  # max, 2 sums
         head = gather * (2 if p == 1 else 1) + loss
     parts["tp_comm"] += head if p == 1 else 0.0
     stage = {k: val for k, val in parts.items()}
@@ -122,8 +122,15 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     if p > 1 and c.arch.tied:
         emb = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
                               spans_nodes(t * cp * dp * (p - 1), 2, hw.gpus_per_node))
-    if gpus > 1:  # the step's loss and gradient norm (two float64) over every rank
-        emb += collective_time("all_reduce", gpus, 16, hw, gpus > hw.gpus_per_node)
+    mp = t * p  # the grad norm and the update/norm agreements over tp x pp, the loss over dp
+    if c.distributed_optimizer and gpus > 1:
+        emb += collective_time("all_reduce", gpus, 4, hw, gpus > hw.gpus_per_node)
+    elif mp > 1:
+        emb += collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
+    if mp > 1:
+        emb += 2 * collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
+    if dp * cp > 1:
+        emb += collective_time("all_reduce", dp * cp, 8, hw, gpus > hw.gpus_per_node)
     opt_params = (params - experts) / (dp * cp) + experts / edp if c.distributed_optimizer \
         else params
     optimizer = opt_params * 38 / (hw.hbm_bw * hw.mem_efficiency) / scale \

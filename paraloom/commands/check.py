@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
-from ..analysis.check import all_ok, check_run, config_from_run, load_run, render_diff
+from ..analysis.check import all_ok, check_run, config_from_run, load_run, render_diff, step_config
 
 __all__ = ["main"]
 
@@ -24,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-diff", action="store_true", help="print the differing rows only")
     args = ap.parse_args(argv)
     try:
-        cfg, events, skipped = load_run(args.run_dir)
+        cfg, events, metrics = load_run(args.run_dir)
         config = config_from_run(cfg)
         steps = sorted({e["step"] for e in events if e["op"] != "compute"})
         if args.step is not None and args.step not in steps:
@@ -36,8 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ok = True
     for step in [args.step] if args.step is not None else steps:
-        step_config = replace(config, optimizer_step=step not in skipped)
-        rows = check_run(step_config, events, step=step)
+        rows = check_run(step_config(config, step, metrics), events, step=step)
         print(f"## step {step}\n\n" + render_diff(rows, only_diff=args.only_diff))
         ok = ok and all_ok(rows)
     return 0 if ok else 1

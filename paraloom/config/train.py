@@ -81,9 +81,25 @@ class TrainConfig:
                                          "--use-distributed-optimizer",
                                          help="ZeRO-1: optimizer states sharded over dp")
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
+    align_grad_reduce: bool = option(True, "--align-grad-reduce", negatable=True,
+                                     help="with --overlap-grad-reduce, pipeline stages after "
+                                          "the first launch their gradient reduction once "
+                                          "their backward is over, as Megatron-LM (default: "
+                                          "on)")
+    """Megatron-LM's ``--align-grad-reduce`` (its default): with ``overlap_grad_reduce``, the
+    schedule launches each chunk's data-parallel reduction itself (``grad_sync_func``) — on
+    pipeline stages after the first after the last ``send_backward``, interleaved at the same
+    virtual microbatch on every stage — instead of from the gradient hooks."""
     bucket_size: int | None = option(None, "--bucket-size",
                                      help="gradient bucket size in elements")
     """Gradient bucket size in elements; ``None`` for Megatron's default."""
+    bucket_tail_splits: int = option(0, "--bucket-tail-splits",
+                                     help="paraloom: halve the last gradient buckets of "
+                                          "backward this many times, so less reduction is "
+                                          "left when backward ends (default 0: Megatron's "
+                                          "equal buckets)")
+    """paraloom's tail-halving buckets (:func:`~paraloom.data_parallel.grad_buffer.
+    bucket_layout`); 0, Megatron's equal buckets, by default."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps"):
@@ -106,6 +122,10 @@ class TrainConfig:
         self._check_schedule()
         if self.bucket_size is not None:
             positive_int("bucket_size (--bucket-size, elements)", self.bucket_size)
+        if isinstance(self.bucket_tail_splits, bool) or not isinstance(
+                self.bucket_tail_splits, int) or not 0 <= self.bucket_tail_splits <= 8:
+            raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
+                             f"from 0 to 8, got {self.bucket_tail_splits!r}")
 
     def _check_schedule(self) -> None:
         p = self.parallel

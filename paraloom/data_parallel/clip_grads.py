@@ -2,21 +2,32 @@
 
 Every parameter counts once in the global norm, wherever its copies live: a tensor-parallel
 shard on every tp rank, a replicated parameter (norms, biases, positions) on tp rank 0 only, the
-last stage's tied copy of the word embeddings not at all (the first stage counts it), and a
-bucket on its data-parallel rank 0 after the all-reduce (every rank holds the same sum), or, with
-the distributed optimizer, each rank its own shard of it. :class:`GradNorm` works out once which
-contiguous stretches of the buffers that is, merging neighbours, so the norm is a few reductions
-per bucket rather than one per parameter.
+last stage's tied copy of the word embeddings not at all (the first stage counts it); every
+data-parallel replica computes the norm of its whole model replica (after the all-reduce they
+hold the same gradients), or, with the distributed optimizer, each rank its own shard.
+:class:`GradNorm` works out once which contiguous stretches of the buffers that is, merging
+neighbours, so the norm is a few reductions per bucket rather than one per parameter.
 
-:meth:`GradNorm.local_sq_norm` is this rank's part of the squared norm; the caller sums it over
-the world (together with whatever else it reduces then) and :meth:`GradNorm.clip` scales every
-main grad if the total is above the limit.
+:meth:`GradNorm.local_sq_norm` is this rank's part of the squared norm; :meth:`GradNorm.total`
+sums it as Megatron-Core's ``get_grad_norm_fp32`` does, inside the optimizer step: one fp32 ``[1]``
+all-reduce over the optimizer's grad-stats group — the model-parallel group ``mesh.mp`` (tp x pp,
+kind ``mp``), or, with the distributed optimizer, the optimizer instance (every rank, kind
+``distopt``). Expert gradients (MoE) are a second optimizer in Megatron (its ``ChainedOptimizer``):
+their part is a second ``[1]`` over tp x ep x pp (kind ``tp_ep_pp``; the instance with the
+distributed optimizer), and the norm is the root of the two sums. In the first step only,
+Megatron 0.19 also agrees once over each grad-stats group whether any rank holds parameters with a
+separate norm group (``MegatronOptimizer.has_grad_norm_group``: an int32 ``[1]`` MAX); paraloom
+has none and issues the same agreement, so its first step communicates as Megatron's.
+:meth:`GradNorm.clip` then scales every main grad if the total is above the limit.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .. import comm
 from ..mesh import ParallelMesh
 from .ddp import DistributedDataParallel
 
@@ -36,36 +47,66 @@ class GradNorm:
     def __init__(self, ddps: list[DistributedDataParallel], mesh: ParallelMesh, *,
                  sharded: bool) -> None:
         """``sharded``: each dp rank owns a shard of every bucket (the distributed optimizer)."""
-        self.ddps = ddps
+        self.ddps, self.mesh = ddps, mesh
         self.pieces: list[tuple] = []  # (bucket, lo, hi), in buffer order
+        self.expert_pieces: list[tuple] = []
+        self.expert = any(b.axis is not ddp.dp for ddp in ddps for b in ddp.buckets)
         for ddp in ddps:
             for bucket in ddp.buckets:
                 axis = bucket.axis  # mesh.dp, or mesh.edp for experts (distinct over ep)
-                if not sharded and axis.rank != 0:
-                    continue  # replicated after the all-reduce: its rank 0 counts it
                 lo, hi = bucket.shard(axis.rank, axis.size) if sharded else (0, bucket.numel)
+                into = self.expert_pieces if axis is not ddp.dp else self.pieces
                 for param in bucket.params:  # in buffer order: offsets increase
                     if _counts_once(param, mesh):
                         _, a, b = ddp.param_range(param)
-                        self._add(bucket, max(a, lo), min(b, hi))
+                        self._add(into, bucket, max(a, lo), min(b, hi))
+        # the grad-stats groups of Megatron's dense and expert optimizers, with their kinds
+        if sharded:
+            self.groups = [(mesh.world, "distopt")] * (2 if self.expert else 1)
+        else:
+            self.groups = [(mesh.mp, "mp")] + ([(mesh.tp_ep_pp, "tp_ep_pp")] if self.expert
+                                               else [])
+        self._first = True
 
-    def _add(self, bucket, a: int, b: int) -> None:
+    @staticmethod
+    def _add(pieces: list, bucket, a: int, b: int) -> None:
         if a >= b:
             return
-        last = self.pieces[-1] if self.pieces else None
+        last = pieces[-1] if pieces else None
         if last is not None and last[0] is bucket and last[2] == a:
-            self.pieces[-1] = (bucket, last[1], b)
+            pieces[-1] = (bucket, last[1], b)
         else:
-            self.pieces.append((bucket, a, b))
+            pieces.append((bucket, a, b))
 
-    def local_sq_norm(self, device: torch.device) -> torch.Tensor:
-        """Sum of squared main grads this rank is responsible for: each stretch's fp32 norm
-        (torch's reduction, no fp64 copy of the gradients), squared and summed in fp64."""
-        grads = [bucket.grad[a:b] for bucket, a, b in self.pieces]
+    def local_sq_norm(self, device: torch.device, expert: bool = False) -> torch.Tensor:
+        """Sum of squared main grads this rank is responsible for (the dense ones, or with
+        ``expert`` the experts'): each stretch's fp32 norm (torch's reduction, no fp64 copy of
+        the gradients), squared and summed in fp64."""
+        grads = [bucket.grad[a:b] for bucket, a, b in
+                 (self.expert_pieces if expert else self.pieces)]
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=device)
         norms = torch.stack([torch.linalg.vector_norm(g) for g in grads])
         return norms.double().square().sum()
+
+    def total(self, device: torch.device) -> float:
+        """The global gradient norm: each part's fp32 ``[1]`` squared norm summed over its
+        grad-stats group (phase ``optimizer``), then the root of the parts' sum."""
+        sums = []
+        for expert, (axis, kind) in enumerate(self.groups):
+            part = self.local_sq_norm(device, bool(expert)).float().view(1)
+            comm.all_reduce(part, axis, phase="optimizer", kind=kind,
+                            site="get_grad_norm_fp32:squared_norm",
+                            split="this rank's squared gradient norm")
+            sums.append(part.item())
+        if self._first:  # Megatron 0.19's one-off has_grad_norm_group agreement (see above)
+            for axis, kind in self.groups:
+                flag = torch.zeros(1, dtype=torch.int32, device=device)
+                comm.all_reduce(flag, axis, op="max", phase="optimizer", kind=kind,
+                                site="has_grad_norm_group:flag",
+                                split="whether any rank has separately-normed parameters")
+            self._first = False
+        return math.sqrt(sum(sums))  # inf or nan when a part is
 
     def clip(self, total_norm: float, max_norm: float) -> bool:
         """Scale every main grad by ``max_norm / total_norm`` if ``total_norm`` exceeds

@@ -1,52 +1,37 @@
 """DistributedDataParallel: bucketed gradient reduction over the data-parallel group.
 
 Each trainable parameter gets a ``main_grad`` view into a contiguous fp32 :class:`GradBuffer` and a
-post-accumulate-grad hook. In every backward the hook adds ``param.grad`` into ``main_grad`` and
-drops ``.grad``. paraloom's parallel linears write their weight gradients into ``main_grad``
-themselves (fp32 weights, or any with ``gradient_accumulation_fusion``) and flag
-``grad_added_to_main_grad``: their hook only marks them ready (see
-:mod:`paraloom.tensor_parallel.weight_grad` for the protocol).
+post-accumulate-grad hook, which adds ``param.grad`` into ``main_grad`` and drops ``.grad``.
+paraloom's parallel linears write their weight gradients into ``main_grad`` themselves and flag
+``grad_added_to_main_grad`` (:mod:`paraloom.tensor_parallel.weight_grad`). No pass zeroes or
+averages the buffer: :meth:`zero_grad_buffer` flags every parameter ``overwrite_main_grad``, the
+first gradient of a step is *written* into ``main_grad``, and every accumulation is scaled by
+``main_grad_scale = 1/dp`` on the way in, so a bucket holds this rank's share of the average when
+it is reduced (every parameter of a bucket must get a gradient first; padding stays zero).
 
-No pass of its own zeroes the buffer or averages it: :meth:`zero_grad_buffer` only flags every
-parameter ``overwrite_main_grad``, and the first gradient of a step is *written* into ``main_grad``
-(a copy; the fused layers' GEMM runs with ``beta = 0``) instead of added to a zeroed one; every
-accumulation is scaled by ``main_grad_scale = 1/dp`` on the way in (``alpha``), so the bucket
-already holds each rank's share of the average when it is reduced. What this relies on: every
-parameter of a bucket gets a gradient before the bucket is reduced (:meth:`finish_grad_sync`
-raises otherwise), and padding, which no gradient writes, stays the zero it was allocated as
-(a reduction of zeros is zero). Outside
-:meth:`no_sync` (the last microbatch) the hook also marks the parameter ready; with
-``overlap_grad_reduce`` a bucket whose parameters are all ready is reduced at once, asynchronously,
-while autograd computes the gradients of earlier layers. :meth:`finish_grad_sync` waits for all
-reductions (with overlap off it launches them all there).
+Outside :meth:`no_sync` (the last microbatch) the hook also marks the parameter ready; with
+``overlap_grad_reduce`` a complete bucket is reduced at once, asynchronously, while autograd
+computes earlier layers' gradients; :meth:`finish_grad_sync` waits for all (with overlap off it
+launches them there, synchronously). As in Megatron-Core, the first step launches nothing from
+the hooks (Megatron learns then which gradients a step makes): its reductions start in
+:meth:`finish_grad_sync`, or at :meth:`start_grad_sync`, which launches every bucket at once (the
+schedule's ``grad_sync_func`` under ``--align-grad-reduce``). The buckets are Megatron's
+(:mod:`.grad_buffer`): ``bucket_size`` applies only with overlap, on the first pipeline stage and
+to a rank's first model chunk (``disable_bucketing`` for the others, as Megatron-LM builds them);
+elsewhere the chunk is one bucket. All ranks run the same graph, so buckets complete in the same
+order; they are still *launched in index order* (collectives on one group must be issued in the
+same order on every rank, whatever order autograd uses).
 
-What the overlap relies on: the gradient of a leaf is final when its post-accumulate-grad hook
-fires (autograd has summed every use of it in this backward), and all ranks run the same graph,
-so they complete buckets in the same order. Buckets are nevertheless *launched in index order* (a
-complete bucket waits for the ones before it): collectives on one group must be issued in the same
-order on every rank, and this makes it so whatever order autograd happens to use.
-
-Averaging is exact and explicit: the reduction is a SUM over ``mesh.dp_cp`` (dp x cp) of
-contributions already scaled by ``1/dp`` (Megatron-Core's ``gradient_scaling_factor``, applied
-before its SUM; what an AVG reduction computes, and it keeps bf16 sums in range); for a
-power-of-two dp this is bitwise the sum divided afterwards. ``average_in_collective`` (Megatron's
-flag) is accepted and computes the same. ``average=False`` gives the plain sum.
-
-``grad_reduce_in_fp32=False`` reduces a bf16 copy of each bucket (half the bytes) and writes the
-result back into the fp32 buffer; the fp32 buffer still accumulates the microbatches, so only the
-cross-rank sum is rounded to bf16.
-
-Expert parameters (attribute ``allreduce=False``, Megatron's mark; see ``paraloom/moe``) live in
-buffers of their own whose buckets are reduced over ``mesh.edp`` (the ranks holding the same
-experts) instead of ``mesh.dp``; both are divided by the full dp size, because an expert's
-gradient already sums the contributions of its ep group's data (the all-to-all brought their
-tokens). ``bucket.axis`` says which.
-
-Parameters that never got a gradient by :meth:`finish_grad_sync` (not used in the loss) raise a
-``RuntimeError`` naming them; their bucket is never launched, so no rank waits in a collective
-the others never start.
+The reduction is a SUM over ``mesh.dp_cp`` (dp x cp) of contributions already scaled by ``1/dp``
+(Megatron-Core's ``gradient_scaling_factor``; what an AVG computes, bitwise for a power-of-two
+dp); ``average_in_collective`` computes the same, ``average=False`` the plain sum.
+``grad_reduce_in_fp32=False`` reduces a bf16 copy of each bucket and writes the result back into
+the fp32 buffer. Expert parameters (``allreduce=False``, Megatron's mark; ``paraloom/moe``) live in
+buffers of their own reduced over ``mesh.edp`` (divided by the full dp size too: an expert's
+gradient already sums its ep group's data); ``bucket.axis`` says which. Parameters that never got
+a gradient by :meth:`finish_grad_sync` raise a ``RuntimeError`` naming them; their bucket is never
+launched, so no rank waits in a collective the others never start.
 """
-
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -86,7 +71,8 @@ class DistributedDataParallel(nn.Module):
         mesh: the layout; gradients are reduced over ``mesh.dp_cp`` (``mesh.dp`` when cp = 1).
         overlap_grad_reduce: launch a bucket's reduction from the gradient hooks as soon as the
             bucket is complete on the last microbatch (else all at :meth:`finish_grad_sync`).
-        bucket_size: elements per bucket (default ``max(40M, 1M * dp)``, as Megatron).
+        bucket_size: elements per bucket (default ``max(40M, 1M * dp)``, as Megatron); ``None``
+            (one bucket) without overlap, with ``disable_bucketing`` or on a pipeline rank > 0.
         average_in_collective: Megatron's flag (average in the collective); contributions are
             always scaled by 1/dp before the SUM here, which is what it computes.
         grad_reduce_in_fp32: reduce the fp32 buffer; ``False`` reduces a bf16 copy.
@@ -94,12 +80,16 @@ class DistributedDataParallel(nn.Module):
             for :class:`~paraloom.data_parallel.optimizer.DistributedOptimizer`; the parameters'
             data then lives in a flat buffer of the same layout.
         average: average over dp (``False``: sum).
+        disable_bucketing: one bucket (Megatron-LM passes it for every model chunk but the
+            first).
+        tail_splits: paraloom's halving of the last buckets of backward (off: 0).
     """
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *, overlap_grad_reduce: bool = True,
                  bucket_size: int | None = None, average_in_collective: bool = False,
                  grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
-                 average: bool = True) -> None:
+                 average: bool = True, disable_bucketing: bool = False,
+                 tail_splits: int = 0) -> None:
         super().__init__()
         self.module, self.mesh = module, mesh
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -108,7 +98,13 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.dp = mesh.dp_cp  # Megatron: non-expert grads reduced over dp x cp, in one reduction
         dp = self.dp.size
-        self.bucket_size = default_bucket_size(dp) if bucket_size is None else bucket_size
+        self.bucket_size = default_bucket_size(mesh.dp.size) if bucket_size is None \
+            else bucket_size
+        if not overlap_grad_reduce or disable_bucketing or mesh.pp.rank > 0:
+            # Megatron: nothing to overlap, a model chunk after the first (Megatron-LM's
+            # disable_bucketing), or a pipeline stage after the first (its reduction is off the
+            # critical path): one bucket
+            self.bucket_size = None
         by_dtype: dict[tuple[torch.dtype, bool], list] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
@@ -121,21 +117,19 @@ class DistributedDataParallel(nn.Module):
         for (_, expert), named in by_dtype.items():
             axis = mesh.edp if expert else mesh.dp_cp
             buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
-                             pad_to=axis.size if use_distributed_optimizer else 1,
-                             hold_params=use_distributed_optimizer)
+                             shard_over=axis.size if use_distributed_optimizer else 1,
+                             hold_params=use_distributed_optimizer, tail_splits=tail_splits)
             for bucket in buf.buckets:
                 bucket.axis = axis
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         for bucket in self.buckets:
-            # A shared embedding's gradient is all-reduced again over the embedding group by
-            # finalize_model_grads, which needs the whole dp-reduced gradient on every rank.
-            bucket.reduce_scatter = use_distributed_optimizer and not any(
-                getattr(p, "shared_embedding", False) for p in bucket.params)
+            bucket.reduce_scatter = use_distributed_optimizer
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self._next = 0  # index of the next bucket to launch
         self._synced = False  # finish_grad_sync completed since the last synchronising backward
+        self._first_batch = True  # Megatron: the first step launches only in finish_grad_sync
         self._scale = 1.0 / dp if average else 1.0
         self._hooks = []
         self._placeholders = not hooks_fire_without_grad()
@@ -176,19 +170,19 @@ class DistributedDataParallel(nn.Module):
         self._synced = False
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
-        if self.overlap_grad_reduce and bucket.is_complete():
+        if self.overlap_grad_reduce and not self._first_batch and bucket.is_complete():
             self._launch_ready("backward")
 
-    def _launch_ready(self, phase: str) -> None:
+    def _launch_ready(self, phase: str, async_op: bool = True) -> None:
         """Launch complete buckets in index order (the same order on every rank)."""
         while self._next < len(self.buckets) and self.buckets[self._next].is_complete():
-            self._launch(self.buckets[self._next], phase)
+            self._launch(self.buckets[self._next], phase, async_op)
             self._next += 1
 
-    def _launch(self, bucket: Bucket, phase: str) -> None:
+    def _launch(self, bucket: Bucket, phase: str, async_op: bool = True) -> None:
         dp = bucket.axis
         send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
-        args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=True,
+        args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=async_op,
                     bucket=bucket.index, params=list(bucket.names))
         if dp is not self.dp:
             args["expert"] = True  # over mesh.edp
@@ -197,6 +191,8 @@ class DistributedDataParallel(nn.Module):
                                          **args)
         else:
             handle = comm.all_reduce(send, dp, split="gradient bucket (replicated)", **args)
+        if not async_op:  # without overlap Megatron reduces synchronously: done already
+            handle = comm.Handle([], handle)
         bucket.pending = (handle, send)
 
     def _complete(self, bucket: Bucket) -> None:
@@ -220,9 +216,17 @@ class DistributedDataParallel(nn.Module):
         finally:
             self._sync = saved
 
-    def start_grad_sync(self) -> None:
-        """Launch every complete bucket not yet launched (phase ``optimizer``)."""
-        self._launch_ready("optimizer")
+    def start_grad_sync(self, *_unused) -> None:
+        """Launch the reduction of every bucket not yet launched, now (phase ``backward``):
+        Megatron's ``start_grad_sync``, which its schedule calls as ``grad_sync_func`` with
+        ``--align-grad-reduce`` once this chunk's backward is over. Every parameter that got a
+        gradient this step counts as ready (its backward ran, in ``no_sync`` or not)."""
+        if not self.overlap_grad_reduce or self.hookless:
+            return  # the reduction happens in finish_grad_sync
+        for bucket in self.buckets:
+            bucket.ready.update(id(p) for p in bucket.params if not p.overwrite_main_grad)
+        self._synced = False
+        self._launch_ready("backward")
 
     def finish_grad_sync(self) -> None:
         """Wait until every bucket is reduced (launching the rest first when not overlapped).
@@ -245,13 +249,14 @@ class DistributedDataParallel(nn.Module):
                                "outside no_sync() since the last step; the last microbatch must")
         missing = [name for b in self.buckets for name in b.missing()]
         if not missing:
-            self._launch_ready("optimizer")
+            self._launch_ready("optimizer", async_op=self.overlap_grad_reduce)
         for bucket in self.buckets:
             if bucket.pending is not None:
                 self._complete(bucket)
         for bucket in self.buckets:
             bucket.ready.clear()
         self._next, self._synced = 0, not missing
+        self._first_batch = self._first_batch and bool(missing)
         if missing:
             raise RuntimeError(
                 f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in "

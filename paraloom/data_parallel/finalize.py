@@ -7,7 +7,10 @@
    (kind ``sp``), coalesced into one flat tensor so it is one collective whatever their number.
 3. Tied word embeddings (attribute ``shared_embedding=True``; the input embedding on the first
    pipeline stage and the output projection on the last) are one parameter stored twice: sum
-   their gradients over the embedding group ``mesh.emb`` (kind ``emb``).
+   their gradients over the embedding group ``mesh.emb`` (kind ``emb``), the ``[V/tp, h]``
+   gradient as it is (Megatron-Core's ``_allreduce_embedding_grad``). With the distributed
+   optimizer only this rank's shard of it is dp-reduced; the sum is valid there, which is all the
+   optimizer reads.
 
 Both sums are linear, so doing them after the data-parallel average gives the same result as
 before it. Each reduction is one ledger event with its kind (phase ``optimizer``).
@@ -33,11 +36,16 @@ def _grad(param: nn.Parameter) -> torch.Tensor | None:
 def _allreduce_coalesced(params: list[tuple[str, nn.Parameter]], axis, *, kind: str,
                          site: str) -> None:
     """Sum the gradients of ``params`` over ``axis`` with one collective (flatten, reduce, copy
-    back); parameters without a gradient are skipped (the same on every rank of the group)."""
+    back; a single gradient is reduced in place, unflattened); parameters without a gradient are
+    skipped (the same on every rank of the group)."""
     named = [(n, g) for n, p in params if (g := _grad(p)) is not None]
     if axis.size <= 1 or not named:
         return
     grads = [g for _, g in named]
+    if len(grads) == 1 and grads[0].is_contiguous():  # one tensor: reduced as it is
+        comm.all_reduce(grads[0], axis, phase="optimizer", kind=kind, site=site,
+                        params=[named[0][0]])
+        return
     flat = torch.cat([g.reshape(-1) for g in grads])
     comm.all_reduce(flat, axis, phase="optimizer", kind=kind, site=site,
                     params=[n for n, _ in named])

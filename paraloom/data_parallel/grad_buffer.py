@@ -7,35 +7,35 @@ that dtype in one flat tensor; ``param.main_grad`` is a view into it, so
   layers' ``gradient_accumulation_fusion`` writes there directly), and
 * a bucket is a contiguous slice of the buffer, reduced by ONE collective with no packing copy.
 
-Parameters are laid out in *reverse* registration order: autograd produces gradients roughly from
-the last layer to the first, so the first bucket fills first and its reduction can start while the
-rest of backward still runs. (The order only affects how early a bucket is complete, never the
-result: every parameter is counted ready by its own hook.)
+The layout is Megatron-Core's (:func:`bucket_layout`, 0.19's ``param_and_grad_buffer`` and
+``DistributedOptimizer._compute_per_buffer_param_layout``): parameters in *reverse* registration
+order (autograd produces gradients roughly from the last layer to the first, so the first bucket
+fills first and its reduction can start while the rest of backward still runs); a bucket closes
+once it holds at least ``bucket_size`` elements (``None``: one bucket); a parameter is never split.
+For the distributed optimizer (``shard_over`` = dp > 1 ranks reduce-scatter each bucket) a
+parameter starts at a multiple of 64 elements, a bucket ends at a multiple of
+``lcm(dp, 128)`` (so every rank gets an equal contiguous shard), and a parameter marked
+``shared_embedding`` gets a bucket of its own. paraloom's own ``tail_splits`` (off by default)
+halves the last buckets of backward (:func:`bucket_layout`), so that the reduction left once
+backward ends is small.
 
-Buckets close once they hold at least ``bucket_size`` elements; a parameter is never split across
-buckets; the last buckets of backward halve in size (:func:`cut_buckets`), so that the reduction
-left once backward ends is small. A parameter marked ``shared_embedding``
-gets a bucket of its own, so that its bucket can be all-reduced in full even under the
-distributed optimizer (its gradient is summed again over the embedding group afterwards, which
-needs every element valid on every rank).
-
-For the distributed optimizer (ZeRO-1), each bucket is padded to a multiple of ``pad_to`` (the
-data-parallel size), so a reduce-scatter gives every rank an equal contiguous shard, and the
-parameters' data is also moved into a flat buffer with the same layout (``param.data`` becomes a
-view), so the updated shards are all-gathered straight back into the parameters.
+For the distributed optimizer (ZeRO-1) the parameters' data is also moved into a flat buffer with
+the same layout (``param.data`` becomes a view), so the updated shards are all-gathered straight
+back into the parameters.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "GradBuffer", "default_bucket_size", "cut_buckets", "TAIL_SPLITS"]
+__all__ = ["Bucket", "GradBuffer", "default_bucket_size", "bucket_layout", "PARAM_ALIGN",
+           "bucket_divisor"]
 
-TAIL_SPLITS = 4
-"""The last buckets of backward halve in size, down to ``bucket_size / 2**TAIL_SPLITS``
-(:func:`cut_buckets`)."""
+PARAM_ALIGN = 64
+"""Under the distributed optimizer a parameter starts at a multiple of this many elements."""
 
 
 def default_bucket_size(dp: int) -> int:
@@ -43,38 +43,77 @@ def default_bucket_size(dp: int) -> int:
     return max(40_000_000, 1_000_000 * dp)
 
 
-def cut_buckets(params: list[tuple[int, bool]], bucket_size: int,
-                tail_splits: int = TAIL_SPLITS) -> list[list[int]]:
-    """Cut parameters, given in backward order as ``(numel, shared_embedding)``, into buckets:
-    lists of their indices, in launch order. Pure; :mod:`paraloom.analysis.layout` replays it.
+def bucket_divisor(shard_over: int) -> int:
+    """A bucket's padded length is a multiple of this: ``lcm(dp, 128)`` when it is sharded over
+    ``dp`` ranks (Megatron's ``pad_bucket_end``), else 1 (no padding)."""
+    return math.lcm(shard_over, 128) if shard_over > 1 else 1
 
-    * A bucket closes once it holds at least its limit; a parameter is never split.
-    * A shared embedding gets a bucket of its own.
-    * The limits, counted from the *end* of backward (the first parameters registered), are
-      ``b/2**k, b/2**k, b/2**(k-1), ..., b/2`` for ``b = bucket_size`` and ``k = tail_splits``,
-      then ``b`` for every earlier bucket (the first one launched takes what is left over).
-      The end of backward is where no compute is left to hide a reduction behind: the last
-      bucket's reduction is the part of the step nothing overlaps, so it is kept small, while
-      the buckets before it stay large (few collectives).
+
+def bucket_layout(params: list[tuple[int, bool]], bucket_size: int | None, *,
+                  shard_over: int = 1, sharded: bool = False,
+                  tail_splits: int = 0) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
+    """Cut parameters, given in backward order as ``(numel, shared_embedding)``, into buckets.
+
+    Returns ``(start, end, members)`` per bucket in launch order, with buffer offsets (``end``
+    padded) and ``members`` the ``(index, start, end)`` of each parameter. Pure; the analysis
+    (:mod:`paraloom.analysis.layout`) replays it. ``sharded``: the distributed optimizer's
+    layout (64-element parameter starts, buckets padded to ``lcm(shard_over, 128)``, a shared
+    embedding alone in its bucket); else no padding at all. ``bucket_size=None``: no size limit
+    (one bucket, unless a shared embedding splits it off). ``tail_splits = k > 0`` (paraloom's
+    option): counted from the *end* of backward, the limits are ``b/2**k, b/2**k, b/2**(k-1),
+    ..., b/2`` for ``b = bucket_size``, then ``b`` for every earlier bucket.
     """
-    limits = [max(1, bucket_size >> tail_splits)] + \
-        [max(1, bucket_size >> k) for k in range(tail_splits, 0, -1)]
-    out: list[list[int]] = []
-    current: list[int] = []
-    held = 0
-    for i in reversed(range(len(params))):  # from the end of backward
+    limits = []
+    if tail_splits and bucket_size is not None:
+        limits = [max(1, bucket_size >> tail_splits)] + \
+            [max(1, bucket_size >> k) for k in range(tail_splits, 0, -1)]
+    # the tail splits count from the end of backward: cut in forward order, then reverse
+    n = len(params)
+    if limits:
+        cuts = _tail_cut(params, bucket_size, limits)
+    else:
+        cuts = None
+    divisor = bucket_divisor(shard_over) if sharded else 1
+    out: list[tuple[int, int, list]] = []
+    members: list[tuple[int, int, int]] = []
+    start = offset = 0
+
+    def close(end: int) -> int:
+        padded = -(-end // divisor) * divisor
+        out.append((start, padded, members))
+        return padded
+
+    for i in range(n):
         numel, shared = params[i]
-        if shared and current:
-            out.append(current)
-            current, held = [], 0
-        current.append(i)
-        held += numel
-        if shared or held >= (limits[len(out)] if len(out) < len(limits) else bucket_size):
-            out.append(current)
-            current, held = [], 0
-    if current:
-        out.append(current)
-    return [group[::-1] for group in reversed(out)]  # launch order, backward order inside
+        if sharded:
+            offset = -(-offset // PARAM_ALIGN) * PARAM_ALIGN
+            if shared and members:
+                start = offset = close(offset)
+                members = []
+        members.append((i, offset, offset + numel))
+        offset += numel
+        full = (cuts is not None and i in cuts) or (
+            cuts is None and bucket_size is not None and offset - start >= bucket_size)
+        if full or (sharded and shared):
+            start = offset = close(offset)
+            members = []
+    if members:
+        close(offset)
+    return out
+
+
+def _tail_cut(params, bucket_size: int, limits: list[int]) -> set[int]:
+    """Indices (backward order) after which a bucket closes, with the limits counted from the
+    end of backward."""
+    cuts: set[int] = set()
+    held, made = 0, 0
+    for i in reversed(range(len(params))):
+        held += params[i][0]
+        if held >= (limits[made] if made < len(limits) else bucket_size):
+            if i > 0:
+                cuts.add(i - 1)
+            held, made = 0, made + 1
+    return cuts
 
 
 @dataclass(eq=False)
@@ -86,7 +125,8 @@ class Bucket:
     buffer: GradBuffer
     start: int
     end: int
-    """End of the padded slice (``end - start`` is a multiple of the buffer's ``pad_to``)."""
+    """End of the padded slice (under the distributed optimizer ``end - start`` is a multiple of
+    ``lcm(dp, 128)``)."""
     params: list[torch.nn.Parameter]
     names: list[str]
     reduce_scatter: bool = False
@@ -133,16 +173,20 @@ class GradBuffer:
 
     Args:
         named_params: ``(name, parameter)`` pairs in registration (forward) order; all of one dtype.
-        bucket_size: close a bucket once it holds at least this many elements.
+        bucket_size: close a bucket once it holds at least this many elements (``None``: one).
         first_index: number of the first bucket (buckets are numbered across buffers).
-        pad_to: pad each bucket to a multiple of this (the dp size for a reduce-scatter; else 1).
+        shard_over: ranks each bucket is reduce-scattered over (the distributed optimizer's dp;
+            then Megatron's padded layout), else 1.
         hold_params: also move the parameters' data into a flat buffer of the same layout.
+        tail_splits: paraloom's halving of the last buckets (:func:`bucket_layout`).
     """
 
-    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *, bucket_size: int,
-                 first_index: int = 0, pad_to: int = 1, hold_params: bool = False) -> None:
-        if isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size < 1:
-            raise ValueError(f"bucket_size must be a positive number of elements, got "
+    def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *,
+                 bucket_size: int | None, first_index: int = 0, shard_over: int = 1,
+                 hold_params: bool = False, tail_splits: int = 0) -> None:
+        if bucket_size is not None and (isinstance(bucket_size, bool)
+                                        or not isinstance(bucket_size, int) or bucket_size < 1):
+            raise ValueError(f"bucket_size must be a positive number of elements or None, got "
                              f"{bucket_size!r}")
         if not named_params:
             raise ValueError("GradBuffer needs at least one parameter")
@@ -151,29 +195,25 @@ class GradBuffer:
             raise ValueError(f"one GradBuffer holds one parameter dtype, got "
                              f"{sorted(map(str, dtypes))}")
         self.dtype = dtypes.pop()
-        self.pad_to = pad_to
+        self.shard_over = shard_over
         device = named_params[0][1].device
-        self.offsets: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffer
         order = list(reversed(named_params))  # backward order: last layer first
-        groups = cut_buckets([(p.numel(), getattr(p, "shared_embedding", False))
-                              for _, p in order], bucket_size)
-        layout: list[tuple[int, int, list]] = []  # (start, end, [(name, param)])
-        offset = 0
-        for group in groups:
-            start = offset
-            for i in group:
-                self.offsets[id(order[i][1])] = (offset, offset + order[i][1].numel())
-                offset += order[i][1].numel()
-            offset += -(offset - start) % pad_to  # pad the bucket to a multiple of pad_to
-            layout.append((start, offset, [order[i] for i in group]))
-        self.numel = offset
-        self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.param_data = torch.zeros(offset, dtype=self.dtype, device=device) if hold_params \
-            else None
+        layout = bucket_layout([(p.numel(), getattr(p, "shared_embedding", False))
+                                for _, p in order], bucket_size, shard_over=shard_over,
+                               sharded=hold_params, tail_splits=tail_splits)
+        self.offsets: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffer
+        for _, _, members in layout:
+            for i, lo, hi in members:
+                self.offsets[id(order[i][1])] = (lo, hi)
+        self.numel = layout[-1][1]
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=device) \
+            if hold_params else None
         self.buckets: list[Bucket] = []
-        for i, (lo, hi, members) in enumerate(layout):
-            names, params = [n for n, _ in members], [p for _, p in members]
-            self.buckets.append(Bucket(first_index + i, self, lo, hi, params, names))
+        for k, (lo, hi, members) in enumerate(layout):
+            names = [order[i][0] for i, _, _ in members]
+            params = [order[i][1] for i, _, _ in members]
+            self.buckets.append(Bucket(first_index + k, self, lo, hi, params, names))
         for _, param in named_params:
             lo, hi = self.offsets[id(param)]
             param.main_grad = self.grad[lo:hi].view(param.shape)

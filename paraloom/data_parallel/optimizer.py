@@ -20,7 +20,8 @@ the distributed optimizer a shard is cut where its parameters' settings change.
   ``use_distributed_optimizer=True``: each gradient bucket is reduce-scattered (not all-reduced),
   so data-parallel rank ``r`` holds the reduced gradient of the ``r``-th contiguous ``1/dp`` of the
   bucket; it keeps master weights and moments for that shard only, updates it, and the updated
-  shards are all-gathered into the flat parameter buffer (kind ``dp``, phase ``optimizer``). State:
+  shards are all-gathered into the flat parameter buffer (kind ``dp``, phase ``optimizer``; one
+  synchronous all-gather per bucket, in bucket order, as Megatron-Core). State:
   ``2 * N * 4 / dp`` bytes (+ the fp32 master shard for non-fp32 parameters); bucket padding
   elements have zero gradient and zero value, so their update is exactly zero.
 """
@@ -192,11 +193,9 @@ class MainParamsOptimizer(_AdamBase):
 
 
 class DistributedOptimizer(_AdamBase):
-    """ZeRO-1 Adam(W): each dp rank updates only its ``1/dp`` shard of every bucket.
-
-    Buckets that are all-reduced rather than reduce-scattered (a tied embedding's own bucket)
-    are still updated shard-wise here: their full gradient is valid, the shard is a subset.
-    """
+    """ZeRO-1 Adam(W): each dp rank updates only its ``1/dp`` shard of every bucket, then
+    all-gathers every bucket's parameters, one bucket after the other and synchronously
+    (Megatron-Core's ``start_param_sync`` without ``overlap_param_gather``)."""
 
     def __init__(self, ddp: DistributedDataParallel, **hp) -> None:
         super().__init__(ddp, **hp)
@@ -248,18 +247,15 @@ class DistributedOptimizer(_AdamBase):
     def step(self) -> None:
         """Update this rank's shards, then all-gather every bucket's parameters."""
         self._update()
-        pending = []
         for bucket, lo, hi, master, _, _, copy in self.shards:
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)
-            expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}
-            handle = comm.all_gather(shard, bucket.axis, phase="optimizer", kind="dp",
-                                     async_op=True, site="DistributedOptimizer.step:param_shards",
-                                     split="parameter bucket, 1/dp contiguous shard",
-                                     bucket=bucket.index, params=list(bucket.names), **expert)
-            pending.append((bucket, handle))
-        for bucket, handle in pending:  # all launched first: the gathers overlap each other
-            full = handle.wait()
+        for bucket, lo, hi, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
+            expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}  # synchronous
+            full = comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase="optimizer",
+                                   kind="dp", site="DistributedOptimizer.step:param_shards",
+                                   split="parameter bucket, 1/dp contiguous shard",
+                                   bucket=bucket.index, params=list(bucket.names), **expert)
             if full.data_ptr() != bucket.param_data.data_ptr():
                 bucket.param_data.copy_(full)

@@ -11,10 +11,11 @@ layers ``layer_ids`` (named ``layers.<global index>``), the embedding if ``pre_p
 final LayerNorm, output layer and loss if ``post_process``.
 
 Where it communicates (all through the layers, see ``tensor_parallel/``): the embedding's
-all-reduce (sp: reduce-scatter); per layer two column/row pairs (QKV/proj, fc1/fc2); the output
+all-reduce (sp with learned positions: then a local split, whose backward all-gathers; sp with
+rotary: a reduce-scatter); per layer two column/row pairs (QKV/proj, fc1/fc2); the output
 layer's input copy (its backward all-reduce async with ``async_grad_allreduce``, as Megatron-Core's
-ColumnParallelLinear output layer; sp: all-gather) and the vocab-parallel cross-entropy's two
-all-reduces.
+ColumnParallelLinear output layer; sp: all-gather, and in backward the async re-gather and
+reduce-scatter) and the vocab-parallel cross-entropy's three all-reduces.
 
     mesh = ParallelMesh(tp=2); model = GPTModel(ModelConfig(), mesh)
     loss = model(tokens, labels)          # tokens, labels: [b, s] -> per-token loss [b, s]
@@ -36,8 +37,6 @@ from ..moe import MoELayer, is_moe_layer
 from ..tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
-    get_rng_tracker,
     parallel_lm_logits,
     set_tensor_model_parallel_attributes,
     vocab_parallel_cross_entropy,
@@ -45,12 +44,13 @@ from ..tensor_parallel import (
 from ..tensor_parallel.init import CounterInit, shard_range
 from ..tensor_parallel.random import checkpoint
 from ..utils import divide
+from .embedding import Embedding
 from .layers import (
     CoreAttention,
     RotaryEmbedding,
     SwiGLUInit,
     apply_rotary,
-    drop,
+    dropout,
     make_core_attention,
     make_norm,
     swiglu,
@@ -75,15 +75,17 @@ class SelfAttention(nn.Module):
         self.groups_local = divide(cfg.query_groups, mesh.tp.size, "num_query_groups")
         self.selective = opt.recompute == "selective"
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * d
-        self.qkv = ColumnParallelLinear(h, qkv_size, bias=bias, init_method=init,
-                                        name=f"{name}.qkv",
-                                        async_grad_allreduce=opt.async_grad_allreduce,
-                                        sequence_parallel=sp, **common)
+        # registered core, proj, qkv as in Megatron-Core's SelfAttention: the order decides
+        # where the gradient buckets are cut
         self.core = make_core_attention(cfg.attention, cfg.dropout) if mesh.cp.size == 1 else \
             ContextParallelAttention(mesh.cp, mesh.config.cp_comm_type, f"{name}.core")
         self.proj = RowParallelLinear(h, h, bias=bias, input_is_parallel=True,
                                       sequence_parallel=sp, init_method=out_init,
                                       name=f"{name}.proj", **common)
+        self.qkv = ColumnParallelLinear(h, qkv_size, bias=bias, init_method=init,
+                                        name=f"{name}.qkv",
+                                        async_grad_allreduce=opt.async_grad_allreduce,
+                                        sequence_parallel=sp, **common)
 
     def _split_qkv(self, qkv):                               # [s, b, (a+2g)d/tp]
         s, b, _ = qkv.shape
@@ -141,16 +143,6 @@ def _common(mesh: ParallelMesh, opt: ParallelOptions) -> dict:
                 own_backward=opt.own_backward, params_dtype=opt.params_dtype)
 
 
-def _dropout(x, p: float, training: bool, split: bool):
-    """Dropout on activations; ``split`` ones (sequence-parallel) use the tp-rank stream."""
-    if not (p and training):
-        return x
-    if split:
-        with get_rng_tracker().fork():
-            return drop(x, p)
-    return drop(x, p)
-
-
 class TransformerLayer(nn.Module):
     """Pre-LN block: ``x + attention(ln1(x))`` then ``x + mlp(ln2(x))``."""
 
@@ -169,57 +161,13 @@ class TransformerLayer(nn.Module):
         self.mlp = mlp(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
     def _forward(self, x, rope=None):                        # [s(/tp), b, h]
-        x = x + _dropout(self.attention(self.ln1(x), rope), self.dropout, self.training, self.sp)
-        return x + _dropout(self.mlp(self.ln2(x)), self.dropout, self.training, self.sp)
+        x = x + dropout(self.attention(self.ln1(x), rope), self.dropout, self.training, self.sp)
+        return x + dropout(self.mlp(self.ln2(x)), self.dropout, self.training, self.sp)
 
     def forward(self, x, rope=None):
         if self.full_recompute:
             return checkpoint(self._forward, x, rope)
         return self._forward(x, rope)
-
-
-class Embedding(nn.Module):
-    """Word embeddings (vocabulary split over tp) plus learned positions (replicated).
-
-    On the last pipeline stage (``positions=False``) it holds only the word embeddings: the copy
-    tied to the output layer, initialised identically (same global name) and kept in sync by
-    all-reducing its gradient over the embedding group (``shared_embedding``).
-    """
-
-    def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, opt: ParallelOptions, *,
-                 positions: bool = True) -> None:
-        super().__init__()
-        init = CounterInit(opt.seed, cfg.init_std)
-        self.mesh, self.dropout = mesh, cfg.dropout
-        self.sp = opt.sequence_parallel and mesh.tp.size > 1
-        self.word_embeddings = VocabParallelEmbedding(
-            cfg.padded_vocab_size, cfg.hidden_size, init_method=init,
-            reduce_scatter_embeddings=self.sp,
-            mesh=mesh, name="embedding.word_embeddings", params_dtype=opt.params_dtype)
-        if mesh.pp.size > 1 and not cfg.untie_embeddings_and_output_weights:
-            self.word_embeddings.weight.shared_embedding = True
-        self.position_embeddings = None
-        if positions:
-            self.position_embeddings = nn.Module()
-            self.position_embeddings.weight = nn.Parameter(init(
-                "embedding.position_embeddings.weight", (cfg.seq_length, cfg.hidden_size), None,
-                dtype=opt.params_dtype))
-            # with sp each rank adds only its slice: the grad is summed over tp when finalised
-            self.position_embeddings.weight.sequence_parallel = self.sp
-
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None):
-        ids = tokens.t()                                     # [s, b]
-        x = self.word_embeddings(ids)                        # [s(/tp), b, h]
-        if self.position_embeddings is not None:
-            if position_ids is None:
-                pos = self.position_embeddings.weight[: ids.shape[0]].unsqueeze(1)  # [s, 1, h]
-            else:                                            # global positions [(b,) s]
-                pos = self.position_embeddings.weight[position_ids]
-                pos = pos.unsqueeze(1) if pos.dim() == 2 else pos.transpose(0, 1)
-            if self.sp:
-                pos = pos.chunk(self.mesh.tp.size, 0)[self.mesh.tp.rank]  # [s/tp, (b|1), h]
-            x = x + pos
-        return _dropout(x, self.dropout, self.training, self.sp)
 
 
 class GPTModel(nn.Module):
@@ -240,8 +188,8 @@ class GPTModel(nn.Module):
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.input_tensor, tied = None, not cfg.untie_embeddings_and_output_weights
         learned = cfg.position_embedding_type == "learned_absolute"
-        if pre_process or (post_process and tied):
-            self.embedding = Embedding(cfg, mesh, opt, positions=pre_process and learned)
+        if pre_process:
+            self.embedding = Embedding(cfg, mesh, opt, positions=learned)
         self.rotary = (RotaryEmbedding(cfg.head_dim, cfg.rotary_base)
                        if cfg.position_embedding_type == "rope" else None)
         self.layers = nn.ModuleDict({str(i): TransformerLayer(cfg, mesh, i, opt)
@@ -249,6 +197,10 @@ class GPTModel(nn.Module):
         if post_process:
             self.final_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
                                              opt.sequence_parallel, opt.params_dtype)
+        if post_process and tied and not pre_process:
+            # the last stage's copy of the tied word embeddings is its output layer, registered
+            # after the layers as Megatron's output_layer (so its gradient bucket comes first)
+            self.embedding = Embedding(cfg, mesh, opt, positions=False)
         if post_process and not tied:                        # [Vp/tp, h], vocabulary split
             self.output_layer = nn.Module()
             shape = (cfg.padded_vocab_size, cfg.hidden_size)

@@ -28,7 +28,7 @@ from torch import nn
 from ..tensor_parallel import get_rng_tracker
 
 __all__ = ["RMSNorm", "make_norm", "RotaryEmbedding", "apply_rotary", "CoreAttention",
-           "SDPAttention", "make_core_attention", "SwiGLUInit", "swiglu", "drop"]
+           "SDPAttention", "make_core_attention", "SwiGLUInit", "swiglu", "drop", "dropout"]
 
 
 def drop(x, p: float):
@@ -38,6 +38,16 @@ def drop(x, p: float):
     mask as bool. fp32 gradients are bitwise the same; in bf16 on CPU its backward scales by
     ``1/(1-p)`` in fp32 where ``F.dropout`` used ``1/(1-p)`` rounded to bf16 (a last-bit change)."""
     return torch.native_dropout(x, p, True)[0]
+
+
+def dropout(x, p: float, training: bool, split: bool):
+    """Dropout on activations; ``split`` ones (sequence-parallel) use the tp-rank stream."""
+    if not (p and training):
+        return x
+    if split:
+        with get_rng_tracker().fork():
+            return drop(x, p)
+    return drop(x, p)
 
 
 class RMSNorm(nn.Module):

@@ -263,11 +263,26 @@ def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
             pending = sends
         return plan + ([("wait", pending)] if pending else [])
     for group, recvs in zip(groups, needs, strict=True):
-        ops = [("send", _side(msg), msg) for msg in pending] + recvs
+        ops = _megatron_order([("send", _side(msg), msg) for msg in pending] + recvs, p)
         if ops:
             plan.append(("comm", ops))
         plan += group
         pending = [msg for msg in (_produced(op, rank, p, v) for op in group) if msg]
     if pending:
-        plan.append(("comm", [("send", _side(msg), msg) for msg in pending]))
+        plan.append(("comm", _megatron_order([("send", _side(msg), msg) for msg in pending], p)))
     return plan
+
+
+_BATCH_ORDER = {("send", "prev"): 0, ("recv", "prev"): 1, ("send", "next"): 2,
+                ("recv", "next"): 3}
+
+
+def _megatron_order(ops: list, p: int) -> list:
+    """A blocking batch in Megatron-Core's order (``_batched_p2p_ops``: send to the previous
+    stage, receive from it, send to the next, receive from it). Kept as planned when ``p = 2``
+    and two sends or two receives of the batch go to the one neighbour (interleaved): FIFO
+    matching then needs the planned order (Megatron-LM refuses that layout: interleaving with
+    blocking batches needs ``pp > 2``)."""
+    if p == 2 and any(sum(1 for o in ops if o[0] == what) > 1 for what in ("send", "recv")):
+        return ops
+    return sorted(ops, key=lambda op: _BATCH_ORDER[op[0], op[1]])

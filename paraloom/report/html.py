@@ -91,8 +91,7 @@ def render_report(run: str | Path, lang: str = "en") -> str:
                  f"communications) in recorded steps {steps}</p>")
     parts.append(_h2("check"))
     if cfg is not None and "parallel" in cfg:
-        skipped = {m["step"] for m in metrics if m.get("skipped")}
-        ok, text = check_verdict(cfg, events, skipped)
+        ok, text = check_verdict(cfg, events, {m["step"]: m for m in metrics})
         state = {True: "ok", False: "bad", None: "note"}[ok]
         parts.append(f'<p class="verdict {state}" id="verdict">{escape(text)}</p>')
     else:

@@ -12,11 +12,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from html import escape
 from pathlib import Path
 
-from ..analysis.check import all_ok, check_run, config_from_run
+from ..analysis.check import all_ok, check_run, config_from_run, step_config
 from .sources import resolve_site, site_facts
 from .svg import line_chart
 from .table import HEADINGS, KEYS, group_rows, table_rows
@@ -39,7 +38,8 @@ def config_rows(cfg: dict, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-def check_verdict(cfg: dict, events: list[dict], skipped: set[int]) -> tuple[bool | None, str]:
+def check_verdict(cfg: dict, events: list[dict],
+                  metrics: dict[int, dict]) -> tuple[bool | None, str]:
     """``(ok, text)``: whether the ledger agrees with the formulas on every rank and recorded
     step (``None`` when the check cannot run, the text saying why)."""
     try:
@@ -49,8 +49,7 @@ def check_verdict(cfg: dict, events: list[dict], skipped: set[int]) -> tuple[boo
             return None, "the ledger holds no communication"
         rows = []
         for step in steps:
-            rows += check_run(replace(config, optimizer_step=step not in skipped), events,
-                              step=step)
+            rows += check_run(step_config(config, step, metrics), events, step=step)
     except (ValueError, KeyError, TypeError) as err:
         return None, f"paraloom check could not run on this run: {err}"
     bad = [r for r in rows if not r["ok"]]

@@ -3,15 +3,18 @@
 Forward, on logits ``[.., V/tp]`` split like :class:`VocabParallelEmbedding`:
 
 1. all-reduce (MAX) of each token's local maximum, for a stable softmax;
-2. one all-reduce (SUM) of three per-token numbers stacked together: the target's logit (only
-   its owner contributes), the sum of exponentials, and, for label smoothing, the sum of logits;
-3. ``loss = log(sum_exp) - target_logit``; with label smoothing ``eps``,
+2. all-reduce (SUM) of the target's logit (only its owner contributes);
+3. all-reduce (SUM) of the sum of exponentials;
+4. with label smoothing only, all-reduce (SUM) of the sum of logits;
+5. ``loss = log(sum_exp) - target_logit``; with label smoothing ``eps``,
    ``(1 - eps) * loss + eps * (log(sum_exp) - sum_logits / V)`` with the *global* ``V``.
 
-That last term is where Megatron-Core goes wrong for tp > 1 (Megatron-LM issue 737: the mean is
-taken over the local vocabulary); here it equals ``F.cross_entropy(label_smoothing=eps)`` for any
-tp. Backward needs no communication: ``softmax - (1 - eps) onehot - eps / V``, times the incoming
-gradient.
+Steps 1-3 are Megatron-Core's three all-reduces, in its order, each an fp32 ``[s, b]`` tensor
+(``_VocabParallelCrossEntropy.forward``). Step 4 is where Megatron-Core goes wrong for tp > 1
+(Megatron-LM issue 737: it takes the mean over the local vocabulary, with no communication);
+here the loss equals ``F.cross_entropy(label_smoothing=eps)`` for any tp, at the price of that
+one more all-reduce (README, Defaults). Backward needs no communication:
+``softmax - (1 - eps) onehot - eps / V``, times the incoming gradient.
 """
 
 from __future__ import annotations
@@ -48,19 +51,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
+        comm.all_reduce(target_logit, axis,
+                        site="vocab_parallel_cross_entropy.forward:target_logit", **where)
         exp = shifted.exp()
-        stats = [target_logit, exp.sum(-1)]
+        sum_exp = exp.sum(-1)
+        comm.all_reduce(sum_exp, axis, site="vocab_parallel_cross_entropy.forward:sum_exp",
+                        **where)
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - target_logit
         if label_smoothing > 0:
-            stats.append(shifted[..., :real].sum(-1))
-        stats = torch.stack(stats)
-        comm.all_reduce(stats, axis, site="vocab_parallel_cross_entropy.forward:sums", **where)
-        log_sum_exp = stats[1].log()
-        loss = log_sum_exp - stats[0]
-        if label_smoothing > 0:
+            sum_logits = shifted[..., :real].sum(-1)
+            comm.all_reduce(sum_logits, axis,
+                            site="vocab_parallel_cross_entropy.forward:sum_logits", **where)
             loss = ((1.0 - label_smoothing) * loss
-                    + label_smoothing * (log_sum_exp - stats[2] / vocab))
+                    + label_smoothing * (log_sum_exp - sum_logits / vocab))
 
-        softmax = exp.div_(stats[1].unsqueeze(-1))
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)
         ctx.label_smoothing, ctx.vocab, ctx.real = label_smoothing, vocab, real
         return loss

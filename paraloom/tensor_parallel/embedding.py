@@ -2,11 +2,13 @@
 :func:`parallel_lm_logits` (the output layer, tied to it or not).
 
 * VocabParallelEmbedding (rows split by vocabulary range): forward all-reduces the looked-up
-  rows (or reduce-scatters them along the sequence with ``reduce_scatter_embeddings``).
+  rows ``[b, s, h]`` (or, with ``reduce_scatter_embeddings``, turns them sequence-first and
+  reduce-scatters them along the sequence), as Megatron-Core's.
 * The output layer is a column-parallel GEMM over the vocabulary split (Megatron-Core's
   ``ColumnParallelLinear`` output layer): its input is copied into the tp region (backward:
   all-reduce of the input gradient, async with ``async_grad_allreduce``), or, with sequence
-  parallelism, all-gathered along the sequence (backward: reduce-scatter). The full-vocabulary
+  parallelism, all-gathered along the sequence (backward: async re-gather of the input for the
+  weight gradient, async reduce-scatter of the input gradient). The full-vocabulary
   logits are never gathered: the loss is :func:`.cross_entropy.vocab_parallel_cross_entropy`.
 """
 
@@ -28,7 +30,6 @@ from .linear import (
 from .mappings import (
     Where,
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -39,9 +40,10 @@ __all__ = ["VocabParallelEmbedding", "parallel_lm_logits"]
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary range: rank ``i`` holds rows ``[i V/tp, (i+1) V/tp)``.
 
-    Each rank looks up the tokens in its range (zeros elsewhere); the partial results are
-    all-reduced over tp, or, with ``reduce_scatter_embeddings`` (sequence parallel), reduce-
-    scattered along the sequence so each rank keeps ``[s/tp, b, h]`` (input ids ``[s, b]``).
+    Each rank looks up the tokens in its range (zeros elsewhere); the partial results (ids
+    ``[b, s]`` give ``[b, s, h]``) are all-reduced over tp, or, with
+    ``reduce_scatter_embeddings`` (sequence parallel without learned positions), transposed to
+    ``[s, b, h]`` and reduce-scattered along the sequence so each rank keeps ``[s/tp, b, h]``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method=None,
@@ -66,12 +68,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.mesh.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            out = F.embedding(ids, self.weight)
+            return out.transpose(0, 1).contiguous() if self.reduce_scatter_embeddings else out
         outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
         local = (ids - self.vocab_start_index).masked_fill(outside, 0)
         partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         w = self._where
-        if self.reduce_scatter_embeddings:
+        if self.reduce_scatter_embeddings:                   # [b, s, h] -> [s/tp, b, h]
+            partial = partial.transpose(0, 1).contiguous()
             return reduce_scatter_to_sequence_parallel_region(partial, w.axis, site=w.site,
                                                               module=w.module, split=w.split)
         return reduce_from_tensor_model_parallel_region(partial, w.axis, site=w.site,
@@ -84,15 +88,19 @@ def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, axis: Axis, *,
     """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the logits of this rank's vocabulary range
     (``weight``: ``[Vp/tp, h]``, the output layer's or the tied word embeddings)."""
     if sequence_parallel and axis.size > 1:
-        x = gather_from_sequence_parallel_region(x, axis, True, site=site, module=module,
-                                                 split="vocabulary")
-    elif axis.size > 1 and async_grad_allreduce:
+        # Megatron-Core's sequence-parallel output layer: gather the sequence in forward; in
+        # backward re-gather it (async) for the weight gradient and reduce-scatter the input
+        # gradient (async), as every sequence-parallel ColumnParallelLinear does
+        where = Where(axis, site, module=module, split="vocabulary")
+        return linear_with_grad_accumulation_and_async_allreduce(x, weight, None, where, True,
+                                                                 False, False)
+    if axis.size > 1 and async_grad_allreduce:
         # the same async all-reduce of the input gradient as a ColumnParallelLinear, overlapping
         # the (tied) weight-gradient GEMM
         where = Where(axis, site, module=module, split="vocabulary")
         return linear_with_grad_accumulation_and_async_allreduce(x, weight, None, where, False,
                                                                  True, False)
-    elif axis.size > 1:
+    if axis.size > 1:
         x = copy_to_tensor_model_parallel_region(x, axis, site=site, module=module,
                                                  split="vocabulary")
     return F.linear(x, weight)

@@ -1,13 +1,15 @@
 """The training loop on one rank, and the run data it writes (:mod:`paraloom.run_folder`).
 
-Rank 0 writes ``config.json`` and ``metrics.jsonl`` (one flushed line per step); every rank
-appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step, so a
-crash keeps what was done (on each node, local rank 0 creates the folder: :mod:`.multinode`). At
-the end rank 0 merges them into ``ledger.jsonl`` (gathered over the network, so every rank's
-events are there wherever they were written) and writes ``summary.json`` (held-out loss before
-and after); the reports made from all that (table, trace, plots, ``report.html``) are
-:mod:`paraloom.report.run_reports`' job. With ``--tensorboard-dir``, rank 0 also writes
-TensorBoard scalars (:mod:`.tensorboard`). Checkpoints go to ``checkpoints/step_N/``
+Rank 0 writes ``config.json``; the last rank, which holds the step's loss (Megatron's
+``print_rank_last``), writes ``metrics.jsonl`` (one flushed line per step) and the progress line;
+every rank appends its recorded ledger events to ``ledger/rank_N.jsonl`` after each recorded step,
+so a crash keeps what was done (on each node, local rank 0 creates the folder: :mod:`.multinode`).
+At the end rank 0 merges them into ``ledger.jsonl`` (gathered over the network, so every rank's
+events are there wherever they were written; so are the metrics, when the last rank's node does
+not see rank 0's folder) and writes ``summary.json`` (held-out loss before and after); the reports
+made from all that (table, trace, plots, ``report.html``) are :mod:`paraloom.report.run_reports`'
+job. With ``--tensorboard-dir``, the last rank also writes TensorBoard scalars
+(:mod:`.tensorboard`). Checkpoints go to ``checkpoints/step_N/``
 (atomically, see :mod:`.checkpoint`).
 """
 
@@ -103,7 +105,9 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     first_recorded = 0 if keep_ledger else start
     bad = 0
     scalars = None
-    if rank == 0 and r.tensorboard_dir:
+    writer = rank == mesh.world.size - 1  # it holds the loss: the last pipeline stage
+    written: list[dict] = []  # the metric lines, for rank 0 if this node is not its folder's
+    if writer and r.tensorboard_dir:
         scalars = ScalarLog(r.tensorboard_dir, r.log_interval, cfg.steps)
     for step in range(start, cfg.steps):
         record = r.ledger_steps < 0 or step - first_recorded < r.ledger_steps
@@ -114,18 +118,21 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
         elapsed = time.time() - tic
         if record:
             ledger.dump(ledger_file, mode="a")
-        if rank == 0:
+        if writer:
             line = {"step": step, **metrics, "tokens": run.tokens, "time_s": elapsed}
+            if step == start:  # Megatron's first iteration communicates differently
+                line["first_of_process"] = True
             with open(out / METRICS, "a") as f:
                 f.write(json.dumps(line) + "\n")
+            written.append(line)
             tokens = cfg.tokens_per_step
             show_progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
             if scalars is not None:
                 scalars.step(step, metrics, tokens / max(elapsed, 1e-9),
                              ledger.events if record else None)
             if metrics.get("skipped"):
-                print(f"step {step}: non-finite loss ({metrics['loss']}) or gradient norm "
-                      f"({metrics['grad_norm']}): update skipped", file=sys.stderr, flush=True)
+                print(f"step {step}: non-finite gradient norm ({metrics['grad_norm']}; loss "
+                      f"{metrics['loss']}): update skipped", file=sys.stderr, flush=True)
         bad = bad + 1 if metrics.get("skipped") else 0
         if bad >= r.max_bad_steps:
             raise FloatingPointError(
@@ -139,9 +146,16 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     val_after = evaluate(run, held_out)
     summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
                "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
-    events = comm.gather_objects(read_json_lines(ledger_file), mesh.world)
+    elsewhere = writer and not folder.sees_rank0[rank]
+    gathered = comm.gather_objects((read_json_lines(ledger_file), written if elsewhere else None),
+                                   mesh.world)
     if rank != 0:
         return None
+    events = [ledger for ledger, _ in gathered]
+    lines = gathered[-1][1]
+    if lines is not None:  # the last rank wrote them on its own node: rank 0's copy
+        with open(out / METRICS, "a") as f:
+            f.writelines(json.dumps(line) + "\n" for line in lines)
     if not folder.shared:
         summary["ranks_elsewhere"] = folder.elsewhere()
         print(f"note: {folder.describe()}", file=sys.stderr, flush=True)

@@ -1,15 +1,15 @@
 """TensorBoard scalars of a training run (Megatron's ``--tensorboard-dir`` / ``--log-interval``).
 
-Rank 0 writes, through ``torch.utils.tensorboard`` (the ``tensorboard`` package, an optional
+The last rank (it holds the loss: the last pipeline stage) writes, through ``torch.utils.tensorboard`` (the ``tensorboard`` package, an optional
 extra: ``pip install 'paraloom[tensorboard]'``), every ``log_interval`` steps and at the last:
 
 * ``lm loss``, ``learning-rate``, ``grad-norm`` and ``throughput/tokens-per-second``;
 * on every step the ledger records (``--ledger-steps``, all with ``-1``), ``comm-bytes/KIND``:
-  rank 0's communicated bytes of that step per kind (``tp``, ``sp``, ``pp``, ``dp``, ``emb``,
-  ``loss``, ...), counted from the ledger, so exact rather than estimated.
+  the writing rank's communicated bytes of that step per kind (``tp``, ``sp``, ``pp``, ``dp``,
+  ``emb``, ``mp``, ...), counted from the ledger, so exact rather than estimated.
 
 The step axis is the iteration number (1-based, as Megatron's). :func:`check_tensorboard` runs
-before ranks start so a missing package is a clear error, not a crash in rank 0.
+before ranks start so a missing package is a clear error, not a crash in a rank.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def check_tensorboard() -> None:
 
 
 class ScalarLog:
-    """The run's scalar writer on rank 0; ``None``-safe to call only when enabled."""
+    """The run's scalar writer on the last rank; ``None``-safe to call only when enabled."""
 
     def __init__(self, log_dir: str, interval: int, total_steps: int) -> None:
         from torch.utils.tensorboard import SummaryWriter

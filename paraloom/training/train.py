@@ -7,8 +7,8 @@
 
 :func:`train_step` runs one optimizer step: this rank's microbatches of the (layout-independent)
 global batch through the pipeline schedule, gradient finalisation (dp buckets, sp and tied
-embedding sums), the global gradient norm and clipping, and the AdamW update. The step's loss and
-gradient norm are reduced in one small all-reduce over every rank (kind ``loss``).
+embedding sums), the global gradient norm and clipping, and the AdamW update, then the agreement
+on the update and the loss of the step, as Megatron-LM drives Megatron-Core.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero = cfg.distributed_optimizer
     ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                    bucket_size=cfg.bucket_size, use_distributed_optimizer=zero)
-            for chunk in chunks]
+                                    bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
+                                    disable_bucketing=c > 0, tail_splits=cfg.bucket_tail_splits)
+            for c, chunk in enumerate(chunks)]
     opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
     optimizers = [opt_cls(d, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                           weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
@@ -113,8 +114,11 @@ def forward_step(data_iterator, model: GPTModel):
                 position_ids=positions[0] if positions else None)
 
     def loss_func(per_token):  # [b, s] on the last stage
-        loss = per_token.float().mean()
-        return loss, loss.detach()
+        per_token = per_token.float()
+        loss = per_token.mean()  # Megatron's loss / num_tokens: the microbatch's mean
+        report = torch.stack([per_token.detach().sum(),
+                              torch.tensor(float(per_token.numel()), device=per_token.device)])
+        return loss, report      # Megatron's "lm loss": [sum, tokens] (fp32)
     return out, loss_func
 
 
@@ -134,6 +138,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     if not forward_only:
         kw.update(no_sync_func=[d.no_sync for d in run.ddps],
                   finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))
+        if cfg.overlap_grad_reduce and cfg.align_grad_reduce:  # Megatron-LM's grad_sync_func
+            kw["grad_sync_func"] = [d.start_grad_sync for d in run.ddps]
     for chunk in run.chunks:
         chunk.train(not forward_only)
     if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the loss
@@ -145,10 +151,17 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
 
 
 def train_step(run: Run, step: int) -> dict:
-    """One optimizer step; returns ``{"loss", "grad_norm", "lr"}`` (the same on every rank).
+    """One optimizer step, as Megatron-LM's ``train_step`` drives Megatron-Core; returns
+    ``{"loss", "grad_norm", "lr"}`` (``"loss"`` only on the last pipeline stage, ``None``
+    elsewhere: Megatron reports it from the last rank).
 
-    A non-finite loss or gradient norm skips the update (``"skipped": True``); the data of the
-    step is consumed all the same, so a run that recovers stays on the same batches.
+    After the schedule (and its ``finalize_model_grads``): the optimizer step — the global
+    gradient norm (:meth:`GradNorm.total`), clipping, the Adam update (the distributed optimizer
+    then all-gathers the parameters) — then the update flag (int32 MIN) and the norm (fp32 MAX)
+    agreed over the model-parallel group, and on the last stage the loss: the per-token sum and
+    the token count (fp32 ``[2]``) summed over dp x cp. A non-finite gradient norm skips the
+    update (``"skipped": True``; every rank computed the same norm); the data of the step is
+    consumed all the same, so a run that recovers stays on the same batches.
     """
     cfg, mesh = run.cfg, run.mesh
     batch = run.corpus.global_batch(step, cfg.global_batch_size)
@@ -158,35 +171,57 @@ def train_step(run: Run, step: int) -> dict:
     if moe:
         reset_moe_stats(run.chunks)
     losses = _run_schedule(run, batch, forward_only=False)
-    zero = torch.zeros((), dtype=torch.float64)
-    loss_sum = torch.stack(losses).double().sum() if losses else zero
-    # this rank's loss counts once per (dp replica, cp rank): last stage, tp rank 0; every cp
-    # rank holds the mean over the same number of tokens, so their mean is the sequence's
-    weight = 1.0 if (mesh.is_last_stage and mesh.tp.rank == 0) else 0.0
-    scalars = torch.stack([run.grad_norm.local_sq_norm(run.device),
-                           loss_sum.to(run.device) * weight])
-    if moe:  # aux/z loss, dropped assignments, tokens per expert: one all-reduce with the rest
-        stats = moe_step_stats(run.chunks, cfg.model.num_layers, moe, run.device)
-        scalars = torch.cat([scalars, stats])
-    comm.all_reduce(scalars, mesh.world, phase="optimizer", kind="loss",
-                    site="train_step:grad_norm_and_loss", split="per-rank partial sums")
-    grad_norm = math.sqrt(scalars[0].item())
-    loss = scalars[1].item() / (mesh.dp_cp.size * run.cfg.num_microbatches)
-    extra = _moe_metrics(cfg, scalars[2:], mesh.dp_cp.size * cfg.num_microbatches) if moe else {}
     o = cfg.optim
     lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                        total_steps=cfg.steps)
-    # One all-reduce carried both numbers, so every rank sees the same NaN/Inf and decides alike.
-    if not (math.isfinite(grad_norm) and math.isfinite(loss)):
-        run.step, run.tokens = step + 1, run.tokens + cfg.tokens_per_step
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra, "skipped": True}
-    run.grad_norm.clip(grad_norm, o.clip_grad)
-    for opt in run.optimizers:
-        opt.lr = lr
-        opt.step()
+    grad_norm = run.grad_norm.total(run.device)  # Megatron's optimizer.step() from here ...
+    ok = math.isfinite(grad_norm)
+    if ok:
+        run.grad_norm.clip(grad_norm, o.clip_grad)
+        for opt in run.optimizers:
+            opt.lr = lr
+            opt.step()                               # ... to here
+    ok, grad_norm = _agree(run, ok, grad_norm)
+    out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
+    if moe:
+        out.update(_moe_metrics(cfg, _moe_stats(run), mesh.dp_cp.size * cfg.num_microbatches))
     run.step = step + 1
     run.tokens += cfg.tokens_per_step
-    return {"loss": loss, "grad_norm": grad_norm, "lr": lr, **extra}
+    return out if ok else {**out, "skipped": True}
+
+
+def _agree(run: Run, ok: bool, grad_norm: float) -> tuple[bool, float]:
+    """Megatron-LM's ``logical_and_across_model_parallel_group`` and
+    ``reduce_max_stat_across_model_parallel_group`` after ``optimizer.step()``."""
+    device, mp = run.device, run.mesh.mp
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    comm.all_reduce(flag, mp, op="min", phase="optimizer", kind="mp",
+                    site="train_step:update_successful", split="whether this rank updated")
+    norm = torch.tensor([grad_norm], dtype=torch.float32, device=device)
+    comm.all_reduce(norm, mp, op="max", phase="optimizer", kind="mp",
+                    site="train_step:grad_norm", split="the gradient norm")
+    return bool(flag.item()), norm.item()
+
+
+def _reduce_loss(run: Run, losses: list) -> float | None:
+    """The step's loss per token on the last stage (``None`` elsewhere): the microbatches'
+    ``[sum, count]`` summed, then over dp x cp (kind ``dp``)."""
+    if not run.mesh.is_last_stage:
+        return None
+    total = torch.stack(losses).sum(0)                   # fp32 [2]
+    comm.all_reduce(total, run.mesh.dp_cp, phase="optimizer", kind="dp",
+                    site="train_step:loss", split="loss sum and token count")
+    return (total[0] / total[1]).item()
+
+
+def _moe_stats(run: Run) -> torch.Tensor:
+    """The MoE statistics summed over every rank (paraloom's logging; Megatron-LM logs its own
+    MoE losses differently): one float64 all-reduce after the step."""
+    cfg = run.cfg
+    stats = moe_step_stats(run.chunks, cfg.model.num_layers, cfg.model.num_experts, run.device)
+    comm.all_reduce(stats, run.mesh.world, phase="optimizer", kind="world",
+                    site="train_step:moe_stats", split="MoE aux/z losses, drops, tokens/expert")
+    return stats
 
 
 def _moe_metrics(cfg: TrainConfig, stats: torch.Tensor, microbatches: int) -> dict:
@@ -194,7 +229,7 @@ def _moe_metrics(cfg: TrainConfig, stats: torch.Tensor, microbatches: int) -> di
     included), ``z_loss`` when on, ``tokens_per_expert`` per MoE layer (the step's routed
     assignments after any drops) and ``dropped_tokens`` with a capacity factor."""
     m = cfg.model
-    table = stats[3:].view(m.num_layers, m.num_experts)
+    table = stats[3:].view(m.num_layers, m.num_experts)  # the stats of moe_step_stats
     out = {"aux_loss": stats[0].item() / microbatches}
     if m.moe_z_loss_coeff:
         out["z_loss"] = stats[1].item() / microbatches
@@ -207,14 +242,14 @@ def _moe_metrics(cfg: TrainConfig, stats: torch.Tensor, microbatches: int) -> di
 
 @torch.no_grad()
 def evaluate(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean loss over ``batches`` (each ``[b, s]``, every rank given the same), forward only."""
-    cfg, mesh = run.cfg, run.mesh
-    total = torch.zeros((), dtype=torch.float64, device=run.device)
+    """Mean loss per token over ``batches`` (each ``[b, s]``, every rank given the same),
+    forward only."""
+    mesh = run.mesh
+    total = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum, tokens]
     for tokens, labels in batches:
         batch = torch.cat([tokens, labels[:, -1:]], dim=1)  # back to [b, s + 1] windows
         losses = _run_schedule(run, batch, forward_only=True)
         if losses and mesh.tp.rank == 0:
-            total += torch.stack(losses).double().sum()
+            total += torch.stack(losses).double().sum(0)
     comm.all_reduce(total, mesh.world, phase="forward", kind="loss", site="evaluate:loss")
-    per_batch = cfg.global_batch_size // (cfg.micro_batch_size * mesh.dp.size)
-    return total.item() / (len(batches) * mesh.dp_cp.size * per_batch)
+    return (total[0] / total[1]).item()
