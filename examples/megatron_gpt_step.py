@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--no-align-grad-reduce", dest="align_grad_reduce", action="store_false")
     a("--bucket-size", type=int, default=None, help="gradient bucket size (elements)")
+    a("--recompute", action="store_true", help="full recomputation of every layer")
+    a("--bf16", action="store_true", help="bf16 parameters and activations (fp32 main grads)")
     a("--layers", type=int, default=4)
     a("--hidden", type=int, default=64)
     a("--heads", type=int, default=4)
@@ -69,10 +72,14 @@ def build(args):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    recompute = dict(recompute_granularity="full", recompute_method="uniform",
+                     recompute_num_layers=1) if args.recompute else {}
     cfg = TransformerConfig(
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0,
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
+        **recompute,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
         sequence_parallel=args.sequence_parallel, gradient_accumulation_fusion=False,
@@ -90,14 +97,18 @@ def build(args):
             vp_stage=vp_stage))
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
                                             use_distributed_optimizer=args.distributed_optimizer,
-                                            bucket_size=args.bucket_size)
+                                            bucket_size=args.bucket_size,
+                                            grad_reduce_in_fp32=True)  # Megatron-LM, for bf16
+    if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
+        from megatron.core.transformer.module import Float16Module
+        chunks = [Float16Module(cfg, chunk) for chunk in chunks]
     model = [DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=chunk,
                                      disable_bucketing=i > 0)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
-        adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=args.distributed_optimizer),
-        model)
+        adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=args.distributed_optimizer,
+        bf16=args.bf16), model)
     return cfg, model, optimizer
 
 
@@ -205,4 +216,8 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # silences Megatron's advice
+    # megatron-core's notes about missing CUDA extensions (Apex, Transformer Engine) and its
+    # deprecations, once per rank: not what this example is about
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"megatron\.")
     main()

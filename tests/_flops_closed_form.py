@@ -30,13 +30,13 @@ def model_flops_per_iteration(batch: int, s: int, layers: int, h: int, vocab: in
 
 def recompute_flops_per_iteration(batch: int, s: int, layers: int, h: int,
                                   ffn: int | None = None, recompute: str = "none", *,
-                                  early_stop: bool = True) -> float:
+                                  early_stop: bool = False) -> float:
     """FLOPs that recomputation adds per step. ``full``: every layer's forward again
     ``l (2 B s (4h^2 + 2hf) + 4 B s^2 h)`` (not the logits). ``selective``: the core attention
-    again; torch's non-reentrant checkpoint (paraloom's, ``early_stop=True``) stops once every
-    saved tensor is rebuilt, so only QK^T re-runs (the softmax output is what attention x V
-    saved): ``2 B s^2 h l``; Megatron's own checkpoint re-runs QK^T and attention x V:
-    ``4 B s^2 h l``. Both counted against ``torch.utils.flop_counter`` in the tests."""
+    again: Megatron's checkpoint and paraloom's re-run QK^T and attention x V, ``4 B s^2 h l``;
+    one that stops once every saved tensor is rebuilt (``early_stop=True``) only QK^T (the
+    softmax output is what attention x V saved): ``2 B s^2 h l``. Both counted against
+    ``torch.utils.flop_counter`` in the tests."""
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     f = ffn or 4 * h
@@ -49,7 +49,7 @@ def recompute_flops_per_iteration(batch: int, s: int, layers: int, h: int,
 
 def hardware_flops_per_iteration(batch: int, s: int, layers: int, h: int, vocab: int,
                                  ffn: int | None = None, recompute: str = "none", *,
-                                 early_stop: bool = True) -> float:
+                                 early_stop: bool = False) -> float:
     """The FLOPs the GPUs execute per step (what HFU divides): model FLOPs plus the configured
     recomputation. Full recomputation with ``f = 4h`` is Narayanan's eq. (3),
     ``96 B s l h^2 (1 + s/(6h) + V/(16 l h))``."""

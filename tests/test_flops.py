@@ -64,10 +64,10 @@ def test_flops_formulas_by_hand_gpt3():
     assert hardware_flops_per_iteration(*args, recompute="full") == pytest.approx(
         flops_per_iteration(*args), rel=1e-12)
     assert hardware_flops_per_iteration(*args, recompute="none") == model
-    megatron_sel = recompute_flops_per_iteration(B, s, L, h, recompute="selective",
-                                                 early_stop=False)
+    megatron_sel = recompute_flops_per_iteration(B, s, L, h, recompute="selective")
     assert megatron_sel == 4 * B * s * s * h * L
-    assert recompute_flops_per_iteration(B, s, L, h, recompute="selective") == megatron_sel / 2
+    assert recompute_flops_per_iteration(B, s, L, h, recompute="selective",
+                                         early_stop=True) == megatron_sel / 2
     with pytest.raises(ValueError, match="recompute"):
         recompute_flops_per_iteration(1, 1, 1, 1, recompute="partial")
 
@@ -125,12 +125,13 @@ def test_llama_and_moe_flops_equal_a_counted_step(model_cfg):
     for recompute in ("none", "selective", "full"):
         counted, cfg = _counted_step({**shape, **model_cfg}, recompute)
         c = _comm_config(cfg, recompute, 2)
-        # sdpa's math kernel is written-out attention, so the checkpoint stops after QK^T as it
-        # does for core; a fused (GPU) kernel re-runs whole: the formula adds attention x V
-        core = replace(c, arch=replace(c.arch, attention="core"))
-        assert counted == hardware_flops(core), (recompute, counted, hardware_flops(core))
-        if cfg.attention == "sdpa" and recompute == "selective":
-            assert hardware_flops(c) - hardware_flops(core) == 2 * 2 * 32 * 32 * 64 * 2
+        # the re-run is whole (no early stop), so sdpa and core count the same; only a
+        # checkpoint that stopped early would re-run QK^T alone for written-out attention
+        assert counted == hardware_flops(c), (recompute, counted, hardware_flops(c))
+        if recompute == "selective":
+            core = replace(c, arch=replace(c.arch, attention="core"))
+            assert hardware_flops(core) - hardware_flops(core, early_stop=True) == \
+                2 * 2 * 32 * 32 * 64 * cfg.num_layers  # b s^2 h per layer: attention x V
         assert (counted == model_flops(c)) == (recompute == "none")
     # the GPT-2 formulas are the special case
     gpt = _comm_config(_counted_step(shape, "none")[1], "none", 2)

@@ -7,8 +7,9 @@ under ``paraloom record --megatron-on-cpu``. ``paraloom train`` runs the same mo
 hidden 64, 4 heads, seq 32, vocabulary 256, micro batch 2, 4 microbatches per data-parallel rank,
 tied embeddings) and layout with Megatron-Core's blocking p2p batches. For each layout — tp2 x pp2,
 tp2 x dp2 with sequence parallelism, pp2 x dp2 with the distributed optimizer, interleaved pp4
-(vpp 2, 8 layers) — ``paraloom diff --step 1 --ignore-names`` exits 0 (the steady state), and so
-does ``--step 0`` (the first iteration, where Megatron's DDP launches no bucket from its hooks).
+(vpp 2, 8 layers), tp2 x pp2 with full recomputation, tp2 x dp2 with sp in bf16 — ``paraloom
+diff --step 1 --ignore-names`` exits 0 (the steady state), and so does ``--step 0`` (the first
+iteration, where Megatron's DDP launches no bucket from its hooks).
 The two programs share nothing but the configuration; any of the differences the Megatron
 whole-step issue listed (cross-entropy, sp embedding and output layer, grad norm, buckets,
 distributed optimizer, first iteration, align-grad-reduce, shapes) makes a layout differ.
@@ -40,6 +41,10 @@ LAYOUTS = {  # name: (the example's flags, paraloom train's flags)
                         "--tp 1 --pp 2 --dp 2 --distributed-optimizer --global-batch-size 16"),
     "pp4-vpp2": ("--pp 4 --vpp 2 --layers 8",
                  "--tp 1 --pp 4 --dp 1 --vpp 2 --global-batch-size 8 --layers 8"),
+    "tp2-pp2-recompute": ("--tp 2 --pp 2 --recompute",
+                          "--tp 2 --pp 2 --dp 1 --global-batch-size 8 --recompute full"),
+    "tp2-dp2-sp-bf16": ("--tp 2 --sequence-parallel --bf16", "--tp 2 --pp 1 --dp 2 "
+                        "--sequence-parallel --global-batch-size 16 --dtype bf16"),
 }
 
 
@@ -112,3 +117,23 @@ def test_record_sections_and_labels_of_megatrons_step(runs):
         ("recv", "activations [32, 2, 64] from the previous stage"),
         ("send", "activation grads [32, 2, 64] to the previous stage")}
     assert {r["parallel_type"] for r in step} == {"tp", "pp", "dp", "emb", "mp"}
+
+
+def test_megatron_on_cpu_names_what_does_not_apply(monkeypatch):
+    """Another megatron-core: a warning naming the tested versions; a patch whose target moved
+    is named, not silently skipped (fake modules: nothing of megatron is imported here)."""
+    import importlib.metadata
+    import types
+
+    from paraloom.record import megatron_cpu
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.20.1")
+    with pytest.warns(UserWarning, match=r"tested on megatron-core 0\.19\.x, found 0\.20\.1"):
+        megatron_cpu._check_version()
+    for name, patch in (("megatron.core.tensor_parallel.random", "inference RNG tracker"),
+                        ("megatron.core.transformer.torch_norm", "sequence-parallel torch norm"),
+                        ("megatron.core.optimizer.clip_grads", "torch on CPU")):
+        with pytest.warns(UserWarning, match=f"patch '{patch}' did not apply"):
+            megatron_cpu._patch_module(types.ModuleType(name))
+    assert set(megatron_cpu.PATCHES) >= {"inference RNG tracker", "sequence-parallel torch norm",
+                                          "torch on CPU", "recomputation RNG state"}

@@ -230,7 +230,7 @@ def fit_hardware(nprocs: int, med: dict) -> Hardware:
 def predict_run(cfg: dict, hw: Hardware) -> dict:
     """The step-time prediction for a ``paraloom train`` run from its ``config.json``, with
     paraloom's own switches: async tp all-reduce (its default: tp > 1 without sp), p2p posted
-    ahead (gloo's default), torch's early-stopping checkpoint (proj's reduction re-run only),
+    ahead (gloo's default), a whole re-run under recomputation (as Megatron's),
     gradient-accumulation fusion as configured (off by default)."""
     c = config_from_run(cfg)
     p = cfg["parallel"]
@@ -238,7 +238,7 @@ def predict_run(cfg: dict, hw: Hardware) -> dict:
     overlap_p2p = cfg.get("overlap_p2p_comm")
     o = Options(async_tp=(c.tp > 1 and not c.sp) if async_tp is None else bool(async_tp),
                 overlap_p2p=True if overlap_p2p is None else bool(overlap_p2p),
-                early_stop=True, recompute_comm=0.5,
+                early_stop=False, recompute_comm=1.0,
                 grad_accum_fusion=bool(p.get("gradient_accumulation_fusion", False)))
     return step_time(c, hw, o)
 

@@ -29,11 +29,12 @@ class Options:
     grad_accum_fusion: bool = True
     """Weight grads accumulate straight into fp32 ``main_grad`` (Megatron-LM's default); off
     (paraloom's default) each microbatch adds ``.grad`` into ``main_grad`` through memory."""
-    early_stop: bool = True
-    """torch's non-reentrant checkpoint (paraloom); ``False``: Megatron's re-runs everything."""
-    recompute_comm: float = 0.5
-    """Fraction of a layer's forward tp communication full recomputation repeats (paraloom: proj
-    only, 1/2; Megatron's reentrant checkpoint: 1)."""
+    early_stop: bool = False
+    """A re-run that stops once every saved tensor is back (torch's non-reentrant checkpoint with
+    early stop on); ``False``: the whole function again, as Megatron's and paraloom's."""
+    recompute_comm: float = 1.0
+    """Fraction of a layer's forward tp communication full recomputation repeats (Megatron's and
+    paraloom's re-run: all of it, 1; an early-stopping checkpoint: proj only, 1/2)."""
     p2p_scatter_gather: bool = False
     """Megatron's scatter/gather of inter-node p2p tensors over tp (Narayanan et al. 4.1)."""
 

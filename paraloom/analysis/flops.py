@@ -13,11 +13,12 @@ width):
 
 Backward is twice the forward (dgrad + wgrad). Model FLOPs (what MFU divides) count no
 recomputation; hardware FLOPs (HFU) add it: ``full`` re-runs every layer's forward; ``selective``
-re-runs the core attention, which is QK^T only with paraloom's written-out attention under
-torch's non-reentrant checkpoint (``early_stop``), QK^T and attention x V with Megatron's
-checkpoint or with ``sdpa`` (one fused kernel). Biases, norms, rotary and softmax are
-element-wise and not counted (as ``torch.utils.flop_counter`` does not). For GPT-2 these equal
-:func:`~paraloom.analysis.formulas.model_flops_per_iteration` and its recompute variants.
+re-runs the core attention, QK^T and attention x V (Megatron's checkpoint and paraloom's, which
+runs torch's without its early stop; with ``early_stop``, a checkpoint that stops once every
+saved tensor is back, paraloom's written-out attention re-runs QK^T only). Biases, norms, rotary
+and softmax are element-wise and not counted (as ``torch.utils.flop_counter`` does not). For
+GPT-2 these equal Narayanan et al.'s closed forms and their recompute variants
+(``tests/_flops_closed_form.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def model_flops(c, batch: int | None = None) -> float:
     return 3 * (_layers_forward(c, batch) + 2 * n * c.hidden * c.vocab)
 
 
-def recompute_flops(c, batch: int | None = None, *, early_stop: bool = True) -> float:
+def recompute_flops(c, batch: int | None = None, *, early_stop: bool = False) -> float:
     """FLOPs recomputation (``c.recompute``) adds per step."""
     if c.recompute == "full":
         return _layers_forward(c, batch)
@@ -75,6 +76,6 @@ def recompute_flops(c, batch: int | None = None, *, early_stop: bool = True) -> 
     return 0.0
 
 
-def hardware_flops(c, batch: int | None = None, *, early_stop: bool = True) -> float:
+def hardware_flops(c, batch: int | None = None, *, early_stop: bool = False) -> float:
     """FLOPs the GPUs execute per step: model FLOPs plus the configured recomputation."""
     return model_flops(c, batch) + recompute_flops(c, batch, early_stop=early_stop)

@@ -62,17 +62,14 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
             # input shard and reduce-scatter the input grad
             add("sp", "all_gather", "backward", 4 * ml, shard)
             add("sp", "reduce_scatter", "backward", 2 * ml, act)
-            if c.recompute == "full":  # the re-run stops before fc2's reduction (see below)
+            if c.recompute == "full":  # the whole layer's forward again (Megatron's re-run)
                 add("sp", "all_gather", "recompute", 2 * ml, shard)
-                add("sp", "reduce_scatter", "recompute", ml, act)
+                add("sp", "reduce_scatter", "recompute", 2 * ml, act)
         else:   # Shoeybi et al.: row outputs all-reduced forward, column input grads backward
             add("tp", "all_reduce", "forward", 2 * ml, act)
             add("tp", "all_reduce", "backward", 2 * ml, act)
-            if c.recompute == "full":
-                # torch's non-reentrant checkpoint stops the re-run once every tensor backward
-                # needs is rebuilt: fc2's reduced output only joins the residual sum, so only
-                # proj's reduction is repeated (Megatron's reentrant checkpoint repeats both)
-                add("tp", "all_reduce", "recompute", ml, act)
+            if c.recompute == "full":  # both row reductions again, as Megatron's re-run
+                add("tp", "all_reduce", "recompute", 2 * ml, act)
         if first:  # vocabulary-parallel embedding: partial rows summed [b, s, h]
             if sp and c.arch.position_embedding_type != "learned_absolute":
                 add("sp", "reduce_scatter", "forward", m, act)  # rotary: reduce-scattered

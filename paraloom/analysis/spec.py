@@ -91,8 +91,7 @@ class CommConfig:
     sequence_parallel: bool = False
     recompute: str = "none"
     """``none``, ``selective`` (attention core only: no communication) or ``full`` (each layer's
-    forward communication runs again in backward, up to proj's reduction and fc1's gather: the
-    re-run stops once every saved tensor is rebuilt, so fc2's reduction is not repeated)."""
+    forward communication runs again in backward, all of it, as Megatron's re-run)."""
     distributed_optimizer: bool = False
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
     grad_sync: bool = True

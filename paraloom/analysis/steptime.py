@@ -22,7 +22,8 @@ activation element):
   re-gather under dgrad; pipeline p2p is exposed unless ``overlap_p2p``; the data-parallel bucket
   reductions hide under the last microbatch's backward (``overlap_grad_reduce``) except the last
   bucket; ZeRO's parameter all-gather, the tied-embedding reduction and the optimizer are not
-  hidden; the loss + gradient-norm reduction over all ranks is counted with the embedding's.
+  hidden; the gradient norm, the step's agreements (over tp x pp) and the loss (over dp) are
+  counted with the embedding's.
   The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
   pass ``bubble_scale``).
 * **Optimizer**: Adam over this rank's parameters (divided by dp under ZeRO) at ~38 bytes per

@@ -65,8 +65,14 @@ def _rank(rank: int, world: int, cfg: TrainConfig, t0: float) -> None:
     for problem in write_reports(out, events):
         print(problem, file=sys.stderr)
     if events:
-        print("\nCommunication order, rank 0, first recorded step (layers folded; the full "
-              "table is comm_table.md):\n" + render_table(events, rank=0, group=True))
+        steps = sorted({e["step"] for e in events if e["rank"] == 0})
+        # the steady state when it was recorded: a run's first step is Megatron's first
+        # iteration (buckets launched at the end, a one-off flag), in comm_table.md
+        step = steps[1] if len(steps) > 1 else steps[0]
+        what = "steady-state" if len(steps) > 1 else "first recorded"
+        print(f"\nCommunication order, rank 0, step {step} ({what}; layers folded; "
+              f"comm_table.md has the first step in full):\n"
+              + render_table(events, rank=0, step=step, group=True))
     print(f"held-out loss: {summary['held_out_loss_before']:.4f} before -> "
           f"{summary['held_out_loss_after']:.4f} after {summary['steps']} steps")
     print(f"run folder: {out.resolve()}  (report.html, metrics.jsonl, ledger.jsonl, "

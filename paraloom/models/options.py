@@ -44,8 +44,8 @@ class ParallelOptions:
 
     @property
     def own_backward(self) -> bool:
-        """Whether the layers need their own backward at tp = 1: it is split or re-run."""
-        return self.split_backward or self.recompute != "none"
+        """Whether the layers need their own backward at tp = 1: a zero-bubble split."""
+        return self.split_backward
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> ParallelOptions:

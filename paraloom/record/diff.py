@@ -29,7 +29,9 @@ How fields are compared:
 * ``phase`` (``--phases loose``, the default): ``other`` — a recorded program's code outside
   every forward, autograd and optimizer region, such as Megatron-LM's ``train_step`` after
   ``optimizer.step()`` — equals ``optimizer``, paraloom's phase for the same calls.
-  ``--phases exact``: the strings must be equal.
+  ``--phases exact``: the strings must be equal. Either way an event paraloom marks
+  ``recompute`` (a forward communication re-run by activation recomputation) counts as
+  ``backward``, where it runs and where the recorder sees a program's re-runs.
 * ``shape`` (``--shapes exact``, the default) compares dimensions; ``--shapes numel`` only the
   element count (``[b, s, h]`` equals ``[s, b, h]``).
 """
@@ -147,6 +149,8 @@ def _value(field: str, event: dict, options: Options, named: dict):
         if dim is None and isinstance(event.get("group"), list):
             dim = named.get(tuple(event["group"]))
         return dim or value
+    if field == "phase" and event.get("recompute"):
+        value = "backward"  # paraloom marks a re-run's forward; it runs inside backward
     if field == "phase" and options.phases == "loose":
         return _OUTSIDE.get(value, value)
     if field == "shape" and options.shapes == "numel" and isinstance(value, list):

@@ -27,6 +27,9 @@ collectives Megatron issues.
   (``initialize_rng_tracker(inference_rng_tracker=True)``): the training one saves and restores
   CUDA generator states. Dropout inside tensor-parallel regions then draws from the default
   generator; with dropout 0 (what the example uses) nothing draws at all.
+* Recomputation (``CheckpointFunction`` in ``tensor_parallel/random.py``) saves and restores the
+  CUDA generator's state next to the CPU one's; on a CPU there is only the CPU generator, which
+  it saves and restores already, so the CUDA half is the CPU state and a restore that does nothing.
 * The local spec's norm without apex (``transformer/torch_norm.py``'s ``WrappedTorchNorm``)
   refuses sequence parallelism; with it, the norm is built as usual and its parameters are
   tagged ``sequence_parallel``, as the fused norm it replaces tags them (so
@@ -76,6 +79,8 @@ PATCHES = {
                               "weight.data.cuda(); optimizer state reloads",
     "inference RNG tracker": "tensor_parallel/random.py: CudaRNGStatesTracker.add saves CUDA "
                              "generator states",
+    "recomputation RNG state": "tensor_parallel/random.py: CheckpointFunction saves and restores "
+                               "the CUDA generator (_get_cuda_rng_state / _set_cuda_rng_state)",
     "sequence-parallel torch norm": "transformer/torch_norm.py: WrappedTorchNorm asserts not "
                                     "config.sequence_parallel (the fused norm tags its "
                                     "parameters sequence_parallel instead)",
@@ -218,6 +223,13 @@ def _patch_module(module) -> None:
                                    *args, **kwargs):
             return initialize(use_te_rng_tracker, True, *args, **kwargs)
         module.initialize_rng_tracker = initialize_rng_tracker
+        if hasattr(module, "_get_cuda_rng_state") and hasattr(module, "_set_cuda_rng_state"):
+            # recomputation's CheckpointFunction saves the CUDA generator besides the CPU one;
+            # on a CPU the CPU generator is all there is (and it saves and restores that itself)
+            module._get_cuda_rng_state = lambda *_a, **_k: torch.get_rng_state()
+            module._set_cuda_rng_state = lambda *_a, **_k: None
+        else:
+            _missed("recomputation RNG state", f"{name}._get_cuda_rng_state")
     if name == "megatron.core.transformer.torch_norm":
         cls = getattr(module, "WrappedTorchNorm", None)
         if cls is None:

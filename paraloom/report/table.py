@@ -83,35 +83,35 @@ _FILL = {  # split text for events recorded without one: (kind, op, phase) or ki
 }
 
 
-_NOUNS = {  # what a recorded program's tensor is, from its site and phase (see _recorded)
+_NOUNS = {  # what a recorded program's tensor is, where its site and phase say (_recorded)
     "en": {"norm": "gradient norm", "grad": "gradients", "param": "parameters",
-           "setup": "set-up values", "backward": "activation grads", "forward": "activations",
-           "other": "values"},
-    "zh": {"norm": "梯度范数", "grad": "梯度", "param": "参数", "setup": "初始化数据",
-           "backward": "激活梯度", "forward": "激活", "other": "数据"},
+           "setup": "set-up values"},
+    "zh": {"norm": "梯度范数", "grad": "梯度", "param": "参数", "setup": "初始化数据"},
 }
 
 
 def _recorded(event: dict, lang: str) -> str:
     """A recorded program's event (its ``site`` is a ``file.py:LINE function``, it names no
-    split): what moves, from the site's function and the phase — a gradient norm, gradients or
-    parameters when the function's name says so (``get_grad_norm_fp32``, ``start_grad_sync``,
-    ``_allreduce_embedding_grad``, ``start_param_sync``), gradients too for a call made while a
-    parameter's gradient was accumulated (``param_grad``: DDP's bucket hooks), else the phase's
-    (an all-reduce in an ``__init__`` during setup is set-up values, not a gradient) — then the
-    dtype and shape."""
+    split): the dtype and shape of the tensor, and what it is where that is known — set-up
+    values in setup (an all-reduce in an ``__init__`` is not a gradient); a gradient norm,
+    gradients or parameters when the function's name says so (``get_grad_norm_fp32``,
+    ``start_grad_sync``, ``_allreduce_embedding_grad``, ``start_param_sync``); gradients for a
+    call made while a parameter's gradient was accumulated (``param_grad``: DDP's bucket hooks).
+    Nothing is guessed from the phase alone: a forward all-gather may gather activations
+    (sequence parallelism) or parameters (FSDP)."""
     function = (event.get("site") or "").rpartition(" ")[2].rpartition(".")[2].lower()
-    nouns = _NOUNS[lang]
-    if "norm" in function:
+    nouns, noun = _NOUNS[lang], None
+    if event["phase"] == "setup":
+        noun = nouns["setup"]
+    elif "norm" in function:
         noun = nouns["norm"]
     elif event.get("param_grad") or ("grad" in function and event["phase"] != "forward"):
         noun = nouns["grad"]
     elif "param" in function and event["phase"] != "forward":
         noun = nouns["param"]
-    else:
-        noun = nouns.get(event["phase"], nouns["other"])
     shape = f" {list(event['shape'])}" if event.get("shape") is not None else ""
-    return f"{noun}, {event.get('dtype') or 'tensor'}{shape}"
+    tensor = f"{event.get('dtype') or 'tensor'}{shape}"
+    return f"{noun}, {tensor}" if noun else tensor
 
 
 def _split(event: dict, lang: str) -> str:

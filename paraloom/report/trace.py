@@ -24,7 +24,7 @@ from pathlib import Path
 
 __all__ = ["build_trace", "write_trace", "KIND_ORDER"]
 
-KIND_ORDER = ("tp", "sp", "cp", "pp", "dp", "emb", "loss")
+KIND_ORDER = ("tp", "sp", "cp", "pp", "dp", "emb", "mp", "distopt", "loss")
 """Thread order of the communication kinds (thread ``i + 1``); other kinds follow."""
 _ARGS = ("step", "microbatch", "phase", "kind", "op", "site", "module", "split", "async",
          "bytes", "shape", "dtype", "group", "seq", "recompute", "bucket", "peer")

@@ -56,8 +56,8 @@ class ColumnParallelLinear(nn.Module):
             after it. Not with ``sequence_parallel``.
         gradient_accumulation_fusion: accumulate the weight gradient in fp32 ``weight.main_grad``.
         own_backward: use the layer's own autograd function also at tp = 1, where it would use
-            ``F.linear``: for a model whose backward a zero-bubble schedule splits into B and W,
-            or that recomputation re-runs (see :func:`.linear.local_linear`).
+            ``F.linear``: for a model whose backward a zero-bubble schedule splits into B and W
+            (see :func:`.linear.local_linear`).
         skip_bias_add: return the bias instead of adding it.
         init_method: ``(name, global_shape, ranges, dtype=, device=) -> Tensor``; bias starts at 0.
         mesh: the layout (default: the one from ``initialize_model_parallel``, else 1 rank).

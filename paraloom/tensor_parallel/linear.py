@@ -5,8 +5,7 @@ the layers share: the default mesh, Megatron's parameter attributes, shard-local
 At tp = 1 (:func:`local_linear`) the layers use ``F.linear`` unless something needs the
 function's own backward, which the layer knows from how it was built or from the ledger:
 gradient-accumulation fusion (the GEMM into ``main_grad``), ``own_backward`` (a model whose
-backward a zero-bubble schedule splits or recomputation re-runs), or an active ledger (its
-fprop/dgrad/wgrad spans).
+backward a zero-bubble schedule splits), or an active ledger (its fprop/dgrad/wgrad spans).
 """
 
 from __future__ import annotations
@@ -134,10 +133,9 @@ def linear_with_grad_accumulation_and_async_allreduce(x, weight, bias=None, wher
 def local_linear(x, weight, bias, fusion: bool, own_backward: bool):
     """A linear layer at tp = 1. The autograd function above is needed only for what it adds
     there: the GEMM into ``main_grad`` (``fusion``), the split backward of a zero-bubble ``B``
-    step or a whole re-run under recomputation (``own_backward``: torch's non-reentrant
-    checkpoint stops re-running a layer once its saved tensors are back, so with ``F.linear``
-    the last GEMM of a layer would not be recomputed; the formulas, like Megatron, count a whole
-    re-run), and the ledger's fprop/dgrad/wgrad spans while recording. Otherwise ``F.linear``,
+    step (``own_backward``), and the ledger's fprop/dgrad/wgrad spans while recording.
+    Recomputation re-runs the whole layer either way (its checkpoint has torch's early stop off,
+    as Megatron's re-runs everything). Otherwise ``F.linear``,
     whose backward runs in C++ and computes the same GEMMs (bitwise the same gradients), saves
     the Python function's ~30-50 us a call (1-3 % of a one-rank step, ``benchmarks/single.py``).
     """

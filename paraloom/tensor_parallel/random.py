@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .. import ledger as _ledger
 from ..device import get_rng_state, set_rng_state
@@ -127,8 +128,11 @@ def checkpoint(function, *args):
 
     Built on ``torch.utils.checkpoint`` (non-reentrant), which restores the default generator for
     the re-run; this wrapper also rewinds the tracker's named streams to where they were, so
-    dropout inside ``fork()`` draws the same masks the second time. Communications repeated by the
-    re-run are recorded with ``recompute: true`` in the ledger.
+    dropout inside ``fork()`` draws the same masks the second time. The re-run is the whole
+    ``function``, as Megatron-Core's (reentrant) ``CheckpointFunction`` re-runs it: torch's early
+    stop (which ends the re-run once every saved tensor is back, leaving a layer's last
+    reduction out) is off. Communications repeated by the re-run are recorded with
+    ``recompute: true`` in the ledger.
     """
     tracker = get_rng_tracker()
     saved = {name: state.clone() for name, state in tracker.states.items()}
@@ -151,4 +155,5 @@ def checkpoint(function, *args):
             if led:
                 led.recompute = outer
 
-    return torch_checkpoint(run, *args, use_reentrant=False)
+    with set_checkpoint_early_stop(False):  # re-run all of it, as Megatron's checkpoint does
+        return torch_checkpoint(run, *args, use_reentrant=False)

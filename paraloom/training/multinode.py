@@ -5,8 +5,9 @@ it may or may not be on a filesystem every node sees. Here is what each case get
 
 * **Node-local output.** On every node, local rank 0 creates ``OUT/`` and ``OUT/ledger/`` before
   any rank writes there, so every rank can write its ``ledger/rank_N.jsonl``. Global rank 0 writes
-  the run's reports (``config.json``, ``metrics.jsonl``, ``ledger.jsonl``, ...); the merged ledger
-  is gathered over the network, so it holds every rank's events wherever they were written.
+  the run's reports (``config.json``, ``ledger.jsonl``, ...); the merged ledger is gathered over
+  the network, so it holds every rank's events wherever they were written, and so are the last
+  rank's ``metrics.jsonl`` lines when its node does not see rank 0's folder.
 * **Who sees what.** :func:`prepare_run_folder` finds out: rank 0 writes a random token into
   ``OUT/``, every rank reads it back, and one all-reduce tells every rank which ranks share rank
   0's folder. When some do not, rank 0 says which (and on which hosts), and those nodes get a

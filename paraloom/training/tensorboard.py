@@ -1,7 +1,8 @@
 """TensorBoard scalars of a training run (Megatron's ``--tensorboard-dir`` / ``--log-interval``).
 
-The last rank (it holds the loss: the last pipeline stage) writes, through ``torch.utils.tensorboard`` (the ``tensorboard`` package, an optional
-extra: ``pip install 'paraloom[tensorboard]'``), every ``log_interval`` steps and at the last:
+The last rank (it holds the loss: the last pipeline stage) writes, through
+``torch.utils.tensorboard`` (the ``tensorboard`` package, an optional extra:
+``pip install 'paraloom[tensorboard]'``), every ``log_interval`` steps and at the last:
 
 * ``lm loss``, ``learning-rate``, ``grad-norm`` and ``throughput/tokens-per-second``;
 * on every step the ledger records (``--ledger-steps``, all with ``-1``), ``comm-bytes/KIND``:
