@@ -83,6 +83,7 @@ class Handle:
             self._result = self._finish(self._result)
         if event is not None and led is not None:
             event["t_end"] = led.stamp()  # on CUDA: after the stream was made to wait
+            led.completed(event)
         self._done = True
         return self._result
 
@@ -116,7 +117,8 @@ def _wait(work, desc: str) -> None:
 def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, what: str = ""):
     """Launch ``launch()`` (returns a Work), record it, and either wait or return a Handle."""
     led = _ledger.active()
-    event = led.record(async_op=async_op, group=axis.ranks, **record) if led else None
+    event = led.record(async_op=async_op, group=axis.ranks, pg=axis.name, **record) \
+        if led else None
     work = launch()
     desc = f"{what} over {axis.name} group {list(axis.ranks)}"
     _RECENT.append((time.time(), desc))
@@ -240,7 +242,7 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
             fields = dict(phase=phase, kind=kind, site=site, module=module, **extra)
             fields.update(*own)
             events.append(led.record(op=name, async_op=True, tensor=tensor,
-                                     group=axis.ranks, peer=peer, **fields))
+                                     group=axis.ranks, pg=axis.name, peer=peer, **fields))
     works = dist.batch_isend_irecv(p2p)
     peers = ", ".join(f"{op[0]} {op[2]}" for op in ops)
     desc = f"p2p ({peers}) at {site}"
@@ -262,7 +264,9 @@ class _P2PHandle(Handle):
             event["t_wait"] = led.stamp() if led else event["t_wait"]
         result = super().wait()
         for event in self._events:
-            event["t_end"] = led.stamp() if led else event["t_end"]
+            if led:
+                event["t_end"] = led.stamp()
+                led.completed(event)
         return result
 
 

@@ -30,7 +30,7 @@ from .device import default_backend, get_device
 from .mesh import world_axis
 
 __all__ = ["init_distributed", "spawn", "under_torchrun", "print0", "shutdown", "exit_process",
-           "skip_finalization", "is_peer_failure", "PEER_GONE", "local_threads"]
+           "skip_finalization", "is_peer_failure", "PEER_GONE", "local_threads", "Hung"]
 
 
 def under_torchrun() -> bool:
@@ -177,8 +177,16 @@ def _root_cause(failures: dict, exits: dict) -> str:
     return f"rank {rank} exited with code {exits[rank]}"
 
 
+class Hung(RuntimeError):
+    """:func:`spawn`'s ``check`` found the ranks hung; ``diagnosis`` is what it returned."""
+
+    def __init__(self, diagnosis) -> None:
+        super().__init__("the ranks hung")
+        self.diagnosis = diagnosis
+
+
 def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1,
-          grace_s: float = 3.0) -> None:
+          grace_s: float = 3.0, check=None) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` local gloo ranks and wait for all.
 
     With ``threads == 1`` (the default) ranks are forked from this process, which has already
@@ -192,6 +200,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
     are usually just "peer went away"), then every survivor is killed; the ``RuntimeError`` names
     the rank that caused it (its own exception first, then a killed rank) with its traceback.
     Ranks end with the launcher: a signal that ends it (SIGTERM, SIGKILL) ends them too.
+    ``check(alive_ranks)``, called in the wait loop, returns something true when the ranks hang
+    (:func:`paraloom.diagnose.watch.checker`): every rank is then killed and :class:`Hung`
+    carries it.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -221,6 +232,9 @@ def spawn(fn, world_size: int, *args, timeout_s: float = 300.0, threads: int = 1
                 failed_at = time.time()
             if failed_at is not None and time.time() - failed_at > grace_s:
                 break
+            found = check([r for r, p in enumerate(procs) if p.is_alive()]) if check else None
+            if found:
+                raise Hung(found)
             time.sleep(0.02)
         exits = {rank: proc.exitcode for rank, proc in enumerate(procs)}  # before we kill any
         for proc in procs:

@@ -71,6 +71,10 @@ class Ledger:
         self.microbatch = 0
         self.recompute = False
         """True while activation recomputation re-runs a forward (events get ``recompute``)."""
+        self._group_seq: dict = {}
+        self._pair_seq: dict = {}
+        self.activity = time.time()
+        """Host time of the last launch or completion: what a hang watch reads."""
 
     def now(self) -> float:
         """Host wall-clock seconds since ``t0``."""
@@ -115,9 +119,15 @@ class Ledger:
 
     def record(self, *, op: str, phase: str, kind: str, site: str, module: str | None = None,
                split: str | None = None, async_op: bool = False, tensor=None, nbytes: int = 0,
-               group: Iterable[int] = (), **extra) -> dict:
+               group: Iterable[int] = (), pg: str | None = None, **extra) -> dict:
         """Append one event launched now; the caller fills ``t_wait``/``t_end`` when it
-        completes."""
+        completes (and calls :meth:`completed`).
+
+        Communication events are numbered so that ranks can be matched without guessing:
+        ``gseq``, the position of a collective in its process group's sequence on this rank
+        (the group is ``pg``, a name every member uses, and ``group``'s ranks), and for
+        ``send``/``recv`` ``pseq``, the position in the sequence of messages from the sender to
+        the receiver (``peer`` is the other side). They stay ``pending`` until completed."""
         shape, dtype = None, None
         if tensor is not None:
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
@@ -130,9 +140,31 @@ class Ledger:
                  "t_start": t, "t_wait": t, "t_end": t, **extra}
         if self.recompute:
             event["recompute"] = True
+        if op != "compute":
+            self._number(event, op, pg)
         self.events.append(event)
         self.next_seq += 1
         return event
+
+    def _number(self, event: dict, op: str, pg: str | None) -> None:
+        event["pending"] = True
+        if pg is not None:
+            event["pg"] = pg
+        peer = event.get("peer")
+        if op in ("send", "recv") and peer is not None:
+            pair = (pg, self.rank, peer) if op == "send" else (pg, peer, self.rank)
+            n = event["pseq"] = self._pair_seq.get(pair, 0)
+            self._pair_seq[pair] = n + 1
+        else:
+            key = (pg, tuple(event["group"]))
+            n = event["gseq"] = self._group_seq.get(key, 0)
+            self._group_seq[key] = n + 1
+        self.activity = time.time()
+
+    def completed(self, event: dict) -> None:
+        """``event`` has completed (its ``t_end`` is set): it is no longer ``pending``."""
+        event.pop("pending", None)
+        self.activity = time.time()
 
     def span(self, site: str, *, phase: str, module: str | None = None, kind: str = "compute",
              **extra) -> _Span:

@@ -6,6 +6,8 @@
     RUN/metrics.jsonl        one line per optimizer step (train)
     RUN/ledger/rank_R.jsonl  each rank's events, appended as they happen (a crash keeps them)
     RUN/ledger/rank_R.status.json   how a recorded rank ended (record)
+    RUN/ledger/rank_R.live.json     a running rank's heartbeat; rank_R.tail.jsonl its unflushed
+                                    events once it is blocked (what ``diagnose`` reads)
     RUN/ledger.jsonl         every rank's events merged, ordered by (rank, seq)
     RUN/trace.json, comm_table.md, report.html, loss.png, summary.json, checkpoints/step_N/
 
@@ -26,8 +28,9 @@ from pathlib import Path
 from .ledger import merge
 
 __all__ = ["RunFolderError", "CONFIG", "METRICS", "LEDGER", "LEDGER_DIR", "SUMMARY",
-           "rank_ledger", "rank_status", "rank_ledgers", "read_json_lines", "write_json_lines",
-           "read_json", "load_events", "write_events", "check_out"]
+           "rank_ledger", "rank_status", "rank_live", "rank_tail", "rank_ledgers",
+           "read_json_lines", "write_json_lines", "read_json", "load_events",
+           "write_events", "check_out", "written"]
 
 CONFIG, METRICS, LEDGER, LEDGER_DIR, SUMMARY = ("config.json", "metrics.jsonl", "ledger.jsonl",
                                                 "ledger", "summary.json")
@@ -47,6 +50,16 @@ def rank_status(out: str | Path, rank: int) -> Path:
     return Path(out) / LEDGER_DIR / f"rank_{rank}.status.json"
 
 
+def rank_live(out: str | Path, rank: int) -> Path:
+    """``out/ledger/rank_R.live.json``: a running rank's heartbeat (last activity, pending)."""
+    return Path(out) / LEDGER_DIR / f"rank_{rank}.live.json"
+
+
+def rank_tail(out: str | Path, rank: int) -> Path:
+    """``out/ledger/rank_R.tail.jsonl``: the events a blocked rank had not flushed yet."""
+    return Path(out) / LEDGER_DIR / f"rank_{rank}.tail.jsonl"
+
+
 def rank_ledgers(out: str | Path) -> dict[int, Path]:
     """``{rank: path}`` of every per-rank ledger file in ``out/ledger``, by rank."""
     folder = Path(out) / LEDGER_DIR
@@ -58,13 +71,15 @@ def rank_ledgers(out: str | Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
+def read_json_lines(path: str | Path, *, strict: bool = True,
+                    notes: list[str] | None = None) -> list[dict]:
     """The JSON objects of a JSON-lines file (``[]`` when it does not exist).
 
     The last line is dropped if it does not parse and has no newline (a writer stopped
     mid-line); another line that does not parse raises :class:`RunFolderError` naming the file
     and its line number, unless ``strict=False`` (then it is skipped). A line holding JSON that
-    is not an object is an error either way: the file is not what it is named."""
+    is not an object is an error either way: the file is not what it is named. A dropped cut
+    line is said in ``notes`` when given."""
     path = Path(path)
     if not path.is_file():
         if path.exists():
@@ -83,6 +98,9 @@ def read_json_lines(path: str | Path, *, strict: bool = True) -> list[dict]:
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
+            if number == cut and notes is not None:
+                notes.append(f"{str(path)!r}: its last line was cut off (a writer stopped "
+                             f"mid-line) and is left out")
             if number == cut or not strict:
                 continue
             raise RunFolderError(f"{str(path)!r} is not a JSON Lines file: line {number} is not "
@@ -123,9 +141,10 @@ def _check_events(path: Path, events: list[dict]) -> list[dict]:
     return events
 
 
-def load_events(path: str | Path) -> list[dict]:
+def load_events(path: str | Path, notes: list[str] | None = None) -> list[dict]:
     """Every rank's events of a run or record folder (its ``ledger.jsonl``, else the per-rank
-    files a run left while it ran) or of a ledger file, ordered by ``(rank, seq)``."""
+    files a run left while it ran) or of a ledger file, ordered by ``(rank, seq)``; a file's
+    last line cut off mid-write is left out and said in ``notes`` when given."""
     p = Path(path)
     if p.is_dir():
         if (p / LEDGER).is_file():
@@ -136,11 +155,12 @@ def load_events(path: str | Path) -> list[dict]:
                 raise RunFolderError(f"{str(path)!r} is a folder without {LEDGER} or "
                                      f"{LEDGER_DIR}/rank_*.jsonl (give a run or record folder, "
                                      f"or a ledger file)")
-            return merge(_check_events(f, read_json_lines(f)) for f in files.values())
+            return merge(_check_events(f, read_json_lines(f, notes=notes))
+                         for f in files.values())
     elif not p.is_file():
         raise RunFolderError(f"{str(path)!r} does not exist (give a run or record folder, or a "
                              f"ledger file)")
-    return merge([_check_events(p, read_json_lines(p))])
+    return merge([_check_events(p, read_json_lines(p, notes=notes))])
 
 
 def write_events(out: str | Path, events: list[dict]) -> Path:
@@ -148,6 +168,17 @@ def write_events(out: str | Path, events: list[dict]) -> Path:
     path = Path(out) / LEDGER
     write_json_lines(path, events)
     return path
+
+
+def written(out: str | Path, names: Iterable[str]) -> str:
+    """``"a, b, c/"``: those of ``names`` that exist in ``out`` (a trailing ``/``: a folder that
+    holds something), so a command lists what it wrote, not what it meant to."""
+    out, found = Path(out), []
+    for name in names:
+        path = out / name.rstrip("/")
+        if (path.is_dir() and any(path.iterdir())) if name.endswith("/") else path.is_file():
+            found.append(name)
+    return ", ".join(found) or "nothing"
 
 
 def check_out(out: str | Path, flag: str = "--out", *, create: bool = False) -> None:

@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "paraloom"
 
 LAYERS = ("config", "utils", "device", "mesh", "parallel_state", "ledger", "comm", "run_folder",
-          "launch", "tensor_parallel", "context_parallel", "moe", "pipeline_parallel",
+          "heartbeat", "launch", "tensor_parallel", "context_parallel", "moe", "pipeline_parallel",
           "data_parallel", "models", "data", "training", "analysis", "record", "diagnose",
           "explain", "llm", "report", "commands")
 """The floors, top to bottom: each may import the ones before it."""

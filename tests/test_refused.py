@@ -213,7 +213,27 @@ BAD = [
     (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
     (["--timeout", "0"], "timeout_s (--timeout) must be a positive number of seconds, got 0.0"),
     (["--timeout", "nan"], "must be a positive number of seconds, got nan"),
+    (["--hang-after", "-1"], "hang_after (--hang-after) must be 0 (off) or positive seconds"),
+    (["--layers", "8", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "must split into virtual stages of 3 layers (layers must be a multiple of pp * 3 = 6)"),
+    (["--layers", "8", "--num-layers-per-virtual-stage", "2", "--vpp", "4"],
+     "means vpp = 2 (8 layers, pp = 2), but --vpp 4 was given"),
 ]
+
+
+def test_layers_per_virtual_stage_means_megatron_lms_flag():
+    """--num-layers-per-virtual-pipeline-stage N is layers per virtual stage (it once set vpp)."""
+    import argparse
+
+    from paraloom.commands.train_flags import add_train_flags, config_from_args
+
+    def vpp(*argv):
+        ap = argparse.ArgumentParser()
+        add_train_flags(ap)
+        return config_from_args(ap.parse_args(list(argv)))[0].parallel.vpp
+    assert vpp("--layers", "8", "--pp", "2", "--num-layers-per-virtual-stage", "4") is None
+    assert vpp("--layers", "8", "--pp", "2", "--num-layers-per-virtual-pipeline-stage", "2") == 2
+    assert vpp("--layers", "12", "--pp", "2", "--num-layers-per-virtual-stage", "2") == 3
 
 
 @pytest.mark.parametrize("argv, message", BAD, ids=[" ".join(a) for a, _ in BAD])

@@ -13,7 +13,9 @@ per rank), so
 ``paraloom table | trace | schedule | diff`` read it. A program that raises, exits non-zero or is
 killed keeps its partial ledger; ``record`` exits with the program's code and names the rank.
 A local run stopped at ``--timeout`` exits 124, one stopped by a signal to the launcher 128 + its
-number; either names the ranks that were still running.
+number; either names the ranks that were still running. Ranks that hang (every running rank
+blocked ``--hang-after`` seconds in communication they disagree on) are stopped with a
+diagnosis (``paraloom diagnose``; ``diagnosis.json``), exit 3; a failed run is diagnosed too.
 """
 
 from __future__ import annotations
@@ -26,12 +28,13 @@ import signal
 import sys
 from pathlib import Path
 
+from ..diagnose.watch import HANG_EXIT, after_run, checker, watch_in_rank_0
 from ..launch import skip_finalization
 from ..ledger import merge
 from ..record import bootstrap, launcher
 from ..record.launcher import KILL_S, culprit, launch_ranks, status, wait_for_statuses
 from ..report.run_reports import write_reports
-from ..run_folder import check_out, rank_ledgers, read_json_lines, write_events
+from ..run_folder import check_out, rank_ledgers, read_json_lines, write_events, written
 
 __all__ = ["main", "finish"]
 
@@ -52,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
                          "megatron_cpu; README, 'Record Megatron-Core itself')")
     ap.add_argument("--compute", action="store_true",
                     help="also record leaf modules' forward/backward compute spans")
+    ap.add_argument("--hang-after", type=float, default=60.0, metavar="S",
+                    help="when every running rank has been blocked in communication S seconds "
+                         "and they disagree, stop them, print the diagnosis (paraloom diagnose) "
+                         f"and exit {HANG_EXIT} (default 60; 0 turns it off)")
     ap.add_argument("--timeout", type=float, default=1800.0,
                     help="seconds before a local run is stopped (default 1800; it then "
                          "exits 124)")
@@ -80,6 +87,8 @@ def _check(args, target: list[str]) -> str | None:
         return f"--nproc must be a positive integer, got {args.nproc}"
     if args.steps is not None and args.steps < 1:
         return f"--steps must be a positive integer (iterations), got {args.steps}"
+    if not (math.isfinite(args.hang_after) and args.hang_after >= 0):
+        return f"--hang-after must be 0 (off) or positive seconds, got {args.hang_after:g}"
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         return f"--timeout must be a positive number of seconds, got {args.timeout:g}"
     problem = _preflight(target)
@@ -185,9 +194,18 @@ def main(argv: list[str] | None = None) -> int:
     for old in (out / "ledger").glob("rank_*"):
         old.unlink()
     codes, stop = launch_ranks(args.nproc, target, out, steps=args.steps, compute=args.compute,
-                               timeout=args.timeout, megatron_on_cpu=args.megatron_on_cpu)
+                               timeout=args.timeout, megatron_on_cpu=args.megatron_on_cpu,
+                               hang_after=args.hang_after,
+                               check=checker(out, args.hang_after))
     events = finish(out, codes)
+    if stop["why"] == "hang":
+        print(f"paraloom record: every running rank was blocked {args.hang_after:g} s "
+              f"(--hang-after) and they disagree: stopped them", file=sys.stderr)
+        after_run(out, codes, stop["ranks"], "paraloom record", stop.get("diagnosis"))
+        return HANG_EXIT
     code = _report(out, codes, stop, args.timeout)
+    if code not in (0, 2):
+        after_run(out, codes, stop["ranks"], "paraloom record")
     _summary(out, events, len(codes), code)
     return code
 
@@ -199,7 +217,7 @@ def _summary(out: Path, events: list[dict], ranks: int, code: int) -> None:
               f"communication: {out}/ledger.jsonl is empty (no table or trace)")
     elif code == 0:
         print(f"paraloom record: {len(events)} events from {ranks} ranks -> {out} "
-              f"(report.html, ledger.jsonl, comm_table.md, trace.json)")
+              f"({written(out, ('report.html', 'ledger.jsonl', 'comm_table.md', 'trace.json'))})")
 
 
 def _join(args, target: list[str], out: Path) -> int:
@@ -208,10 +226,13 @@ def _join(args, target: list[str], out: Path) -> int:
     its program starts (:func:`paraloom.record.bootstrap.run_program`), so a status from an
     earlier record into the same folder cannot be taken for this run's: a program's
     ``init_process_group`` waits for every rank, hence for every removal."""
-    code = bootstrap.run_program(str(out), args.steps, args.compute, target,
-                                 megatron_on_cpu=args.megatron_on_cpu)
-    skip_finalization()  # the program's groups must not abort the exit (as local ranks do)
     rank, world = int(os.environ["RANK"]), int(os.environ.get("WORLD_SIZE", "1"))
+    if rank == 0 and args.hang_after > 0:
+        watch_in_rank_0(out, world, args.hang_after, "paraloom record")
+    code = bootstrap.run_program(str(out), args.steps, args.compute, target,
+                                 megatron_on_cpu=args.megatron_on_cpu,
+                                 hang_after=args.hang_after)
+    skip_finalization()  # the program's groups must not abort the exit (as local ranks do)
     if rank != 0:
         return code
     missing = wait_for_statuses(out, world)
@@ -224,6 +245,8 @@ def _join(args, target: list[str], out: Path) -> int:
     codes = {r: status(out, r).get("exit", 1) for r in range(world) if r not in missing}
     events = finish(out, codes)
     code = _report(out, codes) or code
+    if code not in (0, 2):
+        after_run(out, codes, set(), "paraloom record")
     _summary(out, events, len(codes), code)
     return code
 

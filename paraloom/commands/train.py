@@ -22,8 +22,13 @@ from pathlib import Path
 from .. import launch
 from ..config import TrainConfig
 from ..device import default_backend
+from ..diagnose.evidence import load
+from ..diagnose.render import render
+from ..diagnose.verdict import diagnose
+from ..diagnose.watch import HANG_EXIT, after_run, checker
 from ..report.run_reports import write_reports
 from ..report.table import render_table
+from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
 from ..training.preflight import check_inputs
@@ -75,8 +80,12 @@ def _rank(rank: int, world: int, cfg: TrainConfig, t0: float) -> None:
               + render_table(events, rank=0, step=step, group=True))
     print(f"held-out loss: {summary['held_out_loss_before']:.4f} before -> "
           f"{summary['held_out_loss_after']:.4f} after {summary['steps']} steps")
-    print(f"run folder: {out.resolve()}  (report.html, metrics.jsonl, ledger.jsonl, "
-          f"trace.json, comm_table.md, loss.png, config.json, checkpoints/)")
+    print(f"run folder: {out.resolve()}  ({written(out, RUN_FILES)})")
+
+
+RUN_FILES = ("report.html", "metrics.jsonl", "ledger.jsonl", "trace.json", "comm_table.md",
+             "loss.png", "config.json", "checkpoints/")
+"""What a run folder may hold, as the last line lists it (only those that exist)."""
 
 
 def _world_checks(cfg: TrainConfig, nprocs: int | None) -> None:
@@ -134,9 +143,21 @@ def train_main(args: argparse.Namespace) -> int:
             resume=cfg.run.resume)
     try:
         launch.spawn(_rank, world, cfg, time.time(), timeout_s=cfg.run.timeout_s,
-                     threads=launch.local_threads(world))
+                     threads=launch.local_threads(world),
+                     check=checker(cfg.run.out, cfg.run.hang_after))
+    except launch.Hung:
+        print(f"{_PROG}: every rank was blocked {cfg.run.hang_after:g} s (--hang-after) and "
+              f"they disagree: stopped them", file=sys.stderr)
+        after_run(cfg.run.out, dict.fromkeys(range(world), -9), set(range(world)), _PROG)
+        return HANG_EXIT
     except RuntimeError as err:
         print(f"{_PROG}: {err}", file=sys.stderr)
+        try:
+            diagnosis = diagnose(load(cfg.run.out))
+        except ValueError:  # it failed before any rank wrote a ledger
+            return 1
+        if diagnosis.verdict in ("mismatch", "hang"):  # ranks disagreed: say who and where
+            print(f"{_PROG}: diagnosis:\n{render(diagnosis)}", file=sys.stderr)
         return 1
     return 0
 

@@ -40,7 +40,8 @@ GROUPS = {
                   "optim.clip_grad", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps"),
     "data": ("data.file", "data.data_path", "data.tokenizer"),
     "run": ("run.out", "run.save_every", "run.resume", "run.init_from_hf", "run.ledger_steps",
-            "run.timeout_s", "run.max_bad_steps", "run.tensorboard_dir", "run.log_interval"),
+            "run.timeout_s", "run.hang_after", "run.max_bad_steps", "run.tensorboard_dir",
+            "run.log_interval"),
     "mixture of experts (Megatron's flags)": (
         "model.num_experts", "model.moe_router_topk", "model.moe_aux_loss_coeff",
         "model.moe_z_loss_coeff", "model.moe_expert_capacity_factor",
@@ -60,6 +61,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     base = TrainConfig()
     for title, paths in GROUPS.items():
         add_flags(parser.add_argument_group(title), paths, base, defaults=_SHOWN)
+    parser.add_argument("--num-layers-per-virtual-pipeline-stage",
+                        "--num-layers-per-virtual-stage", dest="layers_per_virtual_stage",
+                        type=int, default=None, metavar="N",
+                        help="Megatron-LM's way to ask for interleaving: N layers per virtual "
+                             "stage, so vpp = layers / (pp * N)")
     parser.add_argument("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
                         help="local ranks to start (must equal tp*cp*pp*dp; default: "
                              "tp*cp*pp*dp)")
@@ -97,12 +103,34 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
         if vocab is not None and "model.vocab_size" not in values:
             settings["model"]["vocab_size"] = vocab
     _check_arch_pairing(args, settings["model"])
+    _virtual_stages(args, settings, values)
     model = ModelConfig(**settings["model"])
     parallel = ParallelConfig(**settings["parallel"])
     check_layout_flags(model, parallel,
                        shape_from="--init-from-hf" if "run.init_from_hf" in values else None)
     _check_vocab(model, vocab, tokenizer, values, resumed)
     return TrainConfig.from_dict(migrate(settings)), resumed
+
+
+def _virtual_stages(args, settings: dict, values: dict) -> None:
+    """``--num-layers-per-virtual-pipeline-stage N`` (layers per virtual stage, Megatron-LM's
+    meaning) as ``vpp = layers / (pp * N)``; refused when it does not divide or contradicts
+    ``--vpp``."""
+    per = getattr(args, "layers_per_virtual_stage", None)
+    if per is None:
+        return
+    layers = settings["model"].get("num_layers", ModelConfig().num_layers)
+    pp = settings["parallel"].get("pp", 1)
+    if per < 1 or layers % (pp * per):
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per}: the {layers} layers "
+                         f"over pp = {pp} stages must split into virtual stages of {per} "
+                         f"layers (layers must be a multiple of pp * {per} = {pp * per})")
+    vpp = layers // (pp * per)
+    given_vpp = values.get("parallel.vpp")
+    if given_vpp is not None and given_vpp != vpp:
+        raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per} means vpp = {vpp} "
+                         f"({layers} layers, pp = {pp}), but --vpp {given_vpp} was given")
+    settings["parallel"]["vpp"] = vpp if vpp > 1 else None
 
 
 def _check_arch_pairing(args, model: dict) -> None:

@@ -43,8 +43,9 @@ class ParallelConfig:
                      help="data-parallel size: model replicas")
     """Data-parallel size: model replicas, each on a different slice of the global batch."""
     vpp: int | None = option(None, "--vpp", "--virtual-pipeline-model-parallel-size",
-                             "--num-layers-per-virtual-stage",
-                             help="virtual stages per pipeline rank (interleaved)")
+                             help="virtual stages per pipeline rank (interleaved; or give "
+                                  "--num-layers-per-virtual-pipeline-stage N, Megatron-LM's "
+                                  "layers per virtual stage)")
     """Virtual pipeline stages per rank (``virtual_pipeline_model_parallel_size``), for interleaved
     1F1B; ``None`` (or 1, which means the same) is one chunk per stage."""
     sequence_parallel: bool = option(False, "--sequence-parallel",

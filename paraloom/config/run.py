@@ -34,6 +34,12 @@ class RunConfig:
     timeout_s: float = option(120.0, "--timeout",
                               help="seconds any collective may wait before the run is ended")
     """Timeout for every collective wait; a dead or stuck rank ends the run after this long."""
+    hang_after: float = option(
+        60.0, "--hang-after", metavar="S",
+        help="when every rank has been blocked in communication S seconds and the ranks "
+             "disagree, stop them, print the diagnosis (paraloom diagnose) and exit 3 "
+             "(default 60; 0 turns it off)")
+    """Live hang watch (:mod:`paraloom.diagnose.watch`) over the recorded steps; 0: off."""
     max_bad_steps: int = option(3, "--max-bad-steps",
                                 help="stop after this many consecutive NaN/Inf steps (each is "
                                      "skipped)")
@@ -57,6 +63,10 @@ class RunConfig:
                 or self.log_interval < 1:
             raise ValueError(f"--log-interval must be a positive integer, got "
                              f"{self.log_interval}")
+        if not (isinstance(self.hang_after, (int, float)) and self.hang_after >= 0
+                and math.isfinite(self.hang_after)):
+            raise ValueError(f"hang_after (--hang-after) must be 0 (off) or positive seconds, "
+                             f"got {self.hang_after}")
         if not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0
                 and math.isfinite(self.timeout_s)):
             raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got "

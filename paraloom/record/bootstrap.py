@@ -29,6 +29,8 @@ from .recorder import record_comms
 
 MEGATRON_ON_CPU = "PARALOOM_MEGATRON_ON_CPU"
 """Set to ``1`` by ``record --megatron-on-cpu`` for its local ranks."""
+HANG_AFTER = "PARALOOM_HANG_AFTER"
+"""``record --hang-after S`` for its ranks: they beat so that the watcher can tell they hang."""
 
 __all__ = ["run_program"]
 
@@ -76,7 +78,8 @@ def _watch(seen: dict) -> None:
 
 
 def run_program(out: str, steps: int | None, compute: bool, target: list[str],
-                t0: float | None = None, megatron_on_cpu: bool = False) -> int:
+                t0: float | None = None, megatron_on_cpu: bool = False,
+                hang_after: float = 0.0) -> int:
     """Run ``target`` (``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]``) under
     ``record_comms``; returns the program's exit code (1 if it raised)."""
     rank = int(os.environ.get("RANK", "0"))
@@ -88,7 +91,8 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
     if megatron_on_cpu:
         megatron_cpu.install()
     code, error = 0, None
-    with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0) as ledger:
+    with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0,
+                      heartbeat=hang_after) as ledger:
         try:
             if target[0] == "-m":
                 sys.argv = [target[1], *target[2:]]
@@ -121,7 +125,8 @@ def main(argv: list[str]) -> int:
     t0 = os.environ.get("PARALOOM_RECORD_T0")
     return run_program(out, int(steps) if steps != "0" else None, compute == "1", target,
                        float(t0) if t0 else None,
-                       megatron_on_cpu=os.environ.get(MEGATRON_ON_CPU) == "1")
+                       megatron_on_cpu=os.environ.get(MEGATRON_ON_CPU) == "1",
+                       hang_after=float(os.environ.get(HANG_AFTER) or 0))
 
 
 if __name__ == "__main__":

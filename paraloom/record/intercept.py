@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from functools import partial
 
 import torch
@@ -110,6 +111,8 @@ def prune() -> None:
     for key, entry in list(_WORKS.items()):
         if entry[2]:
             del _WORKS[key]
+    for entry in _TENSORS.values():  # never waited: done by now (DTensor waits what it uses)
+        entry[1].pop("pending", None)
     _TENSORS.clear()
 
 
@@ -158,12 +161,36 @@ def _c10d_kernel(keyset, *values, _op, _spec: OpSpec, _args, _name, **kwargs):
     peer = bound.get(_spec.peer) if _spec.peer else None
     if _WORKS:
         _poll(sink.now)
-    event = sink.launch(_spec.op, tensors, pg, peer, async_op, _spec.coalesced)
+    event = sink.launch(_spec.op, tensors, pg, peer, async_op, _spec.coalesced,
+                        _fields(bound))
     out = _run(_op, keyset, values, kwargs)
     work = _Work.unbox(out[1] if isinstance(out, tuple) else out)
     entry = [work, event, False]
     _WORKS[id(work)] = entry
     return out
+
+
+def _fields(bound: dict) -> dict | None:
+    """What else must agree across the ranks of a collective: the root (a group rank here; the
+    recorder makes it global) and all-to-all split sizes (empty: equal parts)."""
+    fields = None
+    if "root_rank" in bound:
+        fields = {"root": bound["root_rank"]}
+    if bound.get("input_split_sizes"):
+        fields = {"input_splits": list(bound["input_split_sizes"]),
+                  "output_splits": list(bound.get("output_split_sizes") or [])}
+    return fields
+
+
+def settle(patience_s: float = 0.5) -> None:
+    """At the end of a record: give Works still in flight a moment to complete, so that a
+    healthy program ends with nothing ``pending`` (what :mod:`paraloom.diagnose` reads)."""
+    deadline = time.monotonic() + patience_s
+    while _SINK is not None and _WORKS:
+        _poll(_SINK.now)
+        if all(entry[2] for entry in _WORKS.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
 
 
 def poll() -> None:
@@ -182,7 +209,18 @@ def _poll(now) -> None:
         if not entry[2] and entry[0].is_completed():
             t = now() if t is None else t
             entry[1]["t_wait"] = entry[1]["t_end"] = t
+            if not _succeeded(entry[0]):
+                entry[1]["failed"] = True
+            if _SINK is not None:
+                _SINK.completed(entry[1])
             entry[2] = 2  # seen complete; a later Python wait still times itself
+
+
+def _succeeded(work) -> bool:
+    try:
+        return work.is_success()
+    except RuntimeError:  # torch asks for completion first on some backends
+        return True
 
 
 def _observed_wait(self, *args, **kwargs):
@@ -195,8 +233,12 @@ def _observed_wait(self, *args, **kwargs):
     entry[2] = 1
     try:
         return _ORIG_WAIT(self, *args, **kwargs)
+    except BaseException:
+        event["failed"] = True  # gloo raised: a peer went away or sent something else
+        raise
     finally:
         event["t_end"] = sink.now()
+        sink.completed(event)
 
 
 def _functional_kernel(keyset, *values, _op, _spec: OpSpec | None, _args, _name, **kwargs):
@@ -237,6 +279,7 @@ def _timed_wait(tensor, wait):
         return wait()
     finally:
         entry[1]["t_end"] = sink.now()
+        sink.completed(entry[1])
 
 
 def _observed_wait_tensor(tensor):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..launch import PEER_GONE
 from ..run_folder import rank_status
-from .bootstrap import MEGATRON_ON_CPU
+from .bootstrap import HANG_AFTER, MEGATRON_ON_CPU
 
 __all__ = ["launch_ranks", "culprit", "status", "wait_for_statuses", "KILL_S", "JOIN_WAIT_S"]
 
@@ -83,11 +83,15 @@ def _stop_ranks(procs: dict, stop: dict) -> None:
 
 
 def launch_ranks(nproc: int, target: list[str], out: Path, *, steps: int | None, compute: bool,
-                 timeout: float, megatron_on_cpu: bool = False) -> tuple[dict[int, int], dict]:
+                 timeout: float, megatron_on_cpu: bool = False, hang_after: float = 0.0,
+                 check=None) -> tuple[dict[int, int], dict]:
     """Start ``nproc`` ranks running ``target`` under the recorder and wait; returns each rank's
     exit code (negative: signal) and why the launcher stopped ranks: ``{"why": None | "failure" |
-    "timeout" | "SIGTERM" | "SIGINT", "ranks": the ranks it stopped, "killed": those it had to
-    SIGKILL}``."""
+    "timeout" | "hang" | "SIGTERM" | "SIGINT", "ranks": the ranks it stopped, "killed": those it
+    had to SIGKILL, "diagnosis": what ``check`` found}``. ``check(alive_ranks)``, called in the
+    loop, returns something true when the ranks hang (they beat every 0.5 s when
+    ``hang_after`` > 0); a failed rank's peers are stopped after a grace period, or at once
+    when ``check`` sees them blocked."""
     env = dict(os.environ, WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                PARALOOM_RECORD_T0=repr(time.time()))
@@ -95,6 +99,8 @@ def launch_ranks(nproc: int, target: list[str], out: Path, *, steps: int | None,
     env.setdefault("OMP_NUM_THREADS", "1")
     if megatron_on_cpu:
         env[MEGATRON_ON_CPU] = "1"
+    if hang_after > 0:
+        env[HANG_AFTER] = repr(hang_after)
     cmd = [sys.executable, "-m", "paraloom.record.bootstrap", str(out), str(steps or 0),
            "1" if compute else "0", *target]
     arm = _die_with_launcher(os.getpid())
@@ -115,6 +121,11 @@ def launch_ranks(nproc: int, target: list[str], out: Path, *, steps: int | None,
             stop["why"] = "timeout"
         elif first_fail is not None and now - first_fail > _GRACE_S:
             stop["why"] = "failure"
+        elif check is not None:
+            found = check([r for r, p in procs.items() if p.poll() is None])
+            if found:
+                stop["why"] = "failure" if first_fail is not None else "hang"
+                stop["diagnosis"] = found
         if stop["why"]:
             _stop_ranks(procs, stop)
             break

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..heartbeat import Heartbeat
 from ..ledger import Ledger
 from ..run_folder import rank_ledger
 from . import intercept, megatron_core, pipeline
@@ -54,8 +55,11 @@ class Recorder:
         self._groups: dict[str, tuple[list[int], str]] = {}
         self.now = ledger.now
 
-    def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool) -> dict:
-        """Record one operation launched now; returns its event (times are filled later)."""
+    def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool,
+               fields: dict | None = None) -> dict:
+        """Record one operation launched now; returns its event (times are filled later).
+        ``fields``: ``root`` (a group rank, recorded as the global one) or all-to-all
+        ``input_splits``/``output_splits``."""
         name = pg.group_name
         known = self._groups.get(name)
         if known is None:
@@ -71,6 +75,11 @@ class Recorder:
             extra["peer"] = ranks[peer] if 0 <= peer < len(ranks) else peer
         elif op == "recv":
             extra["peer"] = -1  # any source
+        if fields:
+            extra.update(fields)
+            if "root" in fields:
+                extra["root"] = ranks[fields["root"]] if 0 <= fields["root"] < len(ranks) \
+                    else fields["root"]
         if coalesced and len(tensors) != 1:
             extra["tensors"] = len(tensors)
         if tensors and tensors[0].is_cuda:
@@ -78,7 +87,7 @@ class Recorder:
         event = self.ledger.record(
             op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
             module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
-            group=ranks, **extra)
+            group=ranks, pg=name, **extra)
         if phase == "backward" and self.tracker.param_grad():
             event["param_grad"] = True  # fired by a parameter's gradient (a DDP bucket hook)
         if self.tracker.setup:
@@ -91,6 +100,10 @@ class Recorder:
             self._open().write(json.dumps(event) + "\n")
             self._file.flush()
         return event
+
+    def completed(self, event: dict) -> None:
+        """An operation of this rank completed (a wait returned, or its Work was seen done)."""
+        self.ledger.completed(event)
 
     def _open(self):
         if self._file is None:
@@ -164,7 +177,8 @@ def mark_step() -> None:
 
 @contextmanager
 def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = None,
-                 compute: bool = False, rank: int | None = None, t0: float | None = None):
+                 compute: bool = False, rank: int | None = None, t0: float | None = None,
+                 heartbeat: float = 0.0):
     """Record every communication of this process while the block runs; yields the Ledger.
 
     ``out``: a folder; this rank's events go to ``out/ledger/rank_R.jsonl``. ``steps``: stop
@@ -172,6 +186,8 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     runs on; :mod:`.tracking` says where an iteration begins). ``compute``: also record
     leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
     process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).
+    ``heartbeat``: with ``out``, a hang watch's ``hang_after`` seconds (0: none): the rank then
+    beats (:class:`paraloom.heartbeat.Heartbeat`) so a watcher can tell it is blocked.
     """
     global _CURRENT
     if steps is not None and (not isinstance(steps, int) or steps < 1):
@@ -191,6 +207,10 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     if compute:
         pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
+    beat = None
+    if path is not None and heartbeat > 0:
+        beat = Heartbeat(ledger, out, unflushed=lambda: rec.ledger.events[rec.flushed:],
+                         poll=intercept.poll, tail_after=min(1.0, heartbeat / 2)).start()
     old_term = None
     if path is not None:
         atexit.register(_flush_current)
@@ -202,6 +222,9 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
         yield ledger
     finally:
         rec.on = False
+        intercept.settle()
+        if beat is not None:
+            beat.stop()
         pipeline.uninstall()
         pipeline.uninstall_phases()
         megatron_core.uninstall()

@@ -28,6 +28,7 @@ from .. import comm
 from ..config import TrainConfig
 from ..data import Corpus, eval_batches, load_tokens
 from ..device import timing_event_type, tune_allocator
+from ..heartbeat import Heartbeat
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from ..run_folder import CONFIG, METRICS, SUMMARY, rank_ledger, read_json_lines, write_events
@@ -109,12 +110,19 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     written: list[dict] = []  # the metric lines, for rank 0 if this node is not its folder's
     if writer and r.tensorboard_dir:
         scalars = ScalarLog(r.tensorboard_dir, r.log_interval, cfg.steps)
+    beat = Heartbeat(ledger, out, unflushed=lambda: ledger.events).start() \
+        if r.hang_after > 0 else None
     for step in range(start, cfg.steps):
         record = r.ledger_steps < 0 or step - first_recorded < r.ledger_steps
         ledger.events.clear()
         tic = time.time()
-        with recording(ledger) if record else nullcontext(), ledger.at(step=step):
-            metrics = train_step(run, step)
+        try:
+            with recording(ledger) if record else nullcontext(), ledger.at(step=step):
+                metrics = train_step(run, step)
+        except BaseException:
+            if record:  # what the failed step launched, for paraloom diagnose
+                ledger.dump(ledger_file, mode="a")
+            raise
         elapsed = time.time() - tic
         if record:
             ledger.dump(ledger_file, mode="a")
@@ -141,6 +149,8 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
                 f"or resume from the last checkpoint")
         if r.save_every and ((step + 1) % r.save_every == 0 or step + 1 == cfg.steps):
             _save(run, out, step + 1)
+    if beat is not None:
+        beat.stop()
     if scalars is not None:
         scalars.close()
     val_after = evaluate(run, held_out)
