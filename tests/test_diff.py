@@ -124,8 +124,8 @@ def test_steps_setup_one_rank_groups_phases_and_numel(tmp_path, capsys):
     assert code == 1 and "1 only in B" in out
     code, out, _ = run_diff(capsys, pb, pb, "--step", "1", "--one-rank-groups")
     assert code == 0 and "equal (2 communications)" in out
-    code, out, _ = run_diff(capsys, pa, pb, "--step", "setup")
-    assert code == 1 and "1 only in A" in out
+    code, _, err = run_diff(capsys, pa, pb, "--step", "setup")  # B has none: named, not diffed
+    assert code == 2 and "B" in err and "has no setup" in err
     code, _, err = run_diff(capsys, pa, pb, "--step", "7")
     assert code == 2 and "--step 7" in err and "setup, 0" in err and "0, 1" in err
     code, _, err = run_diff(capsys, pa, pb, "--step", "x-1")
@@ -180,6 +180,73 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     assert code == 2 and "['colour']" in err and "valid:" in err
     code, _, err = run_diff(capsys, good, good, "--rank", "5")
     assert code == 2 and "--rank 5" in err and "[0, 1]" in err
+
+
+def test_a_field_set_that_compares_nothing_is_refused(tmp_path, capsys):
+    """--fields site --ignore-names once compared no field and said 'equal'."""
+    events = base()
+    events[0]["op"] = "broadcast"
+    a, b = write(tmp_path / "a.jsonl", base()), write(tmp_path / "b.jsonl", events)
+    code, _, err = run_diff(capsys, a, b, "--step", "0", "--fields", "site,module",
+                            "--ignore-names")
+    assert code == 2 and "leaves no field to compare" in err and "'site,module'" in err
+
+
+def test_context_rows_are_only_equal_pairs(tmp_path, capsys):
+    """Two hunks one event apart: --context 3 shows one context row (the equal one), never the
+    previous hunk's rows unmarked."""
+    events = base()
+    events[1]["bytes"] = 8  # rank 0 #1 changed
+    events[3]["bytes"] = 8  # rank 0 #3 changed; #2 is the only equal row between them
+    code, out, _ = run_diff(capsys, write(tmp_path / "a.jsonl", base()),
+                            write(tmp_path / "b.jsonl", events), "--context", "3")
+    assert code == 1
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("    ")
+            and not line.split()[0] == "#"]
+    assert rows == [" 0".strip(), "!1", "2", "!3"], out
+
+
+def test_a_side_without_the_chosen_step_is_named(tmp_path, capsys):
+    two = [dict(e, step=s, seq=e["seq"] + 4 * s) for s in (0, 1) for e in base()]
+    one = write(tmp_path / "one.jsonl", base())  # step 0 only
+    both = write(tmp_path / "two.jsonl", two)
+    code, _, err = run_diff(capsys, both, one, "--step", "1")
+    assert code == 2 and "B" in err and "has no step 1" in err and "its steps: 0" in err
+    code, _, err = run_diff(capsys, both, one, "--step", "setup")
+    assert code == 2 and "no communication in either run" in err
+    setup = [dict(e, phase="setup") for e in base()[:1]] + [dict(e, seq=e["seq"] + 1)
+                                                           for e in base()]
+    code, _, err = run_diff(capsys, write(tmp_path / "s.jsonl", setup), one, "--step", "setup")
+    assert code == 2 and "has no setup" in err and "its steps: 0" in err
+    code, out, _ = run_diff(capsys, both, one, "--step", "0-1")
+    assert code == 1 and "note: B has no 1 of --step 0-1 (its steps: 0)" in out
+    (tmp_path / "empty.jsonl").write_text("")
+    code, _, err = run_diff(capsys, both, tmp_path / "empty.jsonl")
+    assert code == 2 and "holds no communication event" in err
+
+
+def test_minimal_events_and_cut_last_line(tmp_path, capsys):
+    """An event with only rank and op is read (no KeyError); a cut last line is said."""
+    minimal = tmp_path / "min.jsonl"
+    minimal.write_text('{"rank": 0, "op": "all_reduce"}\n')
+    code, _, err = run_diff(capsys, minimal, minimal, "--step", "1")
+    assert code == 2 and "Traceback" not in err and "no communication in either run" in err
+    code, out, _ = run_diff(capsys, minimal, minimal)  # every step: it is compared
+    assert code == 0 and "rank 0: equal (1 communications)" in out
+    good = write(tmp_path / "a.jsonl", base())
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(open(good).read() + '{"rank": 1, "seq": 4, "op": "all_red')
+    code, out, _ = run_diff(capsys, good, cut)
+    assert code == 0 and "cut.jsonl': its last line was cut off" in out
+
+
+def test_a_rerun_is_shown_as_the_phase_compared(tmp_path, capsys):
+    events = base()
+    events[2].update(phase="forward", recompute=True, bytes=8)  # re-run in backward
+    code, out, _ = run_diff(capsys, write(tmp_path / "a.jsonl", base()),
+                            write(tmp_path / "b.jsonl", events))
+    assert code == 1 and "backward (re-run)" in out
+    assert "forward (re-run)" not in out
 
 
 # ---------------------------------------------------------------- paraloom's own layers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 
 import pytest
 from _gpt_ledger import L, record_gpt
@@ -53,13 +54,54 @@ def test_table_en_snapshot_tp2_async(runs):
 def test_table_zh_snapshot_and_sync_rows(runs):
     lines = render_table(runs["async"], lang="zh").splitlines()
     assert lines[0] == ZH_HEAD
-    assert lines[2] == ("| 1 | tp | embedding rows, vocabulary range | all_reduce | forward · "
+    assert lines[2] == ("| 1 | tp | 词嵌入的行，按词表范围切分 | all_reduce | 前向 · "
                         "VocabParallelEmbedding output · embedding.word_embeddings | 否 |")
-    assert lines[11].endswith("| 是, 重叠: ColumnParallelLinear wgrad (layers.1.mlp.fc1) |")
+    assert lines[11].endswith("| 是, 重叠: ColumnParallelLinear 权重梯度 GEMM (layers.1.mlp.fc1) |")
     sync = table_rows(runs["sync"])
     grads = [r for r in sync if r["site"] == "ColumnParallelLinear.backward:input_grad"]
     assert len(grads) == 2 * L and all(r["async"] == "no" for r in grads)
     assert all(r["primitive"] == "all_reduce" and r["phase"] == "backward" for r in grads)
+
+
+_IDENTIFIER = re.compile(r"^([A-Z][A-Za-z]*[a-z][A-Z]\w*|[\w.]*[._\d][\w.*]*|GEMM|MoE|logits|"
+                         r"tokens?|rank|[a-z]?[A-Z]?|tp|dp|cp|ep|pp|mp|dK|dV|LayerNorm|"
+                         r"(b?float|u?int)\d+|x\d+)$")
+"""Words a Chinese table keeps: class, module and dtype names, abbreviations, counts."""
+
+
+def _english(text: str) -> list[str]:
+    text = re.sub(r"\([\w.*]+\)", "", text)  # a module path in parentheses
+    return [w for w in re.findall(r"[A-Za-z][\w.*]*", text) if not _IDENTIFIER.match(w)]
+
+
+def test_zh_table_has_no_english_words(runs):
+    """Every split paraloom's runtime writes has its Chinese (a source walk), and the zh table
+    of real runs (tp2 async / sync, sp with full recomputation; split, phase and the compute an
+    async row overlaps) keeps only identifiers."""
+    import ast
+    from pathlib import Path
+
+    from paraloom.report import zh
+    root = Path(zh.__file__).parents[1]
+    written = set()
+    for path in root.rglob("*.py"):
+        if path.parts[-2] in ("report", "explain"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.keyword) and node.arg == "split" \
+                    and isinstance(node.value, ast.Constant):
+                written.add(node.value.value)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.endswith((", output dim", ", input dim", "vocabulary range")):
+                written.add(node.value)
+    assert len(written) >= 20 and written <= set(zh.SPLITS), written - set(zh.SPLITS)
+    for text in zh.SPLITS.values():
+        assert not _english(text), text
+    for events in runs.values():
+        for row in table_rows(events, lang="zh"):
+            cells = row["split_object"] + " " + row["async"] + " " + \
+                row["trigger_location"].split(" · ")[0]
+            assert not _english(cells), row
 
 
 def test_table_sp_rows_in_megatron_order(runs):

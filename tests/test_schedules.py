@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import paraloom.commands as cli
+from paraloom.pipeline_parallel import plans as pl
 from paraloom.pipeline_parallel import runtime
 from paraloom.pipeline_parallel import stage as st
 from paraloom.pipeline_parallel import timetable as tt
@@ -73,14 +74,35 @@ def test_p2p_plans_match_and_never_deadlock(schedule, vs):
         if schedule == "interleaved" and m % p:
             continue
         for forward_only, overlap in itertools.product((False, True), (False, True)):
-            tt.check_plans([tt.p2p_plan(schedule, p, m, r, v, forward_only, overlap)
+            pl.check_plans([pl.p2p_plan(schedule, p, m, r, v, forward_only, overlap)
                             for r in range(p)])
+
+
+def _calls(plan):
+    """A blocking plan as Megatron's p2p calls: each batch's ops, then compute steps."""
+    return [[(o[0], o[1], o[2][1]) for o in e[1]] if e[0] == "comm" else e[:2] for e in plan]
+
+
+def test_blocking_1f1b_calls_as_megatron():
+    """Megatron-Core's 1F1B: warm-up recv_forward, F, send_forward one by one (a middle stage
+    posts recv, send, recv -- not a batched send+recv), one recv_forward before the steady state,
+    send_forward_recv_backward / send_backward_recv_forward there, send_backward after the last
+    steady backward, cool-down recv_backward, B, send_backward."""
+    mid = _calls(pl.p2p_plan("1f1b", 3, 4, 1))
+    assert mid[:6] == [[("recv", "prev", 0)], ("F", 0), [("send", "next", 0)],
+                       [("recv", "prev", 1)], ("F", 1), [("send", "next", 1), ("recv", "next", 0)]]
+    assert mid[6:9] == [("B", 0), [("send", "prev", 0), ("recv", "prev", 2)], ("F", 2)]
+    assert mid[-5:] == [("B", 2), [("send", "prev", 2)], [("recv", "next", 3)], ("B", 3),
+                        [("send", "prev", 3)]]
+    first = _calls(pl.p2p_plan("1f1b", 4, 2, 0))  # warm-up covers every microbatch
+    assert first == [("F", 0), [("send", "next", 0)], ("F", 1), [("send", "next", 1)],
+                     [("recv", "next", 0)], ("B", 0), [("recv", "next", 1)], ("B", 1)]
 
 
 def test_overlapped_plan_posts_ahead_and_waits_late():
     """Megatron's overlap_p2p_comm: a receive is posted before the compute step preceding the
     step that needs it, each send right after its producer, and its wait after the next step."""
-    plan = tt.p2p_plan("1f1b", 2, 4, 0, overlap=True)
+    plan = pl.p2p_plan("1f1b", 2, 4, 0, overlap=True)
     at = {step: i for i, step in enumerate(plan) if step[0] in "FB"}
     for mb in range(4):
         recv = ("recv", "next", ("grad", mb, 1))
@@ -95,7 +117,7 @@ def test_overlapped_plan_posts_ahead_and_waits_late():
     assert not any(s[0] == "comm" for s in plan)
     # the same messages in the same per-peer order as the blocking plan
     for r in range(2):
-        flat = [[op for s in tt.p2p_plan("1f1b", 2, 4, r, overlap=ov) if s[0] in ("comm", "post")
+        flat = [[op for s in pl.p2p_plan("1f1b", 2, 4, r, overlap=ov) if s[0] in ("comm", "post")
                  for op in s[1] if op[0] == what] for ov in (False, True) for what in ("send",
                                                                                       "recv")]
         assert flat[0] == flat[2] and flat[1] == flat[3]
@@ -105,13 +127,13 @@ def test_check_plans_catches_unwaited_and_unposted():
     send = ("send", "next", ("act", 0, 0))
     recv = ("recv", "prev", ("act", 0, 0))
     with pytest.raises(RuntimeError, match="never waits"):
-        tt.check_plans([[("post", [send])], [("comm", [recv])]])
+        pl.check_plans([[("post", [send])], [("comm", [recv])]])
     with pytest.raises(RuntimeError, match="not posted"):
-        tt.check_plans([[("wait", [send])], [("comm", [recv])]])
+        pl.check_plans([[("wait", [send])], [("comm", [recv])]])
     with pytest.raises(RuntimeError, match="deadlock"):
-        tt.check_plans([[], [("post", [recv]), ("wait", [recv])]])
+        pl.check_plans([[], [("post", [recv]), ("wait", [recv])]])
     # async posts on both sides meet even when each waits before the other posts its receive
-    tt.check_plans([[("post", [send]), ("wait", [send]), ("comm", [("recv", "next", ("g", 0))])],
+    pl.check_plans([[("post", [send]), ("wait", [send]), ("comm", [("recv", "next", ("g", 0))])],
                     [("post", [("send", "prev", ("g", 0))]), ("comm", [recv]),
                      ("wait", [("send", "prev", ("g", 0))])]])
 
@@ -133,11 +155,11 @@ def test_check_plans_catches_deadlock_and_swaps():
                 [("comm", [("send", "prev", ("grad", 0, 1))]), ("comm", [("recv", "prev",
                                                                           ("act", 0, 0))])]]
     with pytest.raises(RuntimeError, match="deadlock"):
-        tt.check_plans(deadlock)
+        pl.check_plans(deadlock)
     swapped = [[("comm", [("send", "next", ("act", 0, 0)), ("send", "next", ("act", 1, 0))])],
                [("comm", [("recv", "prev", ("act", 1, 0)), ("recv", "prev", ("act", 0, 0))])]]
     with pytest.raises(RuntimeError, match="carries"):
-        tt.check_plans(swapped)
+        pl.check_plans(swapped)
 
 
 def test_stage_split():

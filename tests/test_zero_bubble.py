@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 import paraloom.commands as cli
+from paraloom.pipeline_parallel import plans as pl
 from paraloom.pipeline_parallel import timetable as tt
 
 PM = [(2, 4), (4, 8), (2, 2), (3, 3), (3, 7), (4, 4), (4, 16), (8, 8), (8, 16)]
@@ -44,11 +45,11 @@ def test_zb_h1_fills_the_1f1b_bubble_with_w():
 def test_zb_h1_p2p_plans_match_and_never_deadlock():
     for p, m in PM + [(p, m) for p, m in itertools.product([2, 3, 4], [1, 2, 3, 5])]:
         for forward_only, overlap in itertools.product((False, True), (False, True)):
-            plans = [tt.p2p_plan("zb-h1", p, m, r, 1, forward_only, overlap) for r in range(p)]
-            tt.check_plans(plans)
+            plans = [pl.p2p_plan("zb-h1", p, m, r, 1, forward_only, overlap) for r in range(p)]
+            pl.check_plans(plans)
             # W steps communicate nothing: each rank sends and receives 1F1B's messages in
             # 1F1B's order
-            ref = [tt.p2p_plan("1f1b", p, m, r, 1, forward_only, overlap) for r in range(p)]
+            ref = [pl.p2p_plan("1f1b", p, m, r, 1, forward_only, overlap) for r in range(p)]
             for what in ("send", "recv"):
                 assert [[op for e in plan if e[0] in ("comm", "post") for op in e[1]
                          if op[0] == what] for plan in plans] == \

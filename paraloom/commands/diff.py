@@ -15,9 +15,9 @@ from ..record.diff import (
     equal,
     fields_to_compare,
     parse_steps,
-    report,
     sequences,
 )
+from ..record.diff_report import report
 from ..run_folder import load_events
 
 __all__ = ["main"]
@@ -55,8 +55,10 @@ def main(argv: list[str] | None = None) -> int:
         options = Options(fields=fields_to_compare(args.fields, args.ignore_names),
                           steps=parse_steps(args.step), kinds=args.kinds, phases=args.phases,
                           shapes=args.shapes, one_rank_groups=args.one_rank_groups)
-        events_a, events_b = load_events(args.a), load_events(args.b)
+        notes: list[str] = []
+        events_a, events_b = load_events(args.a, notes), load_events(args.b, notes)
         a, b = sequences(events_a, options), sequences(events_b, options)
+        notes += _lacking(args, options, events_a, events_b, bool(a), bool(b))
         if args.rank is not None:
             if args.rank not in a and args.rank not in b:
                 raise DiffError(f"--rank {args.rank}: neither ledger has it in the chosen "
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     except (DiffError, ValueError, OSError) as err:
         print(f"paraloom diff: error: {err}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(f"note: {note}")
     result = compare(a, b, options)
     step = f"steps {args.step}" if args.step else "every step (setup excluded)"
     print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(options.fields)} in {step} "
@@ -77,14 +81,45 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if same else 1
 
 
+def _steps(events: list[dict]) -> list:
+    """The steps that hold communication: ``"setup"`` first, then the step numbers."""
+    found = {e.get("step") for e in events if e["op"] != "compute"
+             and e.get("phase") != "setup"}
+    setup = any(e.get("phase") == "setup" and e["op"] != "compute" for e in events)
+    return (["setup"] if setup else []) + sorted(s for s in found if isinstance(s, int))
+
+
+def _label(steps: list) -> str:
+    return ", ".join(map(str, steps)) or "none"
+
+
+def _lacking(args, options, events_a, events_b, has_a: bool, has_b: bool) -> list[str]:
+    """Notes for chosen steps one side lacks; :class:`DiffError` when one side has none of
+    them (or no communication at all) while the other has some: nothing to compare."""
+    notes = []
+    for name, path, events, has, other in (("A", args.a, events_a, has_a, has_b),
+                                           ("B", args.b, events_b, has_b, has_a)):
+        steps = _steps(events)
+        if options.steps is None:
+            if not has and other:
+                raise DiffError(f"{name} ({path!r}) holds no communication event outside "
+                                f"setup (its steps: {_label(steps)})")
+            continue
+        missing = sorted(options.steps - set(steps), key=lambda s: (s != "setup", str(s)))
+        if missing and not has and other:
+            raise DiffError(f"--step {args.step}: {name} ({path!r}) has no "
+                            f"{'step ' if missing[0] != 'setup' else ''}"
+                            f"{', '.join(map(str, missing))} (its steps: {_label(steps)}); "
+                            f"nothing to compare the other side's with")
+        if missing and has:
+            notes.append(f"{name} has no {', '.join(map(str, missing))} of --step {args.step} "
+                         f"(its steps: {_label(steps)})")
+    return notes
+
+
 def _nothing(args, events_a: list[dict], events_b: list[dict]) -> str:
     """Why nothing was chosen: the steps each side has."""
-    def steps(events):
-        found = sorted({e["step"] for e in events if e["op"] != "compute"
-                        and e.get("phase") != "setup"})
-        setup = any(e.get("phase") == "setup" for e in events)
-        return (["setup"] if setup else []) + [str(s) for s in found]
     if args.step is None:
         return f"neither {args.a!r} nor {args.b!r} holds any communication event"
-    a, b = ", ".join(steps(events_a)) or "none", ", ".join(steps(events_b)) or "none"
+    a, b = _label(_steps(events_a)), _label(_steps(events_b))
     return f"--step {args.step}: no communication in either run (A has steps {a}; B has {b})"

@@ -18,9 +18,10 @@ the hooks (Megatron learns then which gradients a step makes): its reductions st
 schedule's ``grad_sync_func`` under ``--align-grad-reduce``). The buckets are Megatron's
 (:mod:`.grad_buffer`): ``bucket_size`` applies only with overlap, on the first pipeline stage and
 to a rank's first model chunk (``disable_bucketing`` for the others, as Megatron-LM builds them);
-elsewhere the chunk is one bucket. All ranks run the same graph, so buckets complete in the same
-order; they are still *launched in index order* (collectives on one group must be issued in the
-same order on every rank, whatever order autograd uses).
+elsewhere the chunk is one bucket. A bucket is launched from the hook that completes it, so buckets
+go out in the order they complete (Megatron-Core's ``register_grad_ready``), which is the same on
+every rank because every rank runs the same graph; the buckets launched from
+:meth:`start_grad_sync` and :meth:`finish_grad_sync` go out in index order.
 
 The reduction is a SUM over ``mesh.dp_cp`` (dp x cp) of contributions already scaled by ``1/dp``
 (Megatron-Core's ``gradient_scaling_factor``; what an AVG computes, bitwise for a power-of-two
@@ -127,7 +128,6 @@ class DistributedDataParallel(nn.Module):
             bucket.reduce_scatter = use_distributed_optimizer
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
-        self._next = 0  # index of the next bucket to launch
         self._synced = False  # finish_grad_sync completed since the last synchronising backward
         self._first_batch = True  # Megatron: the first step launches only in finish_grad_sync
         self._scale = 1.0 / dp if average else 1.0
@@ -170,14 +170,15 @@ class DistributedDataParallel(nn.Module):
         self._synced = False
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
-        if self.overlap_grad_reduce and not self._first_batch and bucket.is_complete():
-            self._launch_ready("backward")
+        if self.overlap_grad_reduce and not self._first_batch and bucket.is_complete() \
+                and bucket.pending is None:
+            self._launch(bucket, "backward")  # as soon as it is complete, as Megatron-Core
 
     def _launch_ready(self, phase: str, async_op: bool = True) -> None:
-        """Launch complete buckets in index order (the same order on every rank)."""
-        while self._next < len(self.buckets) and self.buckets[self._next].is_complete():
-            self._launch(self.buckets[self._next], phase, async_op)
-            self._next += 1
+        """Launch every complete bucket not launched yet, in index order."""
+        for bucket in self.buckets:
+            if bucket.pending is None and bucket.is_complete():
+                self._launch(bucket, phase, async_op)
 
     def _launch(self, bucket: Bucket, phase: str, async_op: bool = True) -> None:
         dp = bucket.axis
@@ -255,7 +256,7 @@ class DistributedDataParallel(nn.Module):
                 self._complete(bucket)
         for bucket in self.buckets:
             bucket.ready.clear()
-        self._next, self._synced = 0, not missing
+        self._synced = not missing
         self._first_batch = self._first_batch and bool(missing)
         if missing:
             raise RuntimeError(
@@ -275,7 +276,7 @@ class DistributedDataParallel(nn.Module):
                 param.grad = None
                 param.grad_added_to_main_grad = False
                 param.overwrite_main_grad = True
-        self._next, self._synced = 0, False
+        self._synced = False
 
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's parameters to the other replicas (phase ``setup``)."""

@@ -17,7 +17,7 @@ batch's site says): a stage that first waited for its send to finish and only th
 receive would deadlock against a neighbour doing the same in the other direction (1F1B's steady
 state: stage ``r`` sends an activation forward while stage ``r + 1`` sends a gradient back).
 Posting both in one batch lets each pair meet; which ops go together is the schedule's plan
-(:func:`paraloom.pipeline_parallel.timetable.p2p_plan`).
+(:func:`paraloom.pipeline_parallel.plans.p2p_plan`).
 
 Shapes: every tensor is ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism), known to both
 sides. With ``variable_seq_lengths=True`` the sender first sends the shape as a small int64
@@ -96,7 +96,7 @@ def communicate(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
     ``side`` is ``"next"`` or ``"prev"``, ``phase`` ``"forward"`` for activations and
     ``"backward"`` for gradients. Received activations require grad (the stage differentiates
     with respect to them). Ops are posted in the given order, which the peers must mirror per
-    direction (see :func:`paraloom.pipeline_parallel.timetable.p2p_plan`). Receive buffers go on
+    direction (see :func:`paraloom.pipeline_parallel.plans.p2p_plan`). Receive buffers go on
     ``device``: by default that of a tensor being sent, else the backend's (:func:`get_device`).
     """
     if not ops:

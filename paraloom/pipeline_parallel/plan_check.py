@@ -1,6 +1,6 @@
 """Prove a set of per-stage p2p plans matches message for message and cannot deadlock.
 
-A plan (:func:`.timetable.p2p_plan`) is a list of compute steps ``(kind, mb, chunk)`` and
+A plan (:func:`.plans.p2p_plan`) is a list of compute steps ``(kind, mb, chunk)`` and
 communication entries whose ops are ``("send" | "recv", side, message)``:
 
 * ``("comm", ops)`` — post the ops and wait for all of them (a blocking batch);

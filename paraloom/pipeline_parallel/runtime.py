@@ -1,6 +1,6 @@
 """The engine behind every schedule: one stage executes its p2p plan.
 
-:func:`execute` runs :func:`.timetable.p2p_plan` for this stage — posting and waiting for the
+:func:`execute` runs :func:`.plans.p2p_plan` for this stage — posting and waiting for the
 plan's p2p (blocking batches, or the overlapped plan on gloo), running each forward and backward
 step as a ledger compute span attributed to its microbatch, deferring ZB-H1's weight gradients,
 syncing data-parallel gradients only in each chunk's last backward (or where Megatron's
@@ -21,7 +21,8 @@ from ..device import get_device
 from ..mesh import ParallelMesh
 from ..tensor_parallel.weight_grad import defer_weight_grads
 from . import p2p
-from .timetable import p2p_plan, validate
+from .plans import p2p_plan
+from .timetable import validate
 
 __all__ = ["PipelineStats", "tensor_shape_of", "execute"]
 

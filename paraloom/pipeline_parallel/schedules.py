@@ -16,7 +16,7 @@ Megatron's signature and contract::
   gives one, else the unscaled loss) on the last stage, ``[]`` elsewhere.
 * Interleaved: ``model`` and ``data_iterator`` are lists with one entry per chunk.
 
-Every schedule is :func:`.runtime.execute` running the plan built by :func:`.timetable.p2p_plan`
+Every schedule is :func:`.runtime.execute` running the plan built by :func:`.plans.p2p_plan`
 — the same pure timetable
 the tests and the schedule picture read — so the order of compute and communication here is
 exactly the one shown there. On gloo the plan overlaps communication with compute (Megatron's
@@ -36,8 +36,9 @@ Launch: build a :class:`~paraloom.mesh.ParallelMesh` with ``pp > 1`` on every ra
 
 from __future__ import annotations
 
+from .plans import p2p_plan  # noqa: F401
 from .runtime import PipelineStats, execute, tensor_shape_of
-from .timetable import bubble_fraction, p2p_plan, stage_order, timetable  # noqa: F401
+from .timetable import bubble_fraction, stage_order, timetable  # noqa: F401
 
 __all__ = ["PipelineStats", "forward_backward_no_pipelining",
            "forward_backward_pipelining_without_interleaving",

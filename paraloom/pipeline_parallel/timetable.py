@@ -14,18 +14,16 @@ plans built here, and the tests and the schedule picture read the same timetable
   of ``(stage, "F" | "B" | "W", microbatch, chunk)`` running in it. An op starts once its
   dependency (the previous virtual stage's forward, the next one's backward, a ``W``'s own
   ``B``) finished in an earlier slot.
-* :func:`p2p_plan` — the communication each stage posts between its compute steps (see there);
-  :func:`check_plans` proves a set of plans matches message for message and cannot deadlock.
+The communication each stage posts between its compute steps is planned from these orders in
+:mod:`.plans` (``p2p_plan``; ``check_plans`` proves a set of plans cannot deadlock).
 """
 
 from __future__ import annotations
 
-from .plan_check import check_plans
 from .zero_bubble import zb_h1_orders
 
 __all__ = ["SCHEDULES", "validate", "warmup_count", "stage_order", "timetable", "bubble_fraction",
-           "pipeline_bubble", "idle_share", "in_flight_profile", "max_in_flight", "p2p_plan",
-           "check_plans"]
+           "pipeline_bubble", "idle_share", "in_flight_profile", "max_in_flight"]
 
 SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zb-h1")
 
@@ -167,122 +165,3 @@ def max_in_flight(slots: list[list[tuple]], stage: int) -> int:
     """Most microbatch-chunks stage ``stage`` holds at once in a (training) timetable."""
     ops = [(k, mb, c) for slot in slots for s, k, mb, c in slot if s == stage]
     return max(in_flight_profile(ops), default=0)
-
-
-# ----------------------------------------------------------------------------- p2p plans
-def _produced(op, rank, p, v):
-    """The message op ``(kind, mb, chunk)`` of stage ``rank`` sends: (kind, mb, source vs)."""
-    kind, mb, c = op
-    vs = c * p + rank
-    if kind == "F" and vs < p * v - 1:
-        return ("act", mb, vs)
-    if kind == "B" and vs > 0:
-        return ("grad", mb, vs)
-    return None
-
-
-def _needed(op, rank, p, v):
-    kind, mb, c = op
-    vs = c * p + rank
-    if kind == "F" and vs > 0:
-        return ("act", mb, vs - 1)
-    if kind == "B" and vs < p * v - 1:
-        return ("grad", mb, vs + 1)
-    return None
-
-
-def _side(msg):
-    """Where a message goes: activations to the next stage, gradients to the previous one."""
-    return "next" if msg[0] == "act" else "prev"
-
-
-def _groups(schedule, p, m, rank, v, forward_only):
-    """Steps that share one communication batch: interleaved 1F1B pairs its steady-state F and B
-    (Megatron's send_forward_backward_recv_forward_backward); everything else goes one by one."""
-    order = stage_order(schedule, p, m, rank, v, forward_only)
-    if schedule != "interleaved" or forward_only:
-        return [[op] for op in order]
-    w, total = warmup_count(schedule, p, m, rank, v), m * v
-    steady_end = w + 2 * (total - w)
-    return ([[op] for op in order[:w]] + [order[i:i + 2] for i in range(w, steady_end, 2)]
-            + [[op] for op in order[steady_end:]])
-
-
-def _recv(msg):
-    return ("recv", "prev" if msg[0] == "act" else "next", msg)
-
-
-def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
-             forward_only: bool = False, overlap: bool = False) -> list[tuple]:
-    """What stage ``rank`` does, in order: communication entries and ``(kind, mb, chunk)``.
-
-    Ops are ``("send" | "recv", side, (kind, mb, source virtual stage))`` with side ``"next"``
-    or ``"prev"``. Blocking (``overlap=False``), Megatron's rule generalised: before each
-    compute step (each steady-state F+B pair when interleaved) one ``("comm", ops)`` batch posts
-    the *sends* of the previous step's outputs together with the *receives* the step needs
-    (send_forward_recv_backward in 1F1B's steady state, and so on) and waits for all of them, so
-    neighbours meet in the same batch instead of each waiting on a send the other has not yet
-    received.
-
-    Overlapped (``overlap=True``, Megatron's ``overlap_p2p_comm``): ``("post", ops)`` starts
-    ops without waiting, ``("wait", ops)`` blocks until posted ops finished. The receives a step
-    needs are posted before the step *before* it computes, so the transfer overlaps that compute;
-    each step waits only for its own receive, right before it runs; each output is sent as soon
-    as it is computed, and a send is waited for only after the next step computed (its tensor is
-    left untouched meanwhile) or at the end. Every op is posted in the same per-peer order as in
-    the blocking plan, and never later, so the matching is the same.
-
-    Matching is first-in-first-out per pair of ranks, so every receiver must take a peer's
-    messages in the order the peer sends them; with ``pp = 2`` and interleaving, activations and
-    gradients share the two directions and a wrong order would silently swap equal-shaped
-    tensors. :func:`check_plans` verifies exactly that (and deadlock freedom); the tests run it
-    over many ``(schedule, p, m, v)``.
-    """
-    groups = _groups(schedule, p, m, rank, v, forward_only)
-    needs = [[_recv(msg) for msg in (_needed(op, rank, p, v) for op in group) if msg]
-             for group in groups]
-    plan, pending = [], []
-    if overlap:
-        if needs and needs[0]:
-            plan.append(("post", needs[0]))
-        for k, group in enumerate(groups):
-            if k + 1 < len(groups) and needs[k + 1]:
-                plan.append(("post", needs[k + 1]))
-            sends = []
-            for op in group:
-                need = _needed(op, rank, p, v)
-                if need is not None:
-                    plan.append(("wait", [_recv(need)]))
-                plan.append(op)
-                out = _produced(op, rank, p, v)
-                if out is not None:
-                    sends.append(("send", _side(out), out))
-                    plan.append(("post", [sends[-1]]))
-            if pending:
-                plan.append(("wait", pending))
-            pending = sends
-        return plan + ([("wait", pending)] if pending else [])
-    for group, recvs in zip(groups, needs, strict=True):
-        ops = _megatron_order([("send", _side(msg), msg) for msg in pending] + recvs, p)
-        if ops:
-            plan.append(("comm", ops))
-        plan += group
-        pending = [msg for msg in (_produced(op, rank, p, v) for op in group) if msg]
-    if pending:
-        plan.append(("comm", _megatron_order([("send", _side(msg), msg) for msg in pending], p)))
-    return plan
-
-
-_BATCH_ORDER = {("send", "prev"): 0, ("recv", "prev"): 1, ("send", "next"): 2,
-                ("recv", "next"): 3}
-
-
-def _megatron_order(ops: list, p: int) -> list:
-    """A blocking batch in Megatron-Core's order (``_batched_p2p_ops``: send to the previous
-    stage, receive from it, send to the next, receive from it). Kept as planned when ``p = 2``
-    and two sends or two receives of the batch go to the one neighbour (interleaved): FIFO
-    matching then needs the planned order (Megatron-LM refuses that layout: interleaving with
-    blocking batches needs ``pp > 2``)."""
-    if p == 2 and any(sum(1 for o in ops if o[0] == what) > 1 for what in ("send", "recv")):
-        return ops
-    return sorted(ops, key=lambda op: _BATCH_ORDER[op[0], op[1]])

@@ -42,7 +42,8 @@ import difflib
 import math
 
 __all__ = ["DEFAULT_FIELDS", "NAME_FIELDS", "DIMENSIONS", "VALID_FIELDS", "DiffError",
-           "Options", "parse_steps", "sequences", "compare", "report", "fields_to_compare"]
+           "Options", "parse_steps", "sequences", "compare", "equal", "fields_to_compare",
+           "named_groups", "field_value"]
 
 DEFAULT_FIELDS = ("phase", "kind", "op", "async", "dtype", "bytes", "shape", "peer", "group")
 """Fields every aligned pair must agree on (``--fields`` replaces them)."""
@@ -115,7 +116,7 @@ def _chosen(event: dict, options: Options) -> bool:
         return not setup
     if setup:
         return "setup" in options.steps
-    return event.get("step") in options.steps
+    return event.get("step") in options.steps  # an event without a step is in none
 
 
 def sequences(events: list[dict], options: Options | None = None) -> dict[int, list[dict]]:
@@ -130,7 +131,7 @@ def sequences(events: list[dict], options: Options | None = None) -> dict[int, l
     return dict(sorted(out.items()))
 
 
-def _named_groups(*runs: dict[int, list[dict]]) -> dict[tuple, str]:
+def named_groups(*runs: dict[int, list[dict]]) -> dict[tuple, str]:
     """Global rank sets of the groups a known kind names, in either run."""
     named: dict[tuple, str] = {}
     for run in runs:
@@ -142,7 +143,7 @@ def _named_groups(*runs: dict[int, list[dict]]) -> dict[tuple, str]:
     return named
 
 
-def _value(field: str, event: dict, options: Options, named: dict):
+def field_value(field: str, event: dict, options: Options, named: dict):
     value = event.get(field)
     if field == "kind" and options.kinds == "dimension" and value is not None:
         dim = DIMENSIONS.get(value)
@@ -161,7 +162,7 @@ def _value(field: str, event: dict, options: Options, named: dict):
 
 
 def _keys(seq: list[dict], options: Options, named: dict) -> list[tuple]:
-    return [tuple(_value(f, e, options, named) for f in options.fields) for e in seq]
+    return [tuple(field_value(f, e, options, named) for f in options.fields) for e in seq]
 
 
 def compare(a: dict[int, list[dict]], b: dict[int, list[dict]],
@@ -170,7 +171,7 @@ def compare(a: dict[int, list[dict]], b: dict[int, list[dict]],
     non-equal stretches of the alignment as ``(tag, a_from, a_to, b_from, b_to)`` with
     ``tag`` one of ``replace`` (changed), ``delete`` (only in A), ``insert`` (only in B)."""
     options = options or Options()
-    named = _named_groups(a, b)
+    named = named_groups(a, b)
     out: dict[int, dict] = {}
     for rank in sorted(set(a) | set(b)):
         ka = _keys(a.get(rank, []), options, named)
@@ -195,89 +196,6 @@ def equal(result: dict[int, dict]) -> bool:
     return all(not r["hunks"] for r in result.values())
 
 
-def _cell(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "async" if value else "sync"
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(map(str, value)) + "]"
-    text = str(value)
-    return text if len(text) <= 48 else "…" + text[-47:]
-
-
-def _table(rows: list[list[str]], split: int) -> list[str]:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    lines = []
-    for r in rows:
-        left = "  ".join(c.ljust(w) for c, w in zip(r[:split], widths[:split], strict=True))
-        right = "  ".join(c.ljust(w) for c, w in zip(r[split:], widths[split:], strict=True))
-        lines.append(f"    {left} | {right}".rstrip())
-    return lines
-
-
-def _hunk_rows(sa, sb, hunk, fields, options, named, context) -> tuple[list, list[str]]:
-    """The rows of one hunk (with ``context`` equal events before it) and the fields shown:
-    those that disagree, plus op and shape for orientation."""
-    tag, i1, i2, j1, j2 = hunk
-    pairs = []  # (mark, index A or None, index B or None)
-    for k in range(context, 0, -1):
-        if i1 - k >= 0 and j1 - k >= 0:
-            pairs.append((" ", i1 - k, j1 - k))
-    n = max(i2 - i1, j2 - j1)
-    for k in range(n):
-        ia = i1 + k if i1 + k < i2 else None
-        ib = j1 + k if j1 + k < j2 else None
-        pairs.append(("!", ia, ib))
-    differing = set()
-    for _, ia, ib in pairs:
-        if ia is not None and ib is not None:
-            for f in fields:
-                if _value(f, sa[ia], options, named) != _value(f, sb[ib], options, named):
-                    differing.add(f)
-    shown = [f for f in fields if f in differing or f in ("op", "shape", "kind", "phase")]
-    return pairs, shown
-
-
-def report(a: dict, b: dict, result: dict, options: Options | None = None, *,
-           names=("A", "B"), context: int = 1) -> str:
-    """Plain text: per rank the counts, then every hunk of the alignment as a side-by-side
-    table (``!`` marks the divergent rows; ``context`` equal rows before each hunk)."""
-    options = options or Options()
-    named = _named_groups(a, b)
-    out = []
-    for rank, r in result.items():
-        sa, sb = a.get(rank, []), b.get(rank, [])
-        counts = (f"{r['equal']} equal, {r['changed']} changed, {r['only_a']} only in "
-                  f"{names[0]}, {r['only_b']} only in {names[1]}")
-        if not r["hunks"]:
-            out.append(f"rank {rank}: equal ({len(sa)} communications)")
-            continue
-        out.append(f"rank {rank}: different ({len(sa)} vs {len(sb)} communications: "
-                   f"{counts})")
-        for hunk in r["hunks"]:
-            tag, i1, i2, j1, j2 = hunk
-            what = {"replace": "changed", "delete": f"only in {names[0]}",
-                    "insert": f"only in {names[1]}"}[tag]
-            where = f"{names[0]} #{i1}" + (f"-{i2 - 1}" if i2 - i1 > 1 else "") \
-                if i2 > i1 else f"{names[0]} after #{i1 - 1}"
-            where += f", {names[1]} #{j1}" + (f"-{j2 - 1}" if j2 - j1 > 1 else "") \
-                if j2 > j1 else f", {names[1]} after #{j1 - 1}"
-            out.append(f"  {what}: {where}")
-            pairs, shown = _hunk_rows(sa, sb, hunk, options.fields, options, named, context)
-            head = ["#", *(f"{names[0]} {f}" for f in shown), "#",
-                    *(f"{names[1]} {f}" for f in shown)]
-            rows = [head]
-            for mark, ia, ib in pairs:
-                left = [f"{mark}{ia}" if ia is not None else "",
-                        *[_cell(sa[ia].get(f)) if ia is not None else "" for f in shown]]
-                right = [f"{ib}" if ib is not None else "",
-                         *[_cell(sb[ib].get(f)) if ib is not None else "" for f in shown]]
-                rows.append(left + right)
-            out.extend(_table(rows, 1 + len(shown)))
-    return "\n".join(out) + "\n"
-
-
 def fields_to_compare(text: str | None, ignore_names: bool) -> tuple[str, ...]:
     """The fields ``--fields`` names (default: :data:`DEFAULT_FIELDS`, and the names unless
     ``ignore_names``); :class:`DiffError` for an unknown one."""
@@ -290,4 +208,8 @@ def fields_to_compare(text: str | None, ignore_names: bool) -> tuple[str, ...]:
                         f"{', '.join(VALID_FIELDS)}")
     if ignore_names:
         fields = tuple(f for f in fields if f not in NAME_FIELDS)
+        if not fields:
+            raise DiffError(f"--fields {text!r} with --ignore-names leaves no field to compare "
+                            f"(--ignore-names drops {', '.join(NAME_FIELDS)}); name another "
+                            f"field, e.g. --fields op,shape")
     return fields

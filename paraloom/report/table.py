@@ -22,6 +22,7 @@ import io
 import json
 import re
 
+from . import zh
 from .moe_rows import ep_split
 
 __all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows", "steps_of"]
@@ -166,14 +167,15 @@ def _select(events: list[dict], rank: int, step) -> list[dict]:
     return sorted(chosen, key=lambda e: (e["t_start"], e["seq"]))
 
 
-def _summary(names: list[str], spans: list[dict]) -> str:
+def _summary(names: list[str], spans: list[dict], lang: str) -> str:
     """The overlapped spans by name, or, past three, counted by kind (``ColumnParallelLinear
     wgrad x4``) so a row stays readable; the ``overlaps`` field keeps the full list."""
     if len(names) <= 3:
         return "; ".join(names)
     counts: dict[str, int] = {}
     for span in spans:
-        counts[_site(span["site"])] = counts.get(_site(span["site"]), 0) + 1
+        site = _site(span["site"]) if lang == "en" else zh.compute(_site(span["site"]))
+        counts[site] = counts.get(site, 0) + 1
     return "; ".join(f"{site} x{n}" if n > 1 else site for site, n in counts.items())
 
 
@@ -192,12 +194,15 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | str | None = No
         over = [s for s in spans if s["t_start"] < e["t_end"] and s["t_end"] > e["t_start"]]
         names = [_site(s["site"]) + (f" ({s['module']})" if s.get("module") else "")
                  for s in over]
+        shown = [zh.compute(n) for n in names] if lang == "zh" else names
         asynchronous = yes if e["async"] else no
         if e["async"] and names:
-            asynchronous += f", {overlaps}: " + _summary(names, over)
-        location = " · ".join(x for x in (_phase(e), _site(e["site"]), e.get("module")) if x)
+            asynchronous += f", {overlaps}: " + _summary(shown, over, lang)
+        where = _phase(e) if lang == "en" else zh.phase(_phase(e))
+        location = " · ".join(x for x in (where, _site(e["site"]), e.get("module")) if x)
         rows.append({"index": len(rows) + 1, "parallel_type": e["kind"],
-                     "split_object": _split(e, lang), "primitive": e["op"],
+                     "split_object": zh.split(_split(e, lang)) if lang == "zh"
+                     else _split(e, lang), "primitive": e["op"],
                      "trigger_location": location, "async": asynchronous, "count": 1,
                      "seq": e["seq"], "step": e["step"], "microbatch": e["microbatch"],
                      "phase": e["phase"], "site": e["site"], "module": e.get("module"),

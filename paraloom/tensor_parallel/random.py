@@ -13,14 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
-from torch.utils.checkpoint import set_checkpoint_early_stop
 
 from .. import ledger as _ledger
 from ..device import get_rng_state, set_rng_state
 
 __all__ = ["RNGStatesTracker", "get_rng_tracker", "model_parallel_seed", "reseed_for_step",
-           "tensor_parallel_seed", "checkpoint", "MODEL_PARALLEL_RNG", "rng_state_dict",
+           "tensor_parallel_seed", "checkpoint", "CheckpointFunction", "MODEL_PARALLEL_RNG",
+           "rng_state_dict",
            "load_rng_state_dict"]
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
@@ -123,37 +122,64 @@ def load_rng_state_dict(state: dict, device: torch.device | str = "cpu") -> None
         tracker.states[name] = s.clone()
 
 
-def checkpoint(function, *args):
-    """Activation recomputation: keep only ``args``, re-run ``function`` in backward.
+class CheckpointFunction(torch.autograd.Function):
+    """Activation recomputation as Megatron-Core's (reentrant) ``CheckpointFunction``.
 
-    Built on ``torch.utils.checkpoint`` (non-reentrant), which restores the default generator for
-    the re-run; this wrapper also rewinds the tracker's named streams to where they were, so
-    dropout inside ``fork()`` draws the same masks the second time. The re-run is the whole
-    ``function``, as Megatron-Core's (reentrant) ``CheckpointFunction`` re-runs it: torch's early
-    stop (which ends the re-run once every saved tensor is back, leaving a layer's last
-    reduction out) is off. Communications repeated by the re-run are recorded with
-    ``recompute: true`` in the ledger.
+    Forward: run ``function`` without autograd, keep only its inputs and the random state.
+    Backward: restore the random state (the default generator and every tracker stream, so dropout
+    draws the same masks), re-run all of ``function`` with autograd, then back-propagate the
+    output gradients through the re-run. The re-run comes *first* in the block's backward, before
+    any of the block's own backward communication (with sequence parallelism, the re-run's
+    all-gathers and reduce-scatters precede the all-gather of the block's output gradient), as in
+    Megatron; torch's non-reentrant checkpoint would re-run lazily, after it. Communications of
+    the re-run are recorded with ``recompute: true``.
     """
-    tracker = get_rng_tracker()
-    saved = {name: state.clone() for name, state in tracker.states.items()}
-    calls = [0]
 
-    def run(*inputs):
-        calls[0] += 1
-        if calls[0] == 1:
-            return function(*inputs)
-        current = tracker.states
-        tracker.states = {name: state.clone() for name, state in saved.items()}
-        led = _ledger.active()
+    @staticmethod
+    def forward(ctx, function, device, *args):
+        ctx.function, ctx.device = function, device
+        ctx.cpu_state = torch.get_rng_state()
+        ctx.device_state = get_rng_state(device)
+        ctx.tracker_states = {n: st.clone() for n, st in get_rng_tracker().states.items()}
+        ctx.tensor_at = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_at))
+        with torch.no_grad():
+            return function(*args)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.others)
+        for i, t in zip(ctx.tensor_at, ctx.saved_tensors, strict=True):
+            args[i] = t.detach().requires_grad_(t.requires_grad)
+        tracker, led = get_rng_tracker(), _ledger.active()
+        now = (torch.get_rng_state(), get_rng_state(ctx.device), tracker.states)
         outer = led.recompute if led else False
+        torch.set_rng_state(ctx.cpu_state)
+        set_rng_state(ctx.device_state, ctx.device)
+        tracker.states = {n: st.clone() for n, st in ctx.tracker_states.items()}
         if led:
             led.recompute = True
         try:
-            return function(*inputs)
+            with torch.enable_grad():
+                outputs = ctx.function(*args)
         finally:
-            tracker.states = current
+            torch.set_rng_state(now[0])
+            set_rng_state(now[1], ctx.device)
+            tracker.states = now[2]
             if led:
                 led.recompute = outer
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True)
+                 if torch.is_tensor(o) and o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(a.grad if torch.is_tensor(a) and a.requires_grad else None
+                              for a in args))
 
-    with set_checkpoint_early_stop(False):  # re-run all of it, as Megatron's checkpoint does
-        return torch_checkpoint(run, *args, use_reentrant=False)
+
+def checkpoint(function, *args):
+    """Activation recomputation: keep only ``args``, re-run ``function`` first in backward
+    (:class:`CheckpointFunction`). ``args`` must hold at least one tensor that needs a gradient
+    (a layer's hidden states)."""
+    device = next((a.device for a in args if torch.is_tensor(a)), torch.device("cpu"))
+    return CheckpointFunction.apply(function, device, *args)
