@@ -249,3 +249,19 @@ def test_split_of_a_recorded_program_is_its_tensor():
     assert _split(p2p, "en") == "activation grads [8, 1, 4] from the next stage"
     own = {**event, "kind": "tp", "site": "RowParallelLinear.forward:output"}
     assert _split(own, "en") == "—"  # paraloom's own events always name their split
+
+
+def test_reports_of_a_program_that_never_ran_a_step(tmp_path):
+    """Only setup communication (no forward ever ran): every report is written, the page shows
+    the setup section (it once failed: 'step 0 has no events')."""
+    from paraloom.report.run_reports import write_reports
+    from paraloom.run_folder import write_events
+    events = [{"rank": r, "seq": 0, "step": 0, "microbatch": 0, "phase": "setup", "kind": "world",
+               "op": "all_reduce", "site": "/x/prog.py:9 main", "module": None, "split": None,
+               "async": False, "bytes": 16, "shape": [4], "dtype": "float32", "group": [0, 1],
+               "t_start": 0.0, "t_wait": 0.0, "t_end": 0.001} for r in (0, 1)]
+    write_events(tmp_path, events)
+    assert write_reports(tmp_path, events) == []
+    page = (tmp_path / "report.html").read_text()
+    assert "rank 0, step setup" in page and "初始化" in page
+    assert "## setup" not in (tmp_path / "comm_table.md").read_text()  # nothing else to tell

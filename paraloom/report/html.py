@@ -104,9 +104,12 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     parts.append(_h2("table"))
     if comms:
         rank = 0 if 0 in {e["rank"] for e in comms} else min(e["rank"] for e in comms)
-        step = min(e["step"] for e in comms if e["rank"] == rank)
+        mine = [e for e in comms if e["rank"] == rank]
+        steps = [e["step"] for e in mine if e.get("phase") != "setup"]
+        step = min(steps) if steps else "setup"  # a program that never ran a forward: its setup
+        zh_step = f"第 {step} 步" if steps else "初始化"
         parts.append(f'<p data-en="rank {rank}, step {step} (layers folded: ▸ expands)" '
-                     f'data-zh="rank {rank}，第 {step} 步（层已折叠：▸ 展开）">rank {rank}, step '
+                     f'data-zh="rank {rank}，{zh_step}（层已折叠：▸ 展开）">rank {rank}, step '
                      f'{step} (layers folded: ▸ expands)</p>')
         parts += [table_html(events, rank=rank, step=step, lang=code) for code in ("en", "zh")]
     else:
