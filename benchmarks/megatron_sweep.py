@@ -89,7 +89,7 @@ LAYOUTS = {
     "pp2": _layout(pp=2, dp=2),
     "pp2-m8": _layout(pp=2, dp=2, microbatches=8),
     "pp3-vpp2": _layout(pp=3, vpp=2, layers=6, microbatches=6),
-    "pp2-vpp2-tp2": _layout(tp=2, pp=2, vpp=2, layers=8),
+    "pp4-vpp2-m8": _layout(pp=4, vpp=2, layers=8, microbatches=8),
     "pp4-vpp2-recompute": _layout(pp=4, vpp=2, layers=8, recompute=True),
     "pp2-tp2-sp": _layout(tp=2, pp=2, sp=True),
     "pp4-bf16": _layout(pp=4, bf16=True),

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..run_folder import rank_status
-from . import megatron_cpu
+from . import megatron_cpu, megatron_lm_cpu
 from .recorder import record_comms
 
 MEGATRON_ON_CPU = "PARALOOM_MEGATRON_ON_CPU"
@@ -90,6 +90,7 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
     _watch(seen)
     if megatron_on_cpu:
         megatron_cpu.install()
+        megatron_lm_cpu.install()
     code, error = 0, None
     with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0,
                       heartbeat=hang_after) as ledger:

@@ -50,7 +50,7 @@ import torch
 
 from . import on_import
 
-__all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH"]
+__all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH", "torch_on_cpu"]
 
 TESTED = ("0.19.",)
 """megatron-core versions the patches were made and tested on."""
@@ -76,7 +76,8 @@ PATCHES = {
     "Tensor.type() CUDA names": "optimizer/optimizer.py, distrib_optimizer.py, clip_grads.py: "
                                 "assert ....type() == 'torch.cuda.FloatTensor'",
     "Tensor.cuda() identity": "models/common/language_module/language_module.py: "
-                              "weight.data.cuda(); optimizer state reloads",
+                              "weight.data.cuda(); optimizer state reloads; a script's "
+                              "batch.cuda()",
     "inference RNG tracker": "tensor_parallel/random.py: CudaRNGStatesTracker.add saves CUDA "
                              "generator states",
     "recomputation RNG state": "tensor_parallel/random.py: CheckpointFunction saves and restores "
@@ -157,12 +158,17 @@ class _TorchOnCpu(types.ModuleType):
 _TORCH = _TorchOnCpu()
 
 
+def torch_on_cpu() -> types.ModuleType:
+    """A new ``torch`` stand-in (its own ``torch.cuda``, which a caller may extend)."""
+    return _TorchOnCpu()
+
+
 def _from_megatron(depth: int = 2) -> bool:
     return sys._getframe(depth).f_globals.get("__name__", "").startswith("megatron.")
 
 
 def _patch_tensor_methods() -> None:
-    type_, cuda = torch.Tensor.type, torch.Tensor.cuda
+    type_ = torch.Tensor.type
 
     def tensor_type(self, *args, **kwargs):
         name = type_(self, *args, **kwargs)
@@ -172,7 +178,7 @@ def _patch_tensor_methods() -> None:
         return name
 
     def tensor_cuda(self, *args, **kwargs):
-        return self if _from_megatron() else cuda(self, *args, **kwargs)
+        return self  # whoever calls: Megatron's code, or a training script moving its batch
 
     torch.Tensor.type = tensor_type
     torch.Tensor.cuda = tensor_cuda

@@ -1,0 +1,121 @@
+"""Megatron-LM's training loop (``megatron.training.pretrain``) runs on CPU ranks under
+``paraloom record --megatron-on-cpu``, and its record holds what Megatron-LM's run communicates
+beyond the model step.
+
+``examples/megatron_lm_pretrain.py`` drives ``pretrain`` as Megatron-LM's GPT script does
+(Megatron-LM's argument parser, mock data, ``get_batch_on_this_tp_rank``), with Megatron-LM's own
+command line: 4 layers, hidden 64, seq 32, micro batch 2, global batch 8, 3 iterations, gloo. Two
+layouts on 4 ranks, recorded two at a time: tp2 x pp2, and tp2 x dp2 with sequence parallelism.
+Each must finish its 3 iterations (without the patches of ``record/megatron_lm_cpu.py`` the
+loop stops at import, at ``assert torch.cuda.is_available()``, or silently skips model
+parallelism) and its record must show Megatron-LM's own collectives: the set-up ones, the batch
+broadcast over tp from tp rank 0 for every microbatch, and the rerun state machine's vote.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _megatron_source import megatron_file
+
+from paraloom.record import megatron_lm_cpu
+from paraloom.run_folder import load_events
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "megatron_lm_pretrain.py"
+ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
+        "--train-iters 3 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 256 "
+        "--transformer-impl local --no-gradient-accumulation-fusion --no-bias-gelu-fusion "
+        "--no-bias-dropout-fusion --no-masked-softmax-fusion --no-persist-layer-norm "
+        "--no-rope-fusion --position-embedding-type learned_absolute --eval-iters 0 "
+        "--eval-interval 1000 --distributed-backend gloo --use-cpu-initialization "
+        "--hidden-dropout 0 --attention-dropout 0").split()
+LAYOUTS = {
+    "tp2-pp2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+    "tp2-dp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    megatron_file("models/gpt/gpt_model.py")  # installed (the README's test command), or fail
+    tmp = tmp_path_factory.mktemp("megatron_lm")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = {}
+    for name, layout in LAYOUTS.items():
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "paraloom", "record", "--megatron-on-cpu", "--nproc", "4",
+             "--out", str(tmp / name), "--timeout", "400", "--", str(EXAMPLE), *ARGS,
+             *layout.split()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, cwd=ROOT, start_new_session=True)
+    out = {}
+    for name, proc in procs.items():
+        try:
+            text, _ = proc.communicate(timeout=480)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            raise
+        out[name] = (proc.returncode, text, load_events(tmp / name))
+    return out
+
+
+def _step(events, rank, step=1):
+    return [e for e in events if e["rank"] == rank and e["op"] != "compute"
+            and e["phase"] != "setup" and e["step"] == step]
+
+
+def _function(e):
+    return e["site"].rpartition(" ")[2]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_megatron_lm_loop_runs_on_cpu_ranks(runs, name):
+    code, text, events = runs[name]
+    assert code == 0, text[-4000:]
+    assert "iteration        1/       3" in text and "after training is done" in text, \
+        text[-3000:]
+    kinds = {e["kind"] for e in events}
+    assert {"tp", "mp", "world"} <= kinds  # model parallelism was initialised (not skipped)
+    assert ("pp" in kinds) == ("pp" in name) and ("dp" in kinds)
+    steps = {e["step"] for e in events if e["phase"] != "setup"}
+    assert steps == {0, 1, 2}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_megatron_lms_own_collectives_are_on_the_record(runs, name):
+    """Setup: the data loaders' int64 [3] flags broadcast, the float64 start-time all-reduce,
+    barriers; per step: one broadcast over tp per batch tensor and microbatch, from tp rank 0
+    (first stage: tokens, positions, mask; last stage: labels, loss mask, mask; all five at
+    pp = 1), and the rerun state machine's int32 [1] vote over the world."""
+    _, _, events = runs[name]
+    setup = [e for e in events if e["rank"] == 0 and e["phase"] == "setup"]
+    sites = Counter((_function(e), e["op"], e.get("dtype"), tuple(e.get("shape") or ()))
+                    for e in setup)
+    assert sites[("build_train_valid_test_data_loaders", "broadcast", "int64", (3,))] == 1
+    assert sites[("pretrain", "all_reduce", "float64", (1,))] >= 1
+    assert sum(1 for e in setup if e["op"] == "barrier") >= 5
+    microbatches = 4 if "pp" in name else 2  # global batch 8 = micro 2 x m x dp
+    expect = {0: 3, 3: 3} if "pp" in name else {0: 5, 3: 5}
+    for rank, per_microbatch in expect.items():
+        step = _step(events, rank)
+        batch = [e for e in step if e["op"] == "broadcast" and e["kind"] == "tp"
+                 and "get_batch_on_this_tp_rank" in e["site"]]
+        assert len(batch) == per_microbatch * microbatches, (rank, len(batch))
+        assert {e["root"] for e in batch} == {rank - rank % 2}  # tp rank 0 of the group
+        vote = [e for e in step if "RerunStateMachine" in e["site"]]
+        assert [(e["op"], e["dtype"], e["shape"], e["kind"]) for e in vote] == [
+            ("all_reduce", "int32", [1], "world")]
+
+
+def test_patches_are_documented():
+    assert set(megatron_lm_cpu.PATCHES) == {"typing.override", "one CUDA device",
+                                             "compile_helpers"}
+    readme = (ROOT / "README.md").read_text()
+    for patch in megatron_lm_cpu.PATCHES:
+        assert f"| {patch} |" in readme, patch
