@@ -265,3 +265,17 @@ def test_reports_of_a_program_that_never_ran_a_step(tmp_path):
     page = (tmp_path / "report.html").read_text()
     assert "rank 0, step setup" in page and "初始化" in page
     assert "## setup" not in (tmp_path / "comm_table.md").read_text()  # nothing else to tell
+
+
+def test_commands_list_only_what_they_wrote(tmp_path):
+    """train's and record's last line: a --save-every 0 run has no checkpoints/ to list, a
+    report that could not be written is not listed."""
+    from paraloom.commands.train import RUN_FILES
+    from paraloom.run_folder import written
+    (tmp_path / "ledger.jsonl").write_text("")
+    (tmp_path / "checkpoints").mkdir()  # made, but nothing saved in it
+    assert written(tmp_path, RUN_FILES) == "ledger.jsonl"
+    (tmp_path / "checkpoints" / "step_3").mkdir()
+    (tmp_path / "report.html").write_text("<html>")
+    assert written(tmp_path, RUN_FILES) == "report.html, ledger.jsonl, checkpoints/"
+    assert written(tmp_path / "none", RUN_FILES) == "nothing"
