@@ -119,3 +119,34 @@ def test_patches_are_documented():
     readme = (ROOT / "README.md").read_text()
     for patch in megatron_lm_cpu.PATCHES:
         assert f"| {patch} |" in readme, patch
+
+
+def test_paraloom_train_takes_the_megatron_lm_command_line(runs, tmp_path, capsys):
+    """``paraloom train --nprocs 4`` with the very arguments Megatron-LM was given: it trains,
+    names what it accepted without acting on (kernels, mock data, evaluation), and its model
+    step equals Megatron-LM's; what only Megatron-LM's loop communicates is all that differs
+    (the batch broadcast over tp, the rerun vote, training_log's learning-rate maximum)."""
+    from paraloom.commands import main
+    from paraloom.record.diff import Options, compare, sequences
+
+    out = tmp_path / "paraloom"
+    assert main(["train", "--nprocs", "4", *ARGS, *LAYOUTS["tp2-pp2"].split(),
+                 "--no-overlap-p2p-communication", "--save-every", "0", "--out",
+                 str(out)]) == 0
+    captured = capsys.readouterr()
+    text = captured.out + captured.err
+    assert "--transformer-impl local" in text and "--mock-data" in text
+    options = Options(fields=("phase", "kind", "op", "async", "dtype", "bytes", "shape", "peer",
+                              "group"), steps={1})
+    megatron = sequences(runs["tp2-pp2"][2], options)
+    ours = sequences(load_events(out), options)
+    result = compare(megatron, ours, options)
+    extras = set()
+    for rank, r in result.items():
+        assert r["changed"] == 0 and r["only_b"] == 0, (rank, r)
+        assert r["equal"] == len(ours[rank]) > 40
+        for _, i1, i2, _, _ in r["hunks"]:
+            extras |= {_function(e) for e in megatron[rank][i1:i2]}
+    assert extras == {"get_batch_on_this_tp_rank.<locals>._broadcast",
+                      "RerunStateMachine._reduce_any",
+                      "reduce_max_stat_across_model_parallel_group"}

@@ -309,3 +309,50 @@ def test_zb_h1_refusals(capsys, no_ranks):
     assert "vpp = 2 needs schedule interleaved, got 'zb-h1'" in capsys.readouterr().err
     assert run("--schedule", "zb-h1", "--pp", "1", "--nprocs", "1") == 2
     assert "schedule zb-h1 (zero bubble) needs pp >= 2, got pp = 1" in capsys.readouterr().err
+
+
+MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+               "--seq-length", "32", "--max-position-embeddings", "32", "--mock-data",
+               "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+               "--transformer-impl", "local", "--distributed-backend", "gloo",
+               "--use-cpu-initialization", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type GPT2BPETokenizer: paraloom "
+     "takes NullTokenizer"),
+    (["--max-position-embeddings", "64"], "--max-position-embeddings 64 must equal "
+     "--seq-length 32"),
+    (["--attention-dropout", "0.1"], "--attention-dropout 0.1 differs from --hidden-dropout 0"),
+    (["--distributed-backend", "nccl"], "--distributed-backend nccl: this machine's ranks use "
+     "gloo"),
+    (["--nprocs", "6", "--tensor-model-parallel-size", "4"], "--nprocs 6 does not match"),
+])
+def test_megatron_lm_arguments_refused_by_name(capsys, no_ranks, extra, message):
+    assert main(["train", *MEGATRON_LM, *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_megatron_lm_layout_comes_from_the_world():
+    """As Megatron-LM: tp, pp default to 1 and dp is the world over tp * pp (a world given by
+    --nprocs or torchrun); without a world paraloom's own default layout stands."""
+    import argparse
+
+    from paraloom.commands.megatron_lm_flags import megatron_lm_notes
+    from paraloom.commands.train_flags import add_train_flags, config_from_args
+
+    def parse(*extra):
+        ap = argparse.ArgumentParser()
+        add_train_flags(ap)
+        args = ap.parse_args([*MEGATRON_LM, *extra])
+        c = config_from_args(args)[0].parallel
+        return (c.tp, c.pp, c.dp, c.vpp), megatron_lm_notes(args)
+    assert parse("--nprocs", "4")[0] == (1, 1, 4, None)
+    assert parse("--nprocs", "4", "--tensor-model-parallel-size", "2")[0] == (2, 1, 2, None)
+    assert parse("--nprocs", "4", "--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                 "--num-layers-per-virtual-pipeline-stage", "1")[0] == (1, 4, 1, 2)
+    layout, notes = parse()
+    assert layout == (2, 2, 2, None)
+    assert any("--transformer-impl local" in n and "--use-cpu-initialization" in n
+               for n in notes)
+    assert any(n.startswith("--mock-data: training on the bundled corpus") for n in notes)

@@ -32,6 +32,7 @@ from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
 from ..training.preflight import check_inputs
+from .megatron_lm_flags import megatron_lm_notes
 from .resume import resume_notes
 from .train_flags import add_train_flags, config_from_args
 
@@ -124,6 +125,9 @@ def train_main(args: argparse.Namespace) -> int:
                 _note(f"{flags} ha{'s' if len(moe) == 1 else 've'} no effect without "
                       f"--num-experts (the model is dense)")
         cfg, resumed = config_from_args(args)
+        if _rank0():
+            for note in megatron_lm_notes(args):
+                _note(note)
         if resumed is not None and _rank0():
             for note in resume_notes(cfg, resumed):
                 _note(note)

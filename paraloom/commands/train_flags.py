@@ -17,10 +17,13 @@ import os
 from ..config import LLAMA, ModelConfig, ParallelConfig, TrainConfig
 from ..config.train import migrate
 from ..data.tokenizer import load_tokenizer
+from ..device import default_backend
+from ..launch import under_torchrun
 from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_config
 from .arch_flags import add_architecture_flags, apply_architecture
 from .flags import add_flags, apply, flag_name, fresh, given
 from .layout_flags import check_layout_flags
+from .megatron_lm_flags import add_megatron_lm_flags, check_megatron_lm, layout_from_world
 from .resume import Resumed, resume_base
 
 __all__ = ["add_train_flags", "config_from_args", "absolute", "GROUPS"]
@@ -70,6 +73,7 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                         help="local ranks to start (must equal tp*cp*pp*dp; default: "
                              "tp*cp*pp*dp)")
     add_architecture_flags(parser)
+    add_megatron_lm_flags(parser)
 
 
 def absolute(path: str | None) -> str | None:
@@ -103,6 +107,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
         if vocab is not None and "model.vocab_size" not in values:
             settings["model"]["vocab_size"] = vocab
     _check_arch_pairing(args, settings["model"])
+    if resumed is None:  # a resumed run keeps its layout unless flags change it
+        layout_from_world(settings["parallel"], values, _world(args))
+    check_megatron_lm(args, settings["model"], default_backend())
     _virtual_stages(args, settings, values)
     model = ModelConfig(**settings["model"])
     parallel = ParallelConfig(**settings["parallel"])
@@ -110,6 +117,13 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
                        shape_from="--init-from-hf" if "run.init_from_hf" in values else None)
     _check_vocab(model, vocab, tokenizer, values, resumed)
     return TrainConfig.from_dict(migrate(settings)), resumed
+
+
+def _world(args: argparse.Namespace) -> int | None:
+    """The world the run is given: torchrun's ``WORLD_SIZE``, else ``--nprocs``, else none."""
+    if under_torchrun():
+        return int(os.environ["WORLD_SIZE"])
+    return getattr(args, "nprocs", None)
 
 
 def _virtual_stages(args, settings: dict, values: dict) -> None:

@@ -1,0 +1,139 @@
+"""Megatron-LM's training arguments that ``paraloom train`` takes beside its own flags.
+
+A Megatron-LM command line (``pretrain_gpt.py``'s arguments) is read as it is: the model, layout,
+batch and optimizer arguments are paraloom's flags' Megatron aliases (``--num-layers``,
+``--tensor-model-parallel-size``, ``--train-iters``, ...); the ones here have no paraloom field:
+
+* :data:`KERNEL_FLAGS` select a CUDA kernel, a fusion or where weights are initialised; they do
+  not change what is communicated, so they are accepted and named in one note.
+* ``--mock-data``: Megatron-LM's synthetic tokens; paraloom trains on its bundled corpus (also
+  deterministic, also no download). ``--tokenizer-type NullTokenizer`` with ``--vocab-size N``:
+  token ids without a tokenizer, paraloom's byte-level data with vocabulary N; another
+  tokenizer type is refused (``--tokenizer DIR`` takes a Hugging Face folder).
+* ``--max-position-embeddings`` must equal ``--seq-length`` (paraloom's learned position table
+  has one row per position of a sample), ``--attention-dropout`` the hidden dropout (one
+  dropout), ``--distributed-backend`` the backend of the device (gloo on CPU, NCCL on CUDA).
+* ``--eval-iters`` / ``--eval-interval``: paraloom evaluates the held-out loss before and after
+  training (no periodic evaluation); accepted and noted.
+
+:func:`layout_from_world`: given a world (torchrun's ``WORLD_SIZE`` or ``--nprocs``), the layout
+is Megatron-LM's: tensor, pipeline and context sizes default to 1 and the data-parallel size is
+the world divided by ``tp * pp * cp``. Without a world, paraloom's own default layout stands.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["KERNEL_FLAGS", "add_megatron_lm_flags", "check_megatron_lm", "megatron_lm_notes",
+           "layout_from_world"]
+
+KERNEL_FLAGS = {
+    "--transformer-impl": "the layer implementation (Transformer Engine or local)",
+    "--attention-backend": "the attention kernel",
+    "--no-bias-gelu-fusion": "a fused kernel", "--bias-gelu-fusion": "a fused kernel",
+    "--no-bias-dropout-fusion": "a fused kernel", "--bias-dropout-fusion": "a fused kernel",
+    "--no-masked-softmax-fusion": "a fused kernel", "--masked-softmax-fusion": "a fused kernel",
+    "--no-bias-swiglu-fusion": "a fused kernel", "--no-persist-layer-norm": "a fused kernel",
+    "--no-rope-fusion": "a fused kernel", "--apply-rope-fusion": "a fused kernel",
+    "--use-flash-attn": "the attention kernel", "--use-cpu-initialization": "initialisation",
+    "--no-async-tensor-model-parallel-allreduce": None,
+}
+"""Accepted Megatron-LM switches that change no communication (value: what they select)."""
+_VALUED = ("--transformer-impl", "--attention-backend")
+_DEST = "megatron_lm__"
+
+
+def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
+    """The Megatron-LM arguments of this module, in their own help group."""
+    group = parser.add_argument_group(
+        "Megatron-LM arguments (accepted so its command line runs as it is)")
+    for flag, what in KERNEL_FLAGS.items():
+        if what is None:
+            continue
+        dest = f"{_DEST}{flag[2:]}"
+        if flag in _VALUED:
+            group.add_argument(flag, dest=dest, metavar="X", default=argparse.SUPPRESS,
+                               help=f"selects {what}: no change to communication")
+        else:
+            group.add_argument(flag, dest=dest, action="store_true", default=argparse.SUPPRESS,
+                               help=f"selects {what}: no change to communication")
+    value = dict(default=argparse.SUPPRESS)
+    group.add_argument("--mock-data", dest=f"{_DEST}mock-data", action="store_true",
+                       help="Megatron-LM's synthetic data: paraloom trains on its bundled corpus",
+                       **value)
+    group.add_argument("--tokenizer-type", dest=f"{_DEST}tokenizer-type", metavar="TYPE",
+                       help="NullTokenizer (token ids, vocabulary --vocab-size) only", **value)
+    group.add_argument("--max-position-embeddings", dest=f"{_DEST}max-position-embeddings",
+                       type=int, metavar="N", help="must equal --seq-length", **value)
+    group.add_argument("--attention-dropout", dest=f"{_DEST}attention-dropout", type=float,
+                       metavar="P", help="must equal --hidden-dropout (one dropout)", **value)
+    group.add_argument("--distributed-backend", dest=f"{_DEST}distributed-backend",
+                       choices=("gloo", "nccl"), help="must be the device's (gloo on CPU, "
+                       "nccl on CUDA)", **value)
+    for flag in ("--eval-iters", "--eval-interval"):
+        group.add_argument(flag, dest=f"{_DEST}{flag[2:]}", type=int, metavar="N",
+                           help="accepted: paraloom evaluates before and after training",
+                           **value)
+
+
+def _given(args: argparse.Namespace) -> dict:
+    return {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
+
+
+def check_megatron_lm(args: argparse.Namespace, model: dict, backend: str) -> None:
+    """``ValueError`` naming the value when a Megatron-LM argument asks for what paraloom does
+    not do (``model``: the model settings as they will be built)."""
+    got = _given(args)
+    kind = got.get("tokenizer-type")
+    if kind is not None and kind != "NullTokenizer":
+        raise ValueError(f"--tokenizer-type {kind}: paraloom takes NullTokenizer (token ids, "
+                         f"--vocab-size N) or a Hugging Face tokenizer folder (--tokenizer DIR)")
+    positions = got.get("max-position-embeddings")
+    if positions is not None and model.get("position_embedding_type") == "learned_absolute" \
+            and positions != model["seq_length"]:
+        raise ValueError(f"--max-position-embeddings {positions} must equal --seq-length "
+                         f"{model['seq_length']}: paraloom's learned position table has one "
+                         f"row per position of a sample")
+    dropout = got.get("attention-dropout")
+    if dropout is not None and dropout != model.get("dropout", 0.0):
+        raise ValueError(f"--attention-dropout {dropout:g} differs from --hidden-dropout "
+                         f"{model.get('dropout', 0.0):g}: paraloom has one dropout; give both "
+                         f"the same value")
+    wanted = got.get("distributed-backend")
+    if wanted is not None and wanted != backend:
+        raise ValueError(f"--distributed-backend {wanted}: this machine's ranks use {backend} "
+                         f"(gloo on CPU, nccl on CUDA)")
+
+
+def megatron_lm_notes(args: argparse.Namespace) -> list[str]:
+    """One line per kind of accepted Megatron-LM argument that paraloom does not act on."""
+    got, notes = _given(args), []
+    kernels = [f"--{k}" + (f" {v}" if not isinstance(v, bool) else "") for k, v in got.items()
+               if f"--{k}" in KERNEL_FLAGS]
+    if kernels:
+        notes.append(f"{', '.join(kernels)}: select{'s' if len(kernels) == 1 else ''} CUDA "
+                     f"kernels or initialisation, not communication: accepted, no effect here")
+    if got.get("mock-data"):
+        notes.append("--mock-data: training on the bundled corpus (deterministic, no download) "
+                     "instead of Megatron-LM's synthetic tokens")
+    evals = [f"--{k} {got[k]}" for k in ("eval-iters", "eval-interval") if k in got]
+    if evals:
+        notes.append(f"{', '.join(evals)}: paraloom evaluates the held-out loss before and "
+                     f"after training, not periodically")
+    return notes
+
+
+def layout_from_world(parallel: dict, values: dict, world: int | None) -> None:
+    """Megatron-LM's layout for a world of ``world`` ranks: ``tp``, ``pp``, ``cp`` default to 1
+    and ``dp`` is ``world / (tp * pp * cp)`` when not given (``parallel``: the settings, changed
+    in place; ``values``: the flags typed)."""
+    if world is None:
+        return
+    for size in ("tp", "pp", "cp"):
+        if f"parallel.{size}" not in values:
+            parallel[size] = 1
+    if "parallel.dp" not in values:
+        model_parallel = parallel["tp"] * parallel["pp"] * parallel.get("cp", 1)
+        if model_parallel > 0 and world % model_parallel == 0:
+            parallel["dp"] = world // model_parallel
