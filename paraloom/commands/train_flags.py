@@ -69,9 +69,11 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
                         type=int, default=None, metavar="N",
                         help="Megatron-LM's way to ask for interleaving: N layers per virtual "
                              "stage, so vpp = layers / (pp * N)")
-    parser.add_argument("--nprocs", "--nproc-per-node", dest="nprocs", type=int, default=None,
-                        help="local ranks to start (must equal tp*cp*pp*dp; default: "
-                             "tp*cp*pp*dp)")
+    parser.add_argument("--nprocs", "--nproc", "--nproc-per-node", dest="nprocs", type=int,
+                        default=None,
+                        help="local ranks to start (default: tp*cp*pp*dp); given, it is the "
+                             "world, and the layout is Megatron-LM's: tp and pp default to 1, "
+                             "dp to the world over tp*pp*cp")
     add_architecture_flags(parser)
     add_megatron_lm_flags(parser)
 
