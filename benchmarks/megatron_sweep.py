@@ -142,7 +142,8 @@ def one(name: str, out: Path, timeout: float) -> tuple[str, str, float]:
     if code:
         return name, f"megatron record failed (exit {code}, {name}.record.log)", time.time() - tic
     code = _run([py, "-m", "paraloom", "train", *MODEL.split(), *ours.split(), "--steps", "2",
-                 "--ledger-steps", "2", "--no-overlap-p2p-communication", "--save-every", "0",
+                 "--ledger-steps", "2", "--no-overlap-p2p-communication",
+                 "--no-megatron-lm-loop", "--save-every", "0",
                  "--timeout", "120", "--out", str(mine)], out / f"{name}.train.log",
                 timeout + 30)
     if code:

@@ -27,17 +27,20 @@ TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--ledger-steps", "1", "--save-every", "0", "--timeout", "60"]
 LAYOUTS = {  # name: (flags, kinds the ledger must hold)
     "tp-dp": ("--tp 2 --pp 1 --dp 2 --no-async-tensor-model-parallel-allreduce "
-              "--bucket-size 3000 --no-overlap-grad-reduce", {"tp", "dp", "mp"}),
+              "--bucket-size 3000 --no-overlap-grad-reduce", {"tp", "dp", "mp", "world"}),
     "sp-dp": ("--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full --bucket-size 3000",
-              {"sp", "tp", "dp", "mp"}),
-    "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "mp"}),
-    "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "mp"}),
+              {"sp", "tp", "dp", "mp", "world"}),
+    "1f1b": ("--tp 2 --pp 2 --dp 1", {"tp", "pp", "emb", "mp", "world"}),
+    "interleaved": ("--tp 1 --pp 2 --dp 1 --vpp 2 --layers 8", {"pp", "emb", "mp", "world"}),
     "zero": ("--tp 1 --pp 2 --dp 2 --distributed-optimizer --no-overlap-p2p-communication",
-             {"pp", "dp", "emb", "distopt", "mp"}),
+             {"pp", "dp", "emb", "distopt", "mp", "world"}),
     "3d-bf16": ("--tp 2 --pp 2 --dp 2 --sequence-parallel --distributed-optimizer "
                 "--bucket-size 5000 --dtype bf16", {"sp", "tp", "pp", "dp", "emb", "distopt",
-                                                     "mp"}),
+                                                     "mp", "world"}),
+    "bare": ("--tp 2 --pp 2 --dp 1 --no-megatron-lm-loop --rerun-mode disabled",
+             {"tp", "pp", "emb", "mp"}),
 }
+"""(Megatron-LM's loop is on by default: its rerun vote and barriers run over the world.)"""
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +212,11 @@ def _cells(row: dict) -> tuple:
 def test_table_snapshot_pipeline_en(runs):
     events = load(runs["1f1b"] / "ledger.jsonl")
     rows = table_rows(events, rank=0)
+    assert [_cells(r) for r in rows[:3]] == [  # Megatron-LM's get_batch_on_this_tp_rank
+        ("tp", f"the microbatch's {what}", "broadcast",
+         f"data · get_batch_on_this_tp_rank {what}", "no")
+        for what in ("tokens", "position ids", "attention mask")]
+    rows = [r for r in rows if r["phase"] != "data"]
     assert [_cells(r) for r in rows[:4]] == [
         ("tp", "embedding rows, vocabulary range", "all_reduce",
          "forward · VocabParallelEmbedding output · embedding.word_embeddings", "no"),
@@ -225,39 +233,48 @@ def test_table_snapshot_pipeline_en(runs):
     assert len(pp) == 2 * 8  # 8 microbatches, first stage: sends activations, gets grads
     last = [_cells(r) for r in table_rows(events, rank=2)]
     assert {c[2] for c in last if c[0] == "pp"} == {"recv", "send"}
-    assert last[-5:] == [
+    assert last[-10:] == [
         ("emb", "tied word-embedding grads [V/tp, h], first + last stage", "all_reduce",
          "optimizer · finalize_model_grads embedding grads", "no"),
+        ("world", "whether any rank re-runs the step", "all_reduce",
+         "optimizer · rerun_state_machine vote", "no"),
         ("mp", "this rank's squared gradient norm", "all_reduce",
          "optimizer · get_grad_norm_fp32 squared norm", "no"),
         ("mp", "whether any rank has separately-normed parameters", "all_reduce",
          "optimizer · has_grad_norm_group flag", "no"),
         ("mp", "whether this rank updated", "all_reduce",
          "optimizer · train_step update successful", "no"),
-        ("mp", "the gradient norm", "all_reduce", "optimizer · train_step grad norm", "no")]
+        ("mp", "the gradient norm", "all_reduce", "optimizer · train_step grad norm", "no"),
+        ("mp", "the learning rate, for the log", "all_reduce",
+         "optimizer · training_log learning rate", "no"),
+        ("world", "—", "barrier", "optimizer · training_log interval timer stop", "no"),
+        ("world", "—", "barrier", "optimizer · training_log interval timer start", "no"),
+        ("world", "—", "barrier", "optimizer · pretrain after training is done", "no")]
+    bare = [_cells(r) for r in table_rows(load(runs["bare"] / "ledger.jsonl"), rank=2)]
+    assert bare[-1][3] == "optimizer · train_step grad norm"  # the step alone
+    assert not any(c[0] == "world" or c[2] == "broadcast" for c in bare)
     md = render_table(events, rank=0).splitlines()
     assert md[0] == "| # | Parallel type | Split object | Primitive | Trigger location | Async |"
-    assert md[2].startswith("| 1 | tp | embedding rows, vocabulary range | all_reduce | ")
+    assert md[2].startswith("| 1 | tp | the microbatch's tokens | broadcast | ")
 
 
 def test_table_snapshot_data_parallel_zh(runs):
     rows = table_rows(load(runs["tp-dp"] / "ledger.jsonl"), rank=0, lang="zh")
     dp = [_cells(r) for r in rows if r["parallel_type"] == "dp"]
-    assert dp == [("dp", "gradient bucket (replicated)", "all_reduce",
-                   "optimizer · DistributedDataParallel bucket grads", "否"),
-                  ("dp", "loss sum and token count", "all_reduce", "optimizer · train_step loss",
-                   "否")]
+    assert dp == [("dp", "梯度桶（各副本相同）", "all_reduce",
+                   "优化器 · DistributedDataParallel bucket grads", "否"),
+                  ("dp", "损失之和与 token 数", "all_reduce", "优化器 · train_step loss", "否")]
     assert not any(r["parallel_type"] == "pp" for r in rows)
     zero = load(runs["zero"] / "ledger.jsonl")
     head = render_table(zero, rank=3, lang="zh").splitlines()[0]
     assert head == "| # | 并行类型 | 切分对象 | 通信原语 | 触发位置 | 是否异步 |"
     rows = table_rows(zero, rank=3, lang="zh")  # last stage, dp rank 1
     assert [(c[2], c[1]) for c in map(_cells, rows) if c[0] == "dp"] == [
-        ("reduce_scatter", "gradient bucket, 1/dp contiguous shard"),
-        ("reduce_scatter", "gradient bucket, 1/dp contiguous shard"),
-        ("all_gather", "parameter bucket, 1/dp contiguous shard"),
-        ("all_gather", "parameter bucket, 1/dp contiguous shard"),
-        ("all_reduce", "loss sum and token count")]
+        ("reduce_scatter", "梯度桶，每个 dp rank 保留连续的 1/dp 分片"),
+        ("reduce_scatter", "梯度桶，每个 dp rank 保留连续的 1/dp 分片"),
+        ("all_gather", "参数桶，每个 dp rank 提供连续的 1/dp 分片"),
+        ("all_gather", "参数桶，每个 dp rank 提供连续的 1/dp 分片"),
+        ("all_reduce", "损失之和与 token 数")]
     pp = [c for c in map(_cells, rows) if c[0] == "pp"]
     assert {(c[2], c[1]) for c in pp} == {("recv", "激活 [16, 1, 32]，来自上一流水级"),
                                           ("send", "激活梯度 [16, 1, 32]，发往上一流水级")}

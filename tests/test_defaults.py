@@ -108,11 +108,12 @@ def test_overlapped_p2p_on_cuda_is_refused_before_the_ranks_train(monkeypatch):
     monkeypatch.setattr(nodes, "refuse_under_torchrun",
                         lambda prog, error, timeout_s: refused.append(error) or 2)
     monkeypatch.setattr(nodes, "run_under_torchrun", lambda *a, **k: pytest.fail("it ran"))
-    assert train_main(parse("--overlap-p2p-communication")) == 2
+    # (a world without layout flags is Megatron-LM's: pp 1, where p2p is moot; so pp 2 here)
+    assert train_main(parse("--overlap-p2p-communication", "--tp", "2", "--pp", "2")) == 2
     assert "--overlap-p2p-communication is for gloo" in refused[0]
     assert "--no-overlap-p2p-communication" in refused[0]
     ran = []
     monkeypatch.setattr(nodes, "run_under_torchrun", lambda *a, **k: ran.append(a) or 0)
-    assert train_main(parse()) == 0 and train_main(parse("--pp", "1", "--dp", "4",
+    assert train_main(parse()) == 0 and train_main(parse("--pp", "1", "--dp", "8",
                                                          "--overlap-p2p-communication")) == 0
     assert len(ran) == 2 and len(refused) == 1

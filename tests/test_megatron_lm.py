@@ -121,30 +121,45 @@ def test_patches_are_documented():
         assert f"| {patch} |" in readme, patch
 
 
-def test_paraloom_train_takes_the_megatron_lm_command_line(runs, tmp_path, capsys):
-    """``paraloom train --nprocs 4`` with the very arguments Megatron-LM was given: it trains,
-    names what it accepted without acting on (kernels, mock data, evaluation), and its model
-    step equals Megatron-LM's; what only Megatron-LM's loop communicates is all that differs
-    (the batch broadcast over tp, the rerun vote, training_log's learning-rate maximum)."""
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatron_lm(
+        runs, name, tmp_path, capsys):
+    """``paraloom train --nproc 4`` with the very arguments Megatron-LM was given (and the two
+    documented defaults of the README's Defaults table set to Megatron-LM's): it trains,
+    names what it accepted without acting on (kernels, mock data, evaluation), and every
+    iteration communicates as Megatron-LM's whole loop (``diff --step 0-2`` equal, names
+    aside): the model step, the batch broadcast over tp, the rerun vote, the log's learning
+    rate, the timers' barriers and the last one after training. Without the loop's extras
+    (``--no-megatron-lm-loop``) exactly those are missing."""
     from paraloom.commands import main
     from paraloom.record.diff import Options, compare, sequences
 
     out = tmp_path / "paraloom"
-    assert main(["train", "--nprocs", "4", *ARGS, *LAYOUTS["tp2-pp2"].split(),
-                 "--no-overlap-p2p-communication", "--save-every", "0", "--out",
-                 str(out)]) == 0
+    common = ["train", "--nproc", "4", *ARGS, *LAYOUTS[name].split(),
+              "--no-overlap-p2p-communication", "--no-overlap-grad-reduce",  # the Defaults
+              "--save-every", "0", "--ledger-steps", "3"]                      # table's two
+    assert main([*common, "--out", str(out)]) == 0
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert "--transformer-impl local" in text and "--mock-data" in text
+    megatron_dir = tmp_path / "megatron"
+    megatron_dir.mkdir()
+    (megatron_dir / "ledger.jsonl").write_text(
+        "".join(__import__("json").dumps(e) + "\n" for e in runs[name][2]))
+    assert main(["diff", str(megatron_dir), str(out), "--step", "0-2", "--ignore-names"]) == 0, \
+        capsys.readouterr().out[-4000:]
+    capsys.readouterr()
+    if name != "tp2-pp2":
+        return
+    bare = tmp_path / "bare"
+    assert main([*common, "--no-megatron-lm-loop", "--out", str(bare)]) == 0
     options = Options(fields=("phase", "kind", "op", "async", "dtype", "bytes", "shape", "peer",
                               "group"), steps={1})
-    megatron = sequences(runs["tp2-pp2"][2], options)
-    ours = sequences(load_events(out), options)
-    result = compare(megatron, ours, options)
+    megatron = sequences(runs[name][2], options)
+    ours = sequences(load_events(bare), options)
     extras = set()
-    for rank, r in result.items():
-        assert r["changed"] == 0 and r["only_b"] == 0, (rank, r)
-        assert r["equal"] == len(ours[rank]) > 40
+    for rank, r in compare(megatron, ours, options).items():
+        assert r["changed"] == 0 and r["only_b"] == 0 and r["equal"] == len(ours[rank]) > 40
         for _, i1, i2, _, _ in r["hunks"]:
             extras |= {_function(e) for e in megatron[rank][i1:i2]}
     assert extras == {"get_batch_on_this_tp_rank.<locals>._broadcast",

@@ -30,13 +30,15 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     assert (run / "expert_load.png").stat().st_size > 0
     capsys.readouterr()
     assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
-    for lang, words in (("en", "tokens to their experts' ranks"), ("zh", "token 发往所选专家")):
+    for lang, words, forward in (("en", "tokens to their experts' ranks", "forward"),
+                                 ("zh", "token 发往所选专家", "前向")):
         capsys.readouterr()
         assert table_main([str(run), "--lang", lang]) == 0
         rows = [r for r in capsys.readouterr().out.splitlines() if "| ep |" in r]
-        assert any(words in r and "forward" in r for r in rows)
+        assert any(words in r and forward in r for r in rows)
         # 2 MoE layers x (combine, dispatch) x 4 microbatches
-        assert sum("all_to_all" in r and "backward" in r for r in rows) == 2 * 2 * 4
+        backward = {"en": "backward", "zh": "反向"}[lang]
+        assert sum("all_to_all" in r and backward in r for r in rows) == 2 * 2 * 4
     forged = tmp_path / "forged"
     shutil.copytree(run, forged, ignore=shutil.ignore_patterns("checkpoints"))
     lines = (forged / "ledger.jsonl").read_text().splitlines()

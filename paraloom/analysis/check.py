@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
+from ..training.megatron_lm_loop import MEGATRON_LOG_INTERVAL, logged_iteration
 from .formulas import expected_comm
 from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
 from .spec import Architecture, CommConfig
@@ -139,7 +140,10 @@ def config_from_run(cfg: dict) -> CommConfig:
         dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
         arch=Architecture.from_model(m),
         cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"),
-        moe=moe_from_run(m, p, cfg["micro_batch_size"]))
+        moe=moe_from_run(m, p, cfg["micro_batch_size"]),
+        megatron_lm_loop=cfg.get("megatron_lm_loop", False),
+        rerun_vote=cfg.get("rerun_mode", "validate_results") != "disabled",
+        total_steps=cfg.get("steps"))
 
 
 def _ffn(model: dict) -> int | None:
@@ -156,7 +160,9 @@ def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> Comm
     metrics line, step 0 is a first step."""
     line = metrics.get(step, {})
     return replace(config, optimizer_step=not line.get("skipped", False),
-                   first_step=bool(line.get("first_of_process", step == 0)))
+                   first_step=bool(line.get("first_of_process", step == 0)),
+                   timer_barriers=logged_iteration(step, MEGATRON_LOG_INTERVAL),
+                   last_step=step + 1 == config.total_steps)
 
 
 def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:

@@ -93,7 +93,27 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
         moe_comm(c, pp_rank, add)
     if c.grad_sync:
         _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
+        if c.megatron_lm_loop:
+            _megatron_lm_loop(c, first, last, add)
     return dict(out)
+
+
+def _megatron_lm_loop(c: CommConfig, first: bool, last: bool, add) -> None:
+    """Megatron-LM's loop around the step (:mod:`paraloom.training.megatron_lm_loop`): per
+    microbatch, on a stage that reads data, one broadcast over tp per batch tensor (int64 tokens,
+    labels, positions ``[b, s]``, fp32 loss mask ``[b, s]``, bool mask ``[b, 1, s, s]``; the
+    whole sequence, before a cp split); the rerun vote (int32 over the world); the log's
+    learning rate (fp32 over tp x pp); barriers over the world in a logged and the last step."""
+    bs, world, mp = c.micro_batch * c.seq_len, c.tp * c.cp * c.pp * c.dp, c.tp * c.pp
+    if c.tp > 1 and (first or last):
+        tensors = [8, 8, 4, 8] if first and last else [8, 8] if first else [8, 4]
+        for size in tensors + [c.seq_len]:  # ... and the attention mask, s bytes per token
+            add("tp", "broadcast", "data", c.num_microbatches, size * bs)
+    if world > 1:
+        add("world", "all_reduce", "optimizer", int(c.rerun_vote), 4)
+        add("world", "barrier", "optimizer", 2 * c.timer_barriers + c.last_step, 0)
+    if mp > 1:
+        add("mp", "all_reduce", "optimizer", 1, F32)
 
 
 def _pipeline(c: CommConfig, r: int, add, nbytes: int) -> None:

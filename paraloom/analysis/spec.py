@@ -116,6 +116,18 @@ class CommConfig:
     first_step: bool = False
     """The run's first step: Megatron launches no bucket from the gradient hooks yet, and agrees
     once on separate grad-norm groups (one more int32 all-reduce per grad-stats group)."""
+    megatron_lm_loop: bool = False
+    """``--megatron-lm-loop``: Megatron-LM's loop collectives around the step (the batch
+    broadcast over tp, the rerun vote, the log's learning rate, timer barriers)."""
+    rerun_vote: bool = True
+    """With the loop: the rerun state machine votes after each step (``--rerun-mode`` not
+    ``disabled``)."""
+    timer_barriers: bool = False
+    """With the loop: this is a logged iteration (two barriers over the world)."""
+    last_step: bool = False
+    """With the loop: the run's last step ("after training is done": one more barrier)."""
+    total_steps: int | None = None
+    """The run's steps (which step is the last)."""
     schedule: str | None = None
     """``1f1b``, ``interleaved``, ``none``, ``zb-h1``; ``None``: the default for pp and vpp."""
     dtype_bytes: int = 4

@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="dimension: sp counts as tp, unnamed groups take the kind of a named "
                          "group with the same ranks (default); exact: equal strings")
     ap.add_argument("--phases", choices=("loose", "exact"), default="loose",
-                    help="loose: a recorded program's 'other' equals 'optimizer' (default)")
+                    help="loose: a recorded program's 'other' and paraloom's 'data' equal "
+                         "'optimizer' (default)")
     ap.add_argument("--shapes", choices=("exact", "numel"), default="exact",
                     help="numel: compare shapes by their element count")
     ap.add_argument("--one-rank-groups", action="store_true",

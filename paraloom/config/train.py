@@ -100,6 +100,19 @@ class TrainConfig:
                                           "equal buckets)")
     """paraloom's tail-halving buckets (:func:`~paraloom.data_parallel.grad_buffer.
     bucket_layout`); 0, Megatron's equal buckets, by default."""
+    megatron_lm_loop: bool = option(True, "--megatron-lm-loop", negatable=True,
+                                    help="communicate what Megatron-LM's training loop adds to "
+                                         "the step: the batch broadcast over tp, the rerun "
+                                         "vote, the log's learning-rate maximum and timer "
+                                         "barriers (default on; off: Megatron-Core's step "
+                                         "alone, every rank reading its own microbatch)")
+    """Megatron-LM's loop collectives around the step
+    (:mod:`paraloom.training.megatron_lm_loop`)."""
+    rerun_mode: str = option("validate_results", "--rerun-mode",
+                             choices=("disabled", "validate_results", "report_stats"),
+                             help="Megatron-LM's rerun state machine: with --megatron-lm-loop, "
+                                  "'disabled' leaves out its vote after each step")
+    """Megatron-LM's ``--rerun-mode``; only ``disabled`` changes communication (no vote)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size", "steps"):

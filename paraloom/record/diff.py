@@ -28,7 +28,8 @@ How fields are compared:
   compared in ``group`` anyway. ``--kinds exact``: the kind strings must be equal.
 * ``phase`` (``--phases loose``, the default): ``other`` — a recorded program's code outside
   every forward, autograd and optimizer region, such as Megatron-LM's ``train_step`` after
-  ``optimizer.step()`` — equals ``optimizer``, paraloom's phase for the same calls.
+  ``optimizer.step()`` — equals ``optimizer``, paraloom's phase for the same calls, and so does
+  paraloom's ``data`` (the batch broadcast of ``--megatron-lm-loop``; ``other`` in a record).
   ``--phases exact``: the strings must be equal. Either way an event paraloom marks
   ``recompute`` (a forward communication re-run by activation recomputation) counts as
   ``backward``, where it runs and where the recorder sees a program's re-runs.
@@ -55,7 +56,7 @@ DIMENSIONS = {"tp": "tp", "sp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": 
 """Known kinds and the parallel dimension (process group) each one runs on."""
 VALID_FIELDS = ("rank", "step", "microbatch", "phase", "kind", "op", "site", "module", "split",
                 "async", "bytes", "shape", "dtype", "group", "peer")
-_OUTSIDE = {"other": "optimizer"}  # --phases loose
+_OUTSIDE = {"other": "optimizer", "data": "optimizer"}  # --phases loose
 
 
 class DiffError(ValueError):

@@ -39,6 +39,13 @@ SPLITS = {
     "router logits [tokens, E] of every cp rank": "各 cp rank 的路由 logits [tokens, E]",
     "tokens by expert (rows to each ep rank's experts)":
         "按专家分组的 token（各行发往对应 ep rank 的专家）",
+    "the microbatch's tokens": "本微批次的 token",
+    "the microbatch's labels": "本微批次的标签",
+    "the microbatch's loss mask": "本微批次的损失掩码",
+    "the microbatch's position ids": "本微批次的位置编号",
+    "the microbatch's attention mask": "本微批次的注意力掩码",
+    "whether any rank re-runs the step": "是否有 rank 要重跑本步",
+    "the learning rate, for the log": "学习率（用于日志）",
 }
 """Every split text paraloom's runtime writes, in Chinese."""
 
@@ -55,7 +62,7 @@ _COMPUTE = (
 
 
 PHASES = {"forward": "前向", "backward": "反向", "optimizer": "优化器", "setup": "初始化",
-          "other": "其他", "backward (recompute)": "反向（重算）"}
+          "data": "读数据", "other": "其他", "backward (recompute)": "反向（重算）"}
 """The phase words of the trigger location."""
 
 

@@ -44,6 +44,15 @@ from ..pipeline_parallel.schedules import (
 )
 from ..tensor_parallel.random import model_parallel_seed
 from .lr_schedule import learning_rate
+from .megatron_lm_loop import (
+    MEGATRON_LOG_INTERVAL,
+    broadcast_batch,
+    learning_rate_max,
+    logged_iteration,
+    rerun_vote,
+    timer_barriers,
+    training_done_barrier,
+)
 
 __all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
 
@@ -122,14 +131,27 @@ def forward_step(data_iterator, model: GPTModel):
     return out, loss_func
 
 
+def _microbatches(run: Run, mbs: list, chunk: GPTModel):
+    """A chunk's microbatches, read as its forward step asks for them: broadcast over tp first
+    under ``--megatron-lm-loop`` (Megatron-LM's ``get_batch_on_this_tp_rank``), then this cp
+    rank's chunks r and 2cp-1-r of the sequence (``get_batch_on_this_cp_rank``)."""
+    mesh = run.mesh
+    for tokens, labels in mbs:
+        if run.cfg.megatron_lm_loop:
+            tokens, labels = broadcast_batch(tokens, labels, mesh, first=chunk.pre_process,
+                                             last=chunk.post_process)
+        if mesh.cp.size > 1:
+            yield get_batch_on_this_cp_rank(tokens, labels, mesh.cp.rank, mesh.cp.size)
+        else:
+            yield tokens, labels
+
+
 def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     cfg, mesh = run.cfg, run.mesh
     mbs = [(t.to(run.device), lab.to(run.device)) for t, lab in
            microbatches(batch, mesh.dp.rank, mesh.dp.size, batch.shape[0] // (
                cfg.micro_batch_size * mesh.dp.size))]
-    if mesh.cp.size > 1:  # Megatron's get_batch_on_this_cp_rank: chunks r and 2cp-1-r
-        mbs = [get_batch_on_this_cp_rank(t, lab, mesh.cp.rank, mesh.cp.size) for t, lab in mbs]
-    iters = [iter(mbs) for _ in run.chunks]
+    iters = [_microbatches(run, mbs, chunk) for chunk in run.chunks]
     schedule = _SCHEDULES[cfg.schedule]
     interleaved = cfg.schedule == "interleaved"
     kw = dict(mesh=mesh, hidden_size=cfg.model.hidden_size, dtype=run.dtype,
@@ -171,6 +193,9 @@ def train_step(run: Run, step: int) -> dict:
     if moe:
         reset_moe_stats(run.chunks)
     losses = _run_schedule(run, batch, forward_only=False)
+    loop = cfg.megatron_lm_loop
+    if loop and cfg.rerun_mode != "disabled":
+        rerun_vote(mesh, run.device)
     o = cfg.optim
     lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                        total_steps=cfg.steps)
@@ -183,6 +208,12 @@ def train_step(run: Run, step: int) -> dict:
             opt.step()                               # ... to here
     ok, grad_norm = _agree(run, ok, grad_norm)
     out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
+    if loop:  # Megatron-LM's training_log
+        learning_rate_max(mesh, lr, run.device)
+        if logged_iteration(step, MEGATRON_LOG_INTERVAL):
+            timer_barriers(mesh)
+        if step + 1 == cfg.steps:
+            training_done_barrier(mesh)
     if moe:
         out.update(_moe_metrics(cfg, _moe_stats(run), mesh.dp_cp.size * cfg.num_microbatches))
     run.step = step + 1
