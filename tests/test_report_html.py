@@ -115,8 +115,12 @@ def test_report_in_chromium_table_switch_and_lanes(runs):
     rows, members = en.count('<tr class="row"'), en.count('<tr class="member"')
     folded = en.count('class="fold"')
     assert folded > 0 and rows - folded + members == _expected_rows(runs["train"])
-    first = re.search(r'<tr class="row" data-row="1">(.*?)</tr>', en, re.S).group(1)
-    assert "<td>tp</td>" in first and "<td>all_reduce</td>" in first
+    batch = re.search(r'<tr class="row" data-row="1">(.*?)</tr>', en, re.S).group(1)
+    assert "<td>broadcast</td>" in batch and "megatron_lm_loop.py:" in batch  # Megatron-LM's loop
+    assert re.search(r"<li>line \d+ [\w.]+: broadcast \(tp, data, async False\)", batch)
+    first = next(row for row in re.findall(r'<tr class="row" data-row="\d+">(.*?)</tr>', en, re.S)
+                 if "<td>all_reduce</td>" in row)
+    assert "<td>tp</td>" in first
     assert "paraloom/tensor_parallel/embedding.py:" in first  # its source, with explain's facts
     assert re.search(r"<li>line \d+ [\w.]+: all_reduce \(tp, forward, async False\)", first)
     lanes = re.findall(r'<g class="lane" data-rank="(\d+)"', dom)
@@ -125,17 +129,18 @@ def test_report_in_chromium_table_switch_and_lanes(runs):
     assert 'class="schedule"' in dom and dom.count('<g class="blk B">') == 4 * 4
     assert 'id="verdict">paraloom check: all' in dom and "verdict ok" in dom
     # the zh button, pressed: headings and the table's columns change language
-    zh_dom, console = _browse(page, runs["tmp"], hash_="#click=zh&open=2")
+    zh_dom, console = _browse(page, runs["tmp"], hash_="#click=zh&open=5")
     assert not [line for line in console if re.search(r"Uncaught|Error", line)], console
     assert '<h2 data-en="Communication order" data-zh="通信顺序">通信顺序</h2>' in zh_dom
     assert '>Communication order</h2>' in dom
     zh = _table(zh_dom, "zh")
     assert "hidden" not in zh.split(">")[0] and "<th>并行类型</th>" in zh
     assert "hidden" in _table(zh_dom, "en").split(">")[0]
-    # row 2 (a folded layer row), expanded by its button: its layers' rows are shown
-    opened = re.findall(r'<tr class="member" data-parent="2"( hidden="")?>', zh)
+    # row 5 (a folded layer row, after the batch broadcast and the embedding), expanded by its
+    # button: its layers' rows are shown
+    opened = re.findall(r'<tr class="member" data-parent="5"( hidden="")?>', zh)
     assert len(opened) == 2 and opened == ["", ""]  # 2 layers per stage, none hidden
-    assert re.findall(r'<tr class="member" data-parent="3"( hidden="")?>', zh) == [' hidden=""'] * 2
+    assert re.findall(r'<tr class="member" data-parent="6"( hidden="")?>', zh) == [' hidden=""'] * 2
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "report.png"
     shot.unlink(missing_ok=True)

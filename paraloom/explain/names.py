@@ -38,7 +38,7 @@ PARALOOM_COMM = {"all_reduce": "all_reduce", "all_gather": "all_gather",
 ASYNC_BY_NATURE = {"isend", "irecv", "batch_isend_irecv", "P2POp"}
 """Calls that always return a request handle to wait on."""
 
-PHASES = ("forward", "backward", "optimizer", "setup")
+PHASES = ("forward", "backward", "optimizer", "setup", "data")
 KINDS = ("tp", "sp", "pp", "dp", "emb", "loss", "cp", "ep")
 
 # name -> (forward op, backward op, kind, what moves); None = no communication in that pass.
