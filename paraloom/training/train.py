@@ -183,7 +183,10 @@ def train_step(run: Run, step: int) -> dict:
     agreed over the model-parallel group, and on the last stage the loss: the per-token sum and
     the token count (fp32 ``[2]``) summed over dp x cp. A non-finite gradient norm skips the
     update (``"skipped": True``; every rank computed the same norm); the data of the step is
-    consumed all the same, so a run that recovers stays on the same batches.
+    consumed all the same, so a run that recovers stays on the same batches. Under
+    ``--megatron-lm-loop`` (the default) Megatron-LM's loop adds its own collectives around
+    this (:mod:`.megatron_lm_loop`): the batch broadcast as each microbatch is read, the rerun
+    vote after the schedule, the log's learning rate and the timers' barriers at the end.
     """
     cfg, mesh = run.cfg, run.mesh
     batch = run.corpus.global_batch(step, cfg.global_batch_size)
