@@ -23,9 +23,12 @@ Megatron-Core itself")::
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import torch
+
+_PROGRAM_START = time.time()  # as pretrain_gpt.py: its start-up report spans the imports
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
@@ -130,10 +133,11 @@ def datasets_provider(num_samples, vp_stage=None):
 
 def main() -> None:
     from megatron.core.enums import ModelType
-    from megatron.training import pretrain
+    from megatron.training import pretrain, set_startup_timestamps
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
+    set_startup_timestamps(program_start=_PROGRAM_START, main_entry=time.time())
     datasets_provider.is_distributed = True
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     cfg = pretrain_cfg_container_from_args(args)

@@ -117,3 +117,52 @@ def test_overlapped_p2p_on_cuda_is_refused_before_the_ranks_train(monkeypatch):
     assert train_main(parse()) == 0 and train_main(parse("--pp", "1", "--dp", "8",
                                                          "--overlap-p2p-communication")) == 0
     assert len(ran) == 2 and len(refused) == 1
+
+
+def megatron_lm_config(*flags: str) -> TrainConfig:
+    """The configuration ``paraloom train FLAGS`` runs with (``main`` marks the spellings)."""
+    from paraloom.commands.megatron_lm_flags import megatron_lm_spellings
+
+    flags_parser = parser()
+    args = flags_parser.parse_args(list(flags))
+    args.megatron_lm_spelt = megatron_lm_spellings(flags_parser, list(flags))
+    return config_from_args(args)[0]
+
+
+@pytest.mark.parametrize("flags", [("--train-iters", "3"), ("--tensor-model-parallel-size", "1"),
+                                   ("--num-layers=2",), ("--mock-data",),
+                                   ("--use-distributed-optimizer", "--dp", "2")])
+def test_a_megatron_lm_command_line_gets_megatron_lm_defaults(flags):
+    """One flag spelt as Megatron-LM spells it makes the command line Megatron-LM's: gradient
+    reduction after backward, blocking p2p batches, every step in the ledger."""
+    cfg = megatron_lm_config(*flags)
+    assert (cfg.overlap_grad_reduce, cfg.overlap_p2p_comm, cfg.run.ledger_steps) == \
+        (False, False, -1)
+
+
+@pytest.mark.parametrize("flags", [("--steps", "3"), ("--layers", "2", "--no-overlap-grad-reduce"),
+                                   ("--distributed-optimizer", "--dp", "2"), ("--nproc", "4")])
+def test_paraloom_spelling_keeps_paraloom_defaults(flags):
+    cfg = megatron_lm_config(*flags)
+    assert cfg.overlap_p2p_comm is None and cfg.run.ledger_steps == 2
+    assert cfg.overlap_grad_reduce == ("--no-overlap-grad-reduce" not in flags)
+
+
+def test_flags_given_beat_megatron_lm_defaults():
+    cfg = megatron_lm_config("--train-iters", "3", "--overlap-grad-reduce",
+                             "--overlap-p2p-communication", "--ledger-steps", "2")
+    assert (cfg.overlap_grad_reduce, cfg.overlap_p2p_comm, cfg.run.ledger_steps) == \
+        (True, True, 2)
+
+
+def test_megatron_lm_interleaving_overlaps_p2p_as_megatron_lm():
+    """Megatron-LM overlaps the interleaved schedule's p2p by default (1F1B has no overlap):
+    given a Megatron-LM command line with virtual stages, paraloom runs Megatron-Core's
+    overlapped interleaved plan (on gloo)."""
+    cfg = megatron_lm_config("--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                             "--num-layers-per-virtual-pipeline-stage", "1")
+    assert cfg.parallel.vpp == 2 and cfg.overlap_p2p_comm is True
+    cfg = megatron_lm_config("--pipeline-model-parallel-size", "4", "--num-layers", "8",
+                             "--num-layers-per-virtual-pipeline-stage", "1",
+                             "--no-overlap-p2p-communication")
+    assert cfg.overlap_p2p_comm is False

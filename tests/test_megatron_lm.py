@@ -40,6 +40,10 @@ LAYOUTS = {
     "tp2-pp2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
     "tp2-dp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel",
 }
+INTERLEAVED = {  # Megatron-LM's default overlapped p2p (compared with paraloom train only)
+    "pp4-vpp2": "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 "
+                "--num-layers 8",
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_lm")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     procs = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in {**LAYOUTS, **INTERLEAVED}.items():
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "paraloom", "record", "--megatron-on-cpu", "--nproc", "4",
              "--out", str(tmp / name), "--timeout", "400", "--", str(EXAMPLE), *ARGS,
@@ -57,7 +61,7 @@ def runs(tmp_path_factory):
     out = {}
     for name, proc in procs.items():
         try:
-            text, _ = proc.communicate(timeout=480)
+            text, _ = proc.communicate(timeout=720)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             raise
@@ -121,34 +125,39 @@ def test_patches_are_documented():
         assert f"| {patch} |" in readme, patch
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [*LAYOUTS, *INTERLEAVED])
 def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatron_lm(
         runs, name, tmp_path, capsys):
-    """``paraloom train --nproc 4`` with the very arguments Megatron-LM was given (and the two
-    documented defaults of the README's Defaults table set to Megatron-LM's): it trains,
-    names what it accepted without acting on (kernels, mock data, evaluation), and every
-    iteration communicates as Megatron-LM's whole loop (``diff --step 0-2`` equal, names
-    aside): the model step, the batch broadcast over tp, the rerun vote, the log's learning
-    rate, the timers' barriers and the last one after training. Without the loop's extras
-    (``--no-megatron-lm-loop``) exactly those are missing."""
+    """``paraloom train --nproc 4`` with the very arguments Megatron-LM was given: it trains
+    with Megatron-LM's defaults where paraloom's differ (a Megatron-LM command line: gradient
+    reduction after backward, blocking p2p batches, every step recorded), names what it
+    accepted without acting on (kernels, mock data, evaluation), and communicates as
+    Megatron-LM's whole run (names aside; interleaving with Megatron-LM's overlapped p2p): its
+    set-up (``diff --step setup``: the start-up
+    barriers, clocks and timers, the tied embeddings, the parameter groups, the data
+    builders' barriers and flags) and every iteration (``--step 0-2``: the model step, the
+    batch broadcast over tp, the rerun vote, the log's learning rate, the timers' barriers and
+    the last one after training). Without the loop's extras (``--no-megatron-lm-loop``)
+    exactly those are missing."""
     from paraloom.commands import main
     from paraloom.record.diff import Options, compare, sequences
 
     out = tmp_path / "paraloom"
-    common = ["train", "--nproc", "4", *ARGS, *LAYOUTS[name].split(),
-              "--no-overlap-p2p-communication", "--no-overlap-grad-reduce",  # the Defaults
-              "--save-every", "0", "--ledger-steps", "3"]                      # table's two
+    layout = {**LAYOUTS, **INTERLEAVED}[name]
+    common = ["train", "--nproc", "4", *ARGS, *layout.split(), "--save-every", "0"]
     assert main([*common, "--out", str(out)]) == 0
     captured = capsys.readouterr()
     text = captured.out + captured.err
     assert "--transformer-impl local" in text and "--mock-data" in text
+    assert "a Megatron-LM command line (--num-layers" in text
     megatron_dir = tmp_path / "megatron"
     megatron_dir.mkdir()
     (megatron_dir / "ledger.jsonl").write_text(
         "".join(__import__("json").dumps(e) + "\n" for e in runs[name][2]))
-    assert main(["diff", str(megatron_dir), str(out), "--step", "0-2", "--ignore-names"]) == 0, \
-        capsys.readouterr().out[-4000:]
-    capsys.readouterr()
+    for steps in ("setup", "0-2"):
+        assert main(["diff", str(megatron_dir), str(out), "--step", steps,
+                     "--ignore-names"]) == 0, capsys.readouterr().out[-4000:]
+        capsys.readouterr()
     if name != "tp2-pp2":
         return
     bare = tmp_path / "bare"

@@ -199,7 +199,9 @@ def test_blocking_plan(world4, schedule, pp, m, vpp):
         # isend/irecv either way; the blocking plan batches a send with a receive
         assert b["asyncs"] == o["asyncs"] == {True}
         assert any("_recv_" in e["site"] for e in b["p2p"])
-        assert not any("_recv_" in e["site"] for e in o["p2p"])
+        # 1F1B: paraloom's plan posts every op alone; interleaved: Megatron-Core's overlapped
+        # schedule, whose warm-up and cool-down calls pair a send with a receive
+        assert any("_recv_" in e["site"] for e in o["p2p"]) == (schedule == "interleaved")
         assert sorted(map(key, b["p2p"])) == sorted(map(key, o["p2p"]))
 
 

@@ -231,3 +231,31 @@ def test_cli_schedule_from_ledger(tmp_path, capsys):
     (tmp_path / "empty" / "ledger.jsonl").write_text("")
     assert cli.main(["schedule", str(tmp_path / "empty")]) == 2
     assert "no pipeline compute spans" in capsys.readouterr().err
+
+
+def test_interleaved_overlapped_plan_is_megatrons():
+    """Interleaving with overlap_p2p_comm is Megatron-Core's own overlapped schedule: calls in
+    ``_p2p_ops`` order (an even stage sends before it receives, an odd one receives first),
+    blocking warm-up calls, the steady state's forward send and next receive posted right after
+    F (its send waited for at once), the backward's right after B, and blocking cool-down calls.
+    The record of ``paraloom train`` equals Megatron-LM's (tests/test_megatron_lm.py)."""
+    p, m, v = 4, 8, 2
+    for rank in range(p):
+        plan = pl.p2p_plan("interleaved", p, m, rank, v, overlap=True)
+        for step in plan:
+            if step[0] in ("comm", "post") and len(step[1]) == 2:
+                first = step[1][0][0]
+                assert first == ("send" if rank % 2 == 0 else "recv"), (rank, step)
+        computes = [i for i, s in enumerate(plan) if s[0] in "FB"]
+        w = pl.warmup_count("interleaved", p, m, rank, v)
+        steady = computes[w:w + 2 * (m * v - w)]
+        if steady:
+            assert all(s[0] != "comm" for s in plan[steady[0]:steady[-1]])  # posts only
+            assert sum(1 for i in steady if plan[i + 1][0] == "post") >= len(steady) - 2
+        for i in computes[:w] + computes[w + 2 * (m * v - w):]:  # warm-up, cool-down: blocking
+            follow = plan[i + 1] if i + 1 < len(plan) else None
+            assert follow is None or follow[0] in ("comm", "post", "wait", "F", "B")
+            assert follow is None or follow[0] != "post" or i == computes[w - 1]
+    rank1 = pl.p2p_plan("interleaved", p, m, 1, v, overlap=True)
+    assert rank1[0] == ("comm", [("recv", "prev", ("act", 0, 0))])  # recv_forward
+    pl.check_plans([pl.p2p_plan("interleaved", p, m, r, v, overlap=True) for r in range(p)])

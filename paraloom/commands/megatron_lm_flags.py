@@ -19,6 +19,12 @@ batch and optimizer arguments are paraloom's flags' Megatron aliases (``--num-la
 :func:`layout_from_world`: given a world (torchrun's ``WORLD_SIZE`` or ``--nprocs``), the layout
 is Megatron-LM's: tensor, pipeline and context sizes default to 1 and the data-parallel size is
 the world divided by ``tp * pp * cp``. Without a world, paraloom's own default layout stands.
+
+:func:`megatron_lm_spellings`: a command line that spells a flag as Megatron-LM does (an alias
+such as ``--train-iters`` or ``--tensor-model-parallel-size``, or an argument of this module)
+is Megatron-LM's, and :data:`MEGATRON_LM_DEFAULTS` replace paraloom's own defaults where these
+differ in what is communicated (README, "Defaults"), so the run communicates as Megatron-LM's
+does with the same command line; a flag given says otherwise.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["KERNEL_FLAGS", "add_megatron_lm_flags", "check_megatron_lm", "megatron_lm_notes",
-           "layout_from_world"]
+           "layout_from_world", "megatron_lm_spellings", "MEGATRON_LM_DEFAULTS",
+           "megatron_lm_defaults"]
 
 KERNEL_FLAGS = {
     "--transformer-impl": "the layer implementation (Transformer Engine or local)",
@@ -137,3 +144,62 @@ def layout_from_world(parallel: dict, values: dict, world: int | None) -> None:
         model_parallel = parallel["tp"] * parallel["pp"] * parallel.get("cp", 1)
         if model_parallel > 0 and world % model_parallel == 0:
             parallel["dp"] = world // model_parallel
+
+
+MEGATRON_LM_DEFAULTS = {
+    "overlap_grad_reduce": (False, "gradients reduced after backward (--overlap-grad-reduce: "
+                                   "during it)"),
+    "overlap_p2p_comm": (None, "pipeline p2p as Megatron-LM: blocking batches, and with "
+                               "interleaving overlapped (--no-overlap-p2p-communication: "
+                               "blocking)"),
+    "run.ledger_steps": (-1, "every step in the ledger, as paraloom record (--ledger-steps N)"),
+}
+"""Megatron-LM's defaults where paraloom's own differ: setting -> (value, what it means); the
+p2p value is decided by :func:`_megatron_lm_overlap`."""
+_NOT_MEGATRON = {"nprocs"}  # torchrun's spellings
+_MEGATRON_ONLY = {"--num-layers-per-virtual-pipeline-stage"}
+
+
+def megatron_lm_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags of ``argv`` spelt Megatron-LM's way, in order: a flag's Megatron-LM alias (its
+    option strings after the first, paraloom's own), or an argument of this module."""
+    spelt = set(_MEGATRON_ONLY)
+    for action in parser._actions:
+        longs = [o for o in action.option_strings
+                 if o.startswith("--") and not o.startswith("--no-")]
+        if action.dest.startswith(_DEST):
+            spelt.update(longs)
+        elif action.dest not in _NOT_MEGATRON and len(longs) > 1:
+            spelt.update(o for o in longs[1:] if o not in ("--num-layers-per-virtual-stage",))
+    found = []
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in spelt and flag not in found:
+            found.append(flag)
+    return found
+
+
+def _megatron_lm_overlap(settings: dict, backend: str) -> bool:
+    """Megatron-LM's ``overlap_p2p_comm``: on, and used by the interleaved schedule only (1F1B
+    has blocking batches); on CUDA paraloom runs interleaving with blocking batches (its
+    overlapped p2p is for gloo)."""
+    vpp = settings.get("parallel", {}).get("vpp")
+    return vpp is not None and vpp > 1 and backend == "gloo"
+
+
+def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str]:
+    """Apply :data:`MEGATRON_LM_DEFAULTS` to ``settings`` (in place) where the flag was not
+    given (``values``); returns what each applied one means."""
+    applied = []
+    for path, (value, what) in MEGATRON_LM_DEFAULTS.items():
+        if path in values:
+            continue
+        if path == "overlap_p2p_comm":
+            value = _megatron_lm_overlap(settings, backend)
+        *parents, name = path.split(".")
+        target = settings
+        for part in parents:
+            target = target.setdefault(part, {})
+        target[name] = value
+        applied.append(what)
+    return applied

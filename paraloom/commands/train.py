@@ -32,7 +32,7 @@ from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
 from ..training.preflight import check_inputs
-from .megatron_lm_flags import megatron_lm_notes
+from .megatron_lm_flags import megatron_lm_notes, megatron_lm_spellings
 from .resume import resume_notes
 from .train_flags import add_train_flags, config_from_args
 
@@ -128,6 +128,12 @@ def train_main(args: argparse.Namespace) -> int:
         if _rank0():
             for note in megatron_lm_notes(args):
                 _note(note)
+            applied = getattr(args, "megatron_lm_defaults", None)
+            if applied:
+                spelt = ", ".join(args.megatron_lm_spelt[:3])
+                more = ", ..." if len(args.megatron_lm_spelt) > 3 else ""
+                _note(f"a Megatron-LM command line ({spelt}{more}): Megatron-LM's defaults: "
+                      f"{'; '.join(applied)}")
         if resumed is not None and _rank0():
             for note in resume_notes(cfg, resumed):
                 _note(note)
@@ -167,4 +173,8 @@ def train_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return train_main(parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else argv
+    flags = parser()
+    args = flags.parse_args(argv)
+    args.megatron_lm_spelt = megatron_lm_spellings(flags, argv)
+    return train_main(args)

@@ -23,7 +23,12 @@ from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_confi
 from .arch_flags import add_architecture_flags, apply_architecture
 from .flags import add_flags, apply, flag_name, fresh, given
 from .layout_flags import check_layout_flags
-from .megatron_lm_flags import add_megatron_lm_flags, check_megatron_lm, layout_from_world
+from .megatron_lm_flags import (
+    add_megatron_lm_flags,
+    check_megatron_lm,
+    layout_from_world,
+    megatron_lm_defaults,
+)
 from .resume import Resumed, resume_base
 
 __all__ = ["add_train_flags", "config_from_args", "absolute", "GROUPS"]
@@ -114,6 +119,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
         layout_from_world(settings["parallel"], values, _world(args))
     check_megatron_lm(args, settings["model"], default_backend())
     _virtual_stages(args, settings, values)
+    if resumed is None and getattr(args, "megatron_lm_spelt", None):
+        args.megatron_lm_defaults = megatron_lm_defaults(settings, values, default_backend())
     model = ModelConfig(**settings["model"])
     parallel = ParallelConfig(**settings["parallel"])
     check_layout_flags(model, parallel,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import comm
 from ..config import ModelConfig
 from ..context_parallel import ContextParallelAttention
 from ..mesh import ParallelMesh
@@ -208,6 +209,24 @@ class GPTModel(nn.Module):
             self.output_layer.weight = nn.Parameter(CounterInit(opt.seed, cfg.init_std)(
                 "output_layer.weight", shape, ranges, dtype=opt.params_dtype))
             set_tensor_model_parallel_attributes(self.output_layer.weight, True, 0)
+
+    def setup_embeddings_and_output_layer(self) -> None:
+        """Megatron's start of word embeddings tied across pipeline stages: the last stage's
+        copy (its output layer) is zeroed and one all-reduce over the embedding group (first and
+        last stage, phase ``setup``, kind ``emb``) gives it the first stage's values. Both
+        copies already start equal here (counter-based initialisation by global name); the
+        all-reduce is Megatron's, and it keeps them equal whatever initialised them. Nothing at
+        pp = 1, untied, or on a chunk without the embeddings."""
+        if self.cfg.untie_embeddings_and_output_weights or self.mesh.emb.size < 2 \
+                or self.mesh.emb.rank < 0 or not hasattr(self, "embedding"):
+            return
+        weight = self.embedding.word_embeddings.weight
+        if not self.pre_process:
+            weight.data.zero_()
+        comm.all_reduce(weight.data, self.mesh.emb, phase="setup", kind="emb",
+                        site="GPTModel.setup_embeddings_and_output_layer",
+                        module="embedding.word_embeddings.weight",
+                        split="the tied word embeddings' first values")
 
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """The activation received from the previous pipeline stage (Megatron's hook)."""

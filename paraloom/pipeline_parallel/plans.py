@@ -83,6 +83,8 @@ def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
     tensors. :func:`check_plans` verifies exactly that (and deadlock freedom); the tests run it
     over many ``(schedule, p, m, v)``.
     """
+    if overlap and schedule == "interleaved":
+        return _interleaved_overlapped(p, m, rank, v, forward_only)
     groups = _groups(schedule, p, m, rank, v, forward_only)
     needs = [[_recv(msg) for msg in (_needed(op, rank, p, v) for op in group) if msg]
              for group in groups]
@@ -117,6 +119,98 @@ def p2p_plan(schedule: str, p: int, m: int, rank: int, v: int = 1,
         pending = [msg for msg in (_produced(op, rank, p, v) for op in group) if msg]
     if pending:
         plan.append(("comm", _megatron_order([("send", _side(msg), msg) for msg in pending], p)))
+    return plan
+
+
+_EVEN_ORDER = {("send", "next"): 0, ("recv", "prev"): 1, ("send", "prev"): 2, ("recv", "next"): 3}
+_ODD_ORDER = {("recv", "prev"): 0, ("send", "next"): 1, ("recv", "next"): 2, ("send", "prev"): 3}
+
+
+def _p2p_order(ops: list, rank: int) -> list:
+    """One unbatched call in Megatron-Core's order (``_p2p_ops``, what it uses with
+    ``overlap_p2p_comm``): an even stage sends to the next, receives from the previous, sends to
+    the previous, receives from the next; an odd stage receives first in each direction."""
+    order = _EVEN_ORDER if rank % 2 == 0 else _ODD_ORDER
+    return sorted((op for op in ops if op is not None), key=lambda op: order[op[0], op[1]])
+
+
+def _interleaved_overlapped(p: int, m: int, rank: int, v: int, forward_only: bool) -> list:
+    """Megatron-Core's interleaved schedule with ``overlap_p2p_comm`` (Megatron-LM's default for
+    interleaving; ``overlap_p2p_comm_warmup_flush`` off), every call in ``_p2p_ops``' order:
+
+    * warm-up: ``recv_forward``; after each forward a blocking ``send_forward_recv_forward``;
+      after the last, the first backward's receive posted (``send_backward_recv_backward``);
+    * steady state, per forward-backward pair: wait for the forward's input, F, post its send
+      with the next forward's receive and wait for that send (the output is freed after it), wait
+      for the backward's gradient, B, post its send with the next backward's receive (the
+      previous backward's send is waited for then);
+    * cool-down: wait for the posted receive, then B and a blocking ``send_backward_recv_backward``
+      each; the last backward send of the steady state is waited for at the end.
+    """
+    order = stage_order("interleaved", p, m, rank, v, forward_only)
+    fs = [op for op in order if op[0] == "F"]
+    bs = [op for op in order if op[0] == "B"]
+    total = len(fs)
+    w = total if forward_only else warmup_count("interleaved", p, m, rank, v)
+
+    def need(op):
+        msg = _needed(op, rank, p, v) if op is not None else None
+        return _recv(msg) if msg else None
+
+    def out(op):
+        msg = _produced(op, rank, p, v)
+        return ("send", _side(msg), msg) if msg else None
+
+    def at(ops, i):
+        return ops[i] if i < len(ops) else None
+
+    plan: list[tuple] = []
+
+    def call(kind, *ops):
+        ops = _p2p_order(list(ops), rank)
+        if ops:
+            plan.append((kind, ops))
+        return ops
+
+    call("comm", need(fs[0]))
+    posted_b, sent_b = [], []
+    for k in range(w):
+        plan.append(fs[k])
+        call("comm", out(fs[k]), need(at(fs, k + 1)))
+        if k == w - 1 and w < total:
+            posted_b = call("post", need(bs[0]))
+    posted_f = []
+    for j in range(total - w):
+        f, b = fs[w + j], bs[j]
+        if posted_f:
+            plan.append(("wait", posted_f))
+        plan.append(f)
+        send = out(f)
+        nxt = need(fs[w + j + 1]) if w + j + 1 < total else None
+        call("post", send, nxt)
+        if send:
+            plan.append(("wait", [send]))
+        posted_f = [nxt] if nxt else []
+        if posted_b:
+            plan.append(("wait", posted_b))
+        plan.append(b)
+        send = out(b)
+        nxt = need(at(bs, j + 1))
+        call("post", send, nxt)
+        if sent_b:
+            plan.append(("wait", sent_b))
+        sent_b, posted_b = ([send] if send else []), ([nxt] if nxt else [])
+    if not forward_only:
+        if w == total:
+            call("comm", need(bs[0]))
+        for i in range(total - w, total):
+            if posted_b:
+                plan.append(("wait", posted_b))
+                posted_b = []
+            plan.append(bs[i])
+            call("comm", out(bs[i]), need(at(bs, i + 1)))
+    if sent_b:
+        plan.append(("wait", sent_b))
     return plan
 
 

@@ -46,6 +46,16 @@ SPLITS = {
     "the microbatch's attention mask": "本微批次的注意力掩码",
     "whether any rank re-runs the step": "是否有 rank 要重跑本步",
     "the learning rate, for the log": "学习率（用于日志）",
+    "the tied word embeddings' first values": "绑定词嵌入的初始值",
+    "the earliest program start over the ranks": "各 rank 中最早的程序启动时间",
+    "the earliest training start over the ranks": "各 rank 中最早的训练启动时间",
+    "each rank's start-up times, for the log": "各 rank 的启动计时（用于日志）",
+    "each rank's set-up times, for the log": "各 rank 的初始化计时（用于日志）",
+    "the size of each rank's dense parameter-group keys": "各 rank 稠密参数组键的字节数",
+    "the size of each rank's expert parameter-group keys": "各 rank 专家参数组键的字节数",
+    "each rank's dense parameter-group keys": "各 rank 的稠密参数组键",
+    "each rank's expert parameter-group keys": "各 rank 的专家参数组键",
+    "whether to train, validate and test": "是否训练、验证与测试",
 }
 """Every split text paraloom's runtime writes, in Chinese."""
 

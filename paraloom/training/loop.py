@@ -27,12 +27,13 @@ import torch.distributed as dist
 from .. import comm
 from ..config import TrainConfig
 from ..data import Corpus, eval_batches, load_tokens
-from ..device import timing_event_type, tune_allocator
+from ..device import get_device, timing_event_type, tune_allocator
 from ..heartbeat import Heartbeat
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
 from ..run_folder import CONFIG, METRICS, SUMMARY, rank_ledger, read_json_lines, write_events
 from ..tensor_parallel.random import rng_state_dict
+from . import megatron_lm_setup
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
 from .multinode import needs_shared_folder, prepare_run_folder
 from .progress import show_progress
@@ -70,6 +71,24 @@ def _save(run, out: Path, step: int) -> None:
                     rank_state=rng_state_dict(run.device))
 
 
+def _set_up(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, t0: float):
+    """Build the run, recording what it communicates (the ledger's ``setup`` section): the
+    model's own set-up collectives, and with ``--megatron-lm-loop`` Megatron-LM's before and
+    after them (:mod:`.megatron_lm_setup`). Returns the run and the ledger that holds them."""
+    device = get_device()
+    ledger = Ledger(rank=dist.get_rank(), t0=t0, event_type=timing_event_type(device))
+    megatron_lm = cfg.megatron_lm_loop
+    with recording(ledger):
+        if megatron_lm:
+            megatron_lm_setup.initialize(mesh, t0, device)
+        run = build(cfg, mesh, corpus, init_from_hf=cfg.run.init_from_hf)
+        if megatron_lm:
+            megatron_lm_setup.param_groups(run.chunks, mesh, device)
+            megatron_lm_setup.data_setup(mesh, len(run.chunks), t0, device,
+                                         train=cfg.steps > 0, evaluate=True)
+    return run, ledger
+
+
 def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     """Train ``cfg`` on this rank (the world is initialised); rank 0 returns the summary (it
     also holds ``"events"``: every rank's ledger, merged)."""
@@ -82,7 +101,7 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     needs_shared_folder(folder, r.save_every)
     d = cfg.data
     corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
-    run = build(cfg, mesh, corpus, init_from_hf=r.init_from_hf)
+    run, setup = _set_up(cfg, mesh, corpus, t0)
     start, ckpt, meta = _resume(run, r.resume) if r.resume else (0, None, None)
     # continuing in the run's own folder with the same layout keeps its ledger of earlier steps
     # and records the steps an uninterrupted run records; otherwise the ledger starts again
@@ -96,13 +115,18 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     val_before = evaluate(run, held_out)
     ledger_file = rank_ledger(out, rank)
     next_seq, kept_until = continue_ledger(ledger_file, start, keep_ledger)
-    if keep_ledger:  # the continuation's times follow the kept events' on the trace
+    if keep_ledger:  # the kept ledger has its set-up section: the continuation records none;
+        # its times follow the kept events' on the trace
         last = torch.tensor([kept_until], dtype=torch.float64, device=run.device)
         comm.all_reduce(last, mesh.world, phase="setup", kind="world", op="max",
                         site="run_rank:resumed_ledger_time")
         t0 -= float(last.item())
-    ledger = Ledger(rank=rank, t0=t0, event_type=timing_event_type(run.device))
-    ledger.next_seq = next_seq
+        ledger = Ledger(rank=rank, t0=t0, event_type=timing_event_type(run.device))
+        ledger.next_seq = next_seq
+    else:
+        ledger = setup
+        ledger.dump(ledger_file, mode="a")
+        ledger.events.clear()
     first_recorded = 0 if keep_ledger else start
     bad = 0
     scalars = None

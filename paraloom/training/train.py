@@ -100,6 +100,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
         with torch.device(device):
             chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
                                    post_process=role.is_last, options=options))
+        chunks[-1].setup_embeddings_and_output_layer()  # as Megatron's constructor does
     if init_from_hf is not None:
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero = cfg.distributed_optimizer
