@@ -33,7 +33,8 @@ _PROGRAM_START = time.time()  # as pretrain_gpt.py: its start-up report spans th
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                    pg_collection=None):
-    """megatron-core's GPTModel for this stage (and virtual stage), from Megatron-LM's args."""
+    """megatron-core's GPTModel for this stage (and virtual stage), from Megatron-LM's args
+    (with ``--num-experts``, its MLPs are MoE layers)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
@@ -42,7 +43,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     config = config or core_transformer_config_from_args(args)
     return GPTModel(
-        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            num_experts=args.num_experts, moe_grouped_gemm=args.moe_grouped_gemm),
         vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,

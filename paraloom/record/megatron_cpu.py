@@ -30,6 +30,10 @@ collectives Megatron issues.
 * Recomputation (``CheckpointFunction`` in ``tensor_parallel/random.py``) saves and restores the
   CUDA generator's state next to the CPU one's; on a CPU there is only the CPU generator, which
   it saves and restores already, so the CUDA half is the CPU state and a restore that does nothing.
+* The MoE all-to-all dispatcher moves its split sizes to the host as numpy arrays
+  (``moe_utils.maybe_move_tensor_to_cpu(as_numpy=True)``, which converts only CUDA tensors);
+  on a CPU they are converted as they would be from the device, and the dispatcher's CUDA
+  event for that copy is one already reached.
 * The local spec's norm without apex (``transformer/torch_norm.py``'s ``WrappedTorchNorm``)
   refuses sequence parallelism; with it, the norm is built as usual and its parameters are
   tagged ``sequence_parallel``, as the fused norm it replaces tags them (so
@@ -49,6 +53,7 @@ import warnings
 import torch
 
 from . import on_import
+from .cuda_on_cpu import TORCH, torch_on_cpu
 
 __all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH", "torch_on_cpu"]
 
@@ -82,85 +87,16 @@ PATCHES = {
                              "generator states",
     "recomputation RNG state": "tensor_parallel/random.py: CheckpointFunction saves and restores "
                                "the CUDA generator (_get_cuda_rng_state / _set_cuda_rng_state)",
+    "MoE split sizes on the host": "transformer/moe/moe_utils.py: maybe_move_tensor_to_cpu("
+                                   "as_numpy=True) turns only CUDA tensors into the all-to-all's "
+                                   "split-size arrays",
     "sequence-parallel torch norm": "transformer/torch_norm.py: WrappedTorchNorm asserts not "
                                     "config.sequence_parallel (the fused norm tags its "
                                     "parameters sequence_parallel instead)",
 }
 """Every patch and the lines of megatron-core it serves (README, "Record Megatron-Core itself")."""
 
-_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "ones_like",
-              "empty_like", "full_like", "rand", "randn", "randint", "as_tensor")
 _INSTALLED = False
-
-
-class _NullStream:
-    """A CUDA stream on a CPU: every method does nothing (work is synchronous already)."""
-
-    def __init__(self, *_args, **_kwargs) -> None:
-        pass
-
-    def __getattr__(self, _name):
-        return lambda *_a, **_k: None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        return None
-
-
-def _cpu(device):
-    text = str(device) if device is not None else ""
-    return "cpu" if text.startswith("cuda") or isinstance(device, int) else device
-
-
-def _on_cpu(factory):
-    def make(*args, **kwargs):
-        if "device" in kwargs:
-            kwargs["device"] = _cpu(kwargs["device"])
-        return factory(*args, **kwargs)
-    make.__name__ = getattr(factory, "__name__", "factory")
-    return make
-
-
-class _CudaOnCpu(types.ModuleType):
-    """``torch.cuda`` for :data:`CUDA_MODULES`: the device is the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch.cuda")
-
-    def __getattr__(self, name):
-        if name == "current_device":
-            return lambda: torch.device("cpu")
-        if name == "synchronize":
-            return lambda *_a, **_k: None
-        if name in ("current_stream", "default_stream"):
-            return lambda *_a, **_k: _NullStream()
-        if name == "Stream":
-            return _NullStream
-        if name == "stream":
-            return lambda *_a, **_k: contextlib.nullcontext()
-        return getattr(torch.cuda, name)
-
-
-class _TorchOnCpu(types.ModuleType):
-    """``torch`` for :data:`CUDA_MODULES`: its factories put ``"cuda"`` tensors on the CPU."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.__dict__["cuda"] = _CudaOnCpu()
-
-    def __getattr__(self, name):
-        value = getattr(torch, name)
-        return _on_cpu(value) if name in _FACTORIES else value
-
-
-_TORCH = _TorchOnCpu()
-
-
-def torch_on_cpu() -> types.ModuleType:
-    """A new ``torch`` stand-in (its own ``torch.cuda``, which a caller may extend)."""
-    return _TorchOnCpu()
 
 
 def _from_megatron(depth: int = 2) -> bool:
@@ -216,7 +152,7 @@ def _patch_module(module) -> None:
     name = module.__name__
     if name in CUDA_MODULES:
         if getattr(module, "torch", None) is torch:
-            module.torch = _TORCH
+            module.torch = TORCH
         else:
             _missed("torch on CPU", f"{name}.torch")
     if name == "megatron.core.tensor_parallel.random":
@@ -236,6 +172,17 @@ def _patch_module(module) -> None:
             module._set_cuda_rng_state = lambda *_a, **_k: None
         else:
             _missed("recomputation RNG state", f"{name}._get_cuda_rng_state")
+    if name == "megatron.core.transformer.moe.moe_utils":
+        move = getattr(module, "maybe_move_tensor_to_cpu", None)
+        if move is None:
+            _missed("MoE split sizes on the host", f"{name}.maybe_move_tensor_to_cpu")
+            return
+
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                return tensor.numpy()  # what the device's split sizes become on the host
+            return move(tensor, as_numpy, record_stream)
+        module.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
     if name == "megatron.core.transformer.torch_norm":
         cls = getattr(module, "WrappedTorchNorm", None)
         if cls is None:
