@@ -42,7 +42,7 @@ LAYOUTS = {
 }
 INTERLEAVED = {  # Megatron-LM's default overlapped p2p (compared with paraloom train only)
     "pp4-vpp2": "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 "
-                "--num-layers 8",
+                "--num-layers 8 --log-interval 2",  # the timers' barriers in iterations 1 and 2
 }
 
 
@@ -174,3 +174,13 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
     assert extras == {"get_batch_on_this_tp_rank.<locals>._broadcast",
                       "RerunStateMachine._reduce_any",
                       "reduce_max_stat_across_model_parallel_group"}
+
+
+def test_logged_iterations_are_megatron_lms():
+    """training_log's interval timer: the process's first iteration (also after a resume) and
+    every --log-interval-th (iteration = step + 1)."""
+    from paraloom.training.megatron_lm_loop import logged_iteration
+
+    assert [s for s in range(7) if logged_iteration(s, 3, s == 0)] == [0, 2, 5]
+    assert [s for s in range(4, 9) if logged_iteration(s, 3, s == 4)] == [4, 5, 8]
+    assert [s for s in range(250) if logged_iteration(s, 100, s == 0)] == [0, 99, 199]

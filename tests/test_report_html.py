@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "tmp" / "test-artifacts"
 TRAIN = ["--tp", "2", "--pp", "2", "--dp", "1", "--layers", "4", "--hidden", "32", "--heads", "4",
          "--seq-len", "32", "--global-batch-size", "4", "--micro-batch-size", "1", "--steps", "2",
-         "--save-every", "0", "--log-interval", "1"]
+         "--save-every", "0", "--tensorboard-log-interval", "1"]
 DDP = textwrap.dedent('''
     import torch, torch.distributed as dist
     from torch import nn

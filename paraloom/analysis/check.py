@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
-from ..training.megatron_lm_loop import MEGATRON_LOG_INTERVAL, logged_iteration
+from ..training.megatron_lm_loop import logged_iteration
 from .formulas import expected_comm
 from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
 from .spec import Architecture, CommConfig
@@ -143,7 +143,13 @@ def config_from_run(cfg: dict) -> CommConfig:
         moe=moe_from_run(m, p, cfg["micro_batch_size"]),
         megatron_lm_loop=cfg.get("megatron_lm_loop", False),
         rerun_vote=cfg.get("rerun_mode", "validate_results") != "disabled",
-        total_steps=cfg.get("steps"))
+        total_steps=cfg.get("steps"), log_interval=_log_interval(cfg.get("run", {})))
+
+
+def _log_interval(run: dict) -> int:
+    """Megatron-LM's ``--log-interval`` of a run (100 before paraloom had it: its
+    ``log_interval`` was TensorBoard's then, and ``tensorboard_log_interval`` did not exist)."""
+    return run.get("log_interval", 100) if "tensorboard_log_interval" in run else 100
 
 
 def _ffn(model: dict) -> int | None:
@@ -159,9 +165,9 @@ def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> Comm
     first step communicates differently, as Megatron's: see :class:`CommConfig`). Without a
     metrics line, step 0 is a first step."""
     line = metrics.get(step, {})
-    return replace(config, optimizer_step=not line.get("skipped", False),
-                   first_step=bool(line.get("first_of_process", step == 0)),
-                   timer_barriers=logged_iteration(step, MEGATRON_LOG_INTERVAL),
+    first = bool(line.get("first_of_process", step == 0))
+    return replace(config, optimizer_step=not line.get("skipped", False), first_step=first,
+                   timer_barriers=logged_iteration(step, config.log_interval, first),
                    last_step=step + 1 == config.total_steps)
 
 

@@ -128,6 +128,8 @@ class CommConfig:
     """With the loop: the run's last step ("after training is done": one more barrier)."""
     total_steps: int | None = None
     """The run's steps (which step is the last)."""
+    log_interval: int = 100
+    """Megatron-LM's ``--log-interval`` (which iterations are logged)."""
     schedule: str | None = None
     """``1f1b``, ``interleaved``, ``none``, ``zb-h1``; ``None``: the default for pp and vpp."""
     dtype_bytes: int = 4

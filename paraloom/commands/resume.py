@@ -24,7 +24,7 @@ from ..training.resume import same_layout
 __all__ = ["Resumed", "resume_base", "resume_notes"]
 
 _NOT_SETTINGS = ("run.out", "run.resume", "run.init_from_hf", "run.tensorboard_dir",
-                 "run.log_interval")
+                 "run.log_interval", "run.tensorboard_log_interval")
 """Where a run writes or starts from, not how it trains: never a "changed" setting."""
 
 

@@ -48,8 +48,17 @@ class RunConfig:
         None, "--tensorboard-dir", metavar="DIR",
         help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
     """Write TensorBoard scalars here (rank 0; Megatron's ``--tensorboard-dir``)."""
-    log_interval: int = option(1, "--log-interval", help="TensorBoard scalars every N steps")
-    """TensorBoard scalars every N steps (and at the last; Megatron's ``--log-interval``)."""
+    log_interval: int = option(100, "--log-interval",
+                               help="Megatron-LM's training log: with --megatron-lm-loop the first "
+                                    "and every Nth iteration stop and restart the interval timer "
+                                    "behind two barriers")
+    """Megatron-LM's ``--log-interval``: the iterations ``training_log`` reports (the first, and
+    every N-th), whose interval timer stops and restarts behind a barrier each
+    (:mod:`paraloom.training.megatron_lm_loop`)."""
+    tensorboard_log_interval: int = option(1, "--tensorboard-log-interval",
+                                           help="TensorBoard scalars every N steps")
+    """TensorBoard scalars every N steps (and at the last; Megatron-LM's
+    ``--tensorboard-log-interval``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.ledger_steps, bool) or not isinstance(self.ledger_steps, int) or (
@@ -59,10 +68,10 @@ class RunConfig:
         if self.save_every < 0:
             raise ValueError(f"save_every (--save-every) must be >= 0, got {self.save_every}")
         positive_int("max_bad_steps", self.max_bad_steps)
-        if isinstance(self.log_interval, bool) or not isinstance(self.log_interval, int) \
-                or self.log_interval < 1:
-            raise ValueError(f"--log-interval must be a positive integer, got "
-                             f"{self.log_interval}")
+        for flag, value in (("--log-interval", self.log_interval),
+                            ("--tensorboard-log-interval", self.tensorboard_log_interval)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value}")
         if not (isinstance(self.hang_after, (int, float)) and self.hang_after >= 0
                 and math.isfinite(self.hang_after)):
             raise ValueError(f"hang_after (--hang-after) must be 0 (off) or positive seconds, "

@@ -103,6 +103,7 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
     run, setup = _set_up(cfg, mesh, corpus, t0)
     start, ckpt, meta = _resume(run, r.resume) if r.resume else (0, None, None)
+    run.first_step = start
     # continuing in the run's own folder with the same layout keeps its ledger of earlier steps
     # and records the steps an uninterrupted run records; otherwise the ledger starts again
     same = ckpt is not None and same_run(out, ckpt)
@@ -133,7 +134,7 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     writer = rank == mesh.world.size - 1  # it holds the loss: the last pipeline stage
     written: list[dict] = []  # the metric lines, for rank 0 if this node is not its folder's
     if writer and r.tensorboard_dir:
-        scalars = ScalarLog(r.tensorboard_dir, r.log_interval, cfg.steps)
+        scalars = ScalarLog(r.tensorboard_dir, r.tensorboard_log_interval, cfg.steps)
     beat = Heartbeat(ledger, out, unflushed=lambda: ledger.events).start() \
         if r.hang_after > 0 else None
     for step in range(start, cfg.steps):

@@ -16,10 +16,10 @@ its record equals Megatron-LM's (``tests/test_megatron_lm.py``):
   all-reduce over the world. ``--rerun-mode disabled`` leaves it out.
 * :func:`learning_rate_max` -- ``training_log`` takes the learning rate's maximum over the
   model-parallel group every iteration: fp32 ``[1]``.
-* :func:`timer_barriers` -- in a logged iteration (the first, and every 100th: Megatron-LM's
-  default ``--log-interval``) the interval timer stops and restarts with a barrier over the
-  world each; after the last iteration ``pretrain`` prints "after training is done" behind one
-  more (:func:`training_done_barrier`).
+* :func:`timer_barriers` -- in a logged iteration (the process's first, and every
+  ``--log-interval``-th: 100 by default, as in Megatron-LM) the interval timer stops and
+  restarts with a barrier over the world each; after the last iteration ``pretrain`` prints
+  "after training is done" behind one more (:func:`training_done_barrier`).
 """
 
 from __future__ import annotations
@@ -30,12 +30,7 @@ from .. import comm
 from ..mesh import ParallelMesh
 
 __all__ = ["broadcast_batch", "rerun_vote", "learning_rate_max", "timer_barriers",
-           "logged_iteration", "training_done_barrier", "MEGATRON_LOG_INTERVAL"]
-
-MEGATRON_LOG_INTERVAL = 100
-"""Megatron-LM's ``--log-interval`` default: the iterations whose log stops and restarts the
-interval timer (paraloom's ``--log-interval`` is TensorBoard's, Megatron-LM's
-``--tensorboard-log-interval``, so the timers keep Megatron-LM's default)."""
+           "logged_iteration", "training_done_barrier"]
 
 _SITE = "get_batch_on_this_tp_rank"
 
@@ -93,9 +88,10 @@ def learning_rate_max(mesh: ParallelMesh, lr: float, device: torch.device) -> No
                     site="training_log:learning_rate", split="the learning rate, for the log")
 
 
-def logged_iteration(step: int, log_interval: int) -> bool:
-    """Whether Megatron-LM logs iteration ``step + 1``: the first, and every ``log_interval``."""
-    return step == 0 or (step + 1) % log_interval == 0
+def logged_iteration(step: int, log_interval: int, first: bool) -> bool:
+    """Whether Megatron-LM logs iteration ``step + 1``: the ``first`` of the process (also after
+    a resume), and every ``log_interval``-th."""
+    return first or (step + 1) % log_interval == 0
 
 
 def timer_barriers(mesh: ParallelMesh) -> None:

@@ -1,4 +1,5 @@
-"""TensorBoard scalars of a training run (Megatron's ``--tensorboard-dir`` / ``--log-interval``).
+"""TensorBoard scalars of a training run (Megatron's ``--tensorboard-dir`` /
+``--tensorboard-log-interval``).
 
 The last rank (it holds the loss: the last pipeline stage) writes, through
 ``torch.utils.tensorboard`` (the ``tensorboard`` package, an optional extra:

@@ -45,7 +45,6 @@ from ..pipeline_parallel.schedules import (
 from ..tensor_parallel.random import model_parallel_seed
 from .lr_schedule import learning_rate
 from .megatron_lm_loop import (
-    MEGATRON_LOG_INTERVAL,
     broadcast_batch,
     learning_rate_max,
     logged_iteration,
@@ -76,6 +75,8 @@ class Run:
     grad_norm: GradNorm
     step: int = 0
     tokens: int = 0
+    first_step: int = 0
+    """The first step this process runs (after a resume, the checkpoint's)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -214,7 +215,7 @@ def train_step(run: Run, step: int) -> dict:
     out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
     if loop:  # Megatron-LM's training_log
         learning_rate_max(mesh, lr, run.device)
-        if logged_iteration(step, MEGATRON_LOG_INTERVAL):
+        if logged_iteration(step, cfg.run.log_interval, step == run.first_step):
             timer_barriers(mesh)
         if step + 1 == cfg.steps:
             training_done_barrier(mesh)
