@@ -32,7 +32,8 @@ __all__ = ["RankEvidence", "Evidence", "load", "number"]
 class RankEvidence:
     """One rank: ``events`` (communication only, launch order), ``exit`` (``None``: still
     running or unknown; negative: killed by that signal), ``error`` (the line it raised),
-    ``time`` (when it ended, host seconds), ``stopped`` (ended by the launcher, not by itself)."""
+    ``time`` (when it ended, host seconds), ``stopped`` (ended by the launcher, not by itself),
+    ``missing`` (what the rank did not leave, e.g. "no Flight Recorder dump (...)")."""
 
     rank: int
     events: list[dict] = field(default_factory=list)
@@ -41,6 +42,7 @@ class RankEvidence:
     time: float | None = None
     stopped: bool = False
     live: dict | None = None
+    missing: str | None = None
 
 
 @dataclass

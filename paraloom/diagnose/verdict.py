@@ -47,6 +47,8 @@ def _divergence(evidence: Evidence, g: match.Group, n: int, picks: dict | None =
 
 def _where(ev: RankEvidence, known: bool) -> str:
     """Where a rank is now: its exit, or what it waits in."""
+    if ev.missing and not ev.events:
+        return f"it left {ev.missing}"
     pending = [e for e in ev.events if e.get("pending")
                or (not known and e is ev.events[-1])]
     if ev.exit not in (None, 0) and not ev.stopped:
@@ -252,6 +254,12 @@ def diagnose(evidence: Evidence) -> Diagnosis:
                            if any(e.get("pending") for e in ev.events)]
                 if soft is not None and pending:
                     d = _mismatch(evidence, soft)
+                elif missing := [ev.rank for ev in evidence.ranks.values()
+                                 if ev.missing and not ev.events]:
+                    d = Diagnosis("failed", missing, None, f"{_who(missing)} left "
+                                  f"{evidence.ranks[missing[0]].missing}; what the other ranks "
+                                  f"left agrees, so the ones without evidence are the "
+                                  f"candidates.", False)
                 elif pending:
                     d = Diagnosis("hang", [], None, f"{_who(pending)} still wait in "
                                   f"communication every member launched: nothing diverged "
