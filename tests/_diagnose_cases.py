@@ -190,7 +190,7 @@ def main(argv: list[str]) -> None:
         _dump_later(argv[argv.index("--fr") + 1], float(os.environ.get("CASE_DUMP_AFTER", 4)))
     globals()[f"case_{case}"](rank, world)
     if "--fr" in argv:  # a healthy end: wait for the dump, as a hang would
-        time.sleep(float(os.environ.get("CASE_DUMP_AFTER", 4)) + 1)
+        time.sleep(float(os.environ.get("CASE_DUMP_AFTER", 4)) + 6)
     dist.destroy_process_group()
 
 

@@ -14,7 +14,7 @@ What is read, and how:
 * each entry becomes an event of the ledger's form: op, shape, dtype and bytes of its first
   input, the group's global ranks, ``gseq`` from ``collective_seq_id`` (so members are matched
   by position, not time), and ``site``: the innermost frame outside torch (``file:line
-  function``). Phase and module are not in a dump.
+  function``; torch and decorators' wrappers skipped). Phase and module are not in a dump.
 * the default group is named ``''`` in ``pg_config`` and ``'0'`` in the entries (gloo, torch
   2.13): they are the same group (FR's own analyser fails on this with ``KeyError: ('0', 3)``).
   Groups made by ``new_group`` are missing from gloo's ``pg_config`` (and overwrite the ``''``
@@ -94,10 +94,16 @@ def _ranks(config: dict, name: str) -> list[int] | None:
     return json.loads(ranks) if isinstance(ranks, str) else list(ranks or [])
 
 
+_NOT_THE_CALLER = ("/torch/", "\\torch\\", "typing_extensions.py", "/contextlib.py",
+                   "/functools.py", "/warnings.py", "<frozen")
+"""Frames that are not where a program communicates: torch itself, and decorators' wrappers
+(torch's deprecation warnings wrap ``all_gather_into_tensor`` in ``typing_extensions``)."""
+
+
 def _site(frames) -> str | None:
     for frame in frames or []:
         name = str(frame.get("filename", ""))
-        if "/torch/" not in name and "\\torch\\" not in name:
+        if not any(part in name for part in _NOT_THE_CALLER):
             return f"{name}:{frame.get('line')} {frame.get('name')}"
     return None
 

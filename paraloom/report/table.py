@@ -100,6 +100,8 @@ def _recorded(event: dict, lang: str) -> str:
     call made while a parameter's gradient was accumulated (``param_grad``: DDP's bucket hooks).
     Nothing is guessed from the phase alone: a forward all-gather may gather activations
     (sequence parallelism) or parameters (FSDP)."""
+    if event["op"] == "barrier":  # nothing travels
+        return "—"
     function = (event.get("site") or "").rpartition(" ")[2].rpartition(".")[2].lower()
     nouns, noun = _NOUNS[lang], None
     if event["phase"] == "setup":
