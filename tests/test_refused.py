@@ -356,3 +356,38 @@ def test_megatron_lm_layout_comes_from_the_world():
     assert any("--transformer-impl local" in n and "--use-cpu-initialization" in n
                for n in notes)
     assert any(n.startswith("--mock-data: training on the bundled corpus") for n in notes)
+
+
+def test_folders_that_are_not_hugging_face_models(hf_dir, tmp_path, capsys, no_ranks):
+    """A paraloom run folder, a config without model_type, a Llama config missing a key: exit 2
+    before any rank, one line naming the file and what is wrong (no KeyError traceback)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": {}, "parallel": {}, "steps": 3}))
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"n_embd": 32}))
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256,
+                                                   "hidden_size": 64}))
+    for folder, words in ((run, "no model_type) (it is a paraloom run's config: did you mean "
+                                "--resume?)"),
+                          (bare, "is not a Hugging Face config (no model_type)"),
+                          (llama, "a llama config without num_hidden_layers, "
+                                  "num_attention_heads, intermediate_size")):
+        for argv in (["train", "--init-from-hf", str(folder), "--out", str(tmp_path / "o")],
+                     ["eval", "--hf", str(folder)]):
+            assert main(argv) == 2, argv
+            err = capsys.readouterr().err
+            assert words in err and str(folder / "config.json") in err, err
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_tensorboard_dir_naming_a_file(tmp_path, capsys, no_ranks):
+    taken = tmp_path / "board"
+    taken.write_text("not a folder")
+    assert main(["train", "--steps", "1", "--tensorboard-dir", str(taken),
+                 "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"--tensorboard-dir {str(taken)!r} is a file" in err and len(err.splitlines()) == 1

@@ -65,10 +65,26 @@ def read_hf_config(directory: str | Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    if hf.get("model_type", "gpt2") not in ("gpt2", "llama"):
-        raise ValueError(f"{str(path)!r}: model_type {hf.get('model_type')!r} is not supported "
+    if not isinstance(hf, dict):
+        raise ValueError(f"{str(path)!r} is not a Hugging Face config (not a JSON object)")
+    if "model_type" not in hf:
+        run = " (it is a paraloom run's config: did you mean --resume?)" \
+            if {"model", "parallel"} <= set(hf) else ""
+        raise ValueError(f"{str(path)!r} is not a Hugging Face config (no model_type){run}")
+    kind = hf["model_type"]
+    if kind not in _REQUIRED:
+        raise ValueError(f"{str(path)!r}: model_type {kind!r} is not supported "
                          f"(gpt2: GPT2LMHeadModel, llama: LlamaForCausalLM)")
+    missing = [key for key in _REQUIRED[kind] if key not in hf]
+    if missing:
+        raise ValueError(f"{str(path)!r}: a {kind} config without {', '.join(missing)}")
     return hf
+
+
+_REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+             "llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "intermediate_size")}
+"""The keys a config must have for its model to be built (the others have defaults)."""
 
 
 def model_config_from_hf(hf: dict, *, seq_length: int | None = None,

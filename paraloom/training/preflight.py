@@ -10,6 +10,7 @@ comes back as notes.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -51,6 +52,10 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
     if cfg.run.resume is not None:
         check_resumable(cfg)
     if cfg.run.tensorboard_dir is not None:
+        board = Path(cfg.run.tensorboard_dir).expanduser()
+        if board.exists() and not board.is_dir():
+            raise ValueError(f"--tensorboard-dir {cfg.run.tensorboard_dir!r} is a file: give a "
+                             f"folder (created if it does not exist)")
         check_tensorboard()
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         notes.append("--sequence-parallel has no effect with tp = 1 (nothing is split); running "
