@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from .ledger import merge
 
-__all__ = ["RunFolderError", "CONFIG", "METRICS", "LEDGER", "LEDGER_DIR", "SUMMARY",
+__all__ = ["files_by_rank", "element_bytes", "RunFolderError", "CONFIG", "METRICS", "LEDGER",
+           "LEDGER_DIR", "SUMMARY",
            "rank_ledger", "rank_status", "rank_live", "rank_tail", "rank_ledgers",
            "read_json_lines", "write_json_lines", "read_json", "load_events",
            "write_events", "check_out", "written"]
@@ -202,3 +204,21 @@ def check_out(out: str | Path, flag: str = "--out", *, create: bool = False) -> 
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {str(out)!r} cannot be written: {str(existing)!r} is not "
                          f"writable")
+
+
+def files_by_rank(folder: Path, pattern: re.Pattern) -> dict[int, Path]:
+    """The files of ``folder`` whose name ``pattern`` finds a rank in (its first group), by
+    rank: one file per rank, as a job's dumps or traces come."""
+    found = {}
+    for path in sorted(folder.iterdir()):
+        m = pattern.search(path.name)
+        if path.is_file() and m:
+            found[int(m.group(1))] = path
+    return found
+
+
+def element_bytes(dtype: str | None) -> int:
+    """Bytes of one element of a dtype named as in a ledger (``"bfloat16"``), 0 if unknown."""
+    import torch
+    kind = getattr(torch, dtype, None) if dtype else None
+    return kind.itemsize if isinstance(kind, torch.dtype) else 0

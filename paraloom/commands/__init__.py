@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import keyword
 import os
 import sys
 
@@ -27,6 +28,7 @@ COMMANDS = {
     "check": "compare a run's recorded communication with the analytical model",
     "diff": "do two runs communicate identically? every divergence, rank by rank",
     "diagnose": "why a run hung or broke: the rank whose program diverged, where, and why",
+    "import": "per-rank PyTorch profiler traces as a run folder (table, diff, diagnose)",
     "plan": "extrapolate memory, communication, bubble and FLOPs to any model and cluster",
     "explain": "read parallel-training source: where it splits and communicates",
     "doctor": "diagnose the LLM provider setup used by explain --ask",
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if argv and argv[0] in COMMANDS:
-        module = importlib.import_module(f"{__name__}.{argv[0].replace('-', '_')}")
+        name = argv[0].replace("-", "_")
+        name += "_" if keyword.iskeyword(name) else ""  # paraloom import: import_.py
+        module = importlib.import_module(f"{__name__}.{name}")
         return module.main(argv[1:])
     parser = argparse.ArgumentParser(
         prog="paraloom", description="Megatron-style parallel training for PyTorch, every "

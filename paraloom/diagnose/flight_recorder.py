@@ -39,7 +39,7 @@ import pickle
 import re
 from pathlib import Path
 
-from ..run_folder import LEDGER, RunFolderError, rank_ledgers
+from ..run_folder import LEDGER, RunFolderError, element_bytes, files_by_rank, rank_ledgers
 from .evidence import Evidence, RankEvidence, load, number
 
 __all__ = ["dump_files", "load_dumps", "load_any", "event_of"]
@@ -53,19 +53,12 @@ _OPS = {"allreduce": "all_reduce", "allreduce_coalesced": "all_reduce",
 _DTYPES = {"Float": "float32", "Double": "float64", "Half": "float16", "BFloat16": "bfloat16",
            "Long": "int64", "Int": "int32", "Short": "int16", "Char": "int8", "Byte": "uint8",
            "Bool": "bool"}
-_SIZES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4,
-          "int16": 2, "int8": 1, "uint8": 1, "bool": 1}
 _RANK = re.compile(r"(\d+)(?:\.[A-Za-z]+)?$")
 
 
 def dump_files(folder: Path) -> dict[int, Path]:
     """The files of ``folder`` whose name ends with a rank number (``fr_3``, ``x_rank_3.json``)."""
-    found = {}
-    for path in sorted(folder.iterdir()):
-        m = _RANK.search(path.name)
-        if path.is_file() and m:
-            found[int(m.group(1))] = path
-    return found
+    return files_by_rank(folder, _RANK)
 
 
 def _read(path: Path) -> dict:
@@ -118,7 +111,7 @@ def event_of(rank: int, index: int, entry: dict, config: dict, status: dict
     sizes, dtypes = entry.get("input_sizes") or [], entry.get("input_dtypes") or []
     shape = list(sizes[0]) if sizes else None
     dtype = _DTYPES.get(dtypes[0], str(dtypes[0]).lower()) if dtypes else None
-    nbytes = math.prod(shape) * _SIZES.get(dtype, 0) if shape is not None else 0
+    nbytes = math.prod(shape) * element_bytes(dtype) if shape is not None else 0
     group = _ranks(config, str(pg_name)) or []
     e = {"rank": rank, "seq": index, "step": 0, "microbatch": 0, "phase": None,
          "kind": "world" if desc == "default_pg" else

@@ -65,11 +65,9 @@ def read_hf_config(directory: str | Path) -> dict:
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{str(path)!r} is not valid JSON: {err}") from None
-    if not isinstance(hf, dict):
-        raise ValueError(f"{str(path)!r} is not a Hugging Face config (not a JSON object)")
-    if "model_type" not in hf:
+    if not isinstance(hf, dict) or "model_type" not in hf:
         run = " (it is a paraloom run's config: did you mean --resume?)" \
-            if {"model", "parallel"} <= set(hf) else ""
+            if isinstance(hf, dict) and {"model", "parallel"} <= set(hf) else ""
         raise ValueError(f"{str(path)!r} is not a Hugging Face config (no model_type){run}")
     kind = hf["model_type"]
     if kind not in _REQUIRED:
@@ -81,10 +79,9 @@ def read_hf_config(directory: str | Path) -> dict:
     return hf
 
 
-_REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+_REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),  # no default
              "llama": ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                        "intermediate_size")}
-"""The keys a config must have for its model to be built (the others have defaults)."""
 
 
 def model_config_from_hf(hf: dict, *, seq_length: int | None = None,

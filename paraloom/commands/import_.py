@@ -1,0 +1,56 @@
+"""``paraloom import TRACES --out RUN``: a job's per-rank PyTorch profiler traces as a run folder.
+
+TRACES holds one Chrome trace per rank (``export_chrome_trace``; the rank is the number before
+``.json``, ``.json.gz`` or ``.pt.trace.json``). RUN gets the ledger (``ledger.jsonl``) that
+``table``, ``diff``, ``report`` and ``diagnose`` read, so a production job's artefacts are
+read without rerunning it (:mod:`paraloom.record.kineto` says what is taken from where). Exit 0,
+or 2 for bad input (the file or folder named).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..ledger import merge
+from ..record.kineto import events_of, read_trace, trace_files
+from ..run_folder import RunFolderError, check_out, write_events
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="paraloom import",
+        description="Turn per-rank PyTorch profiler (Kineto) Chrome traces into a run folder "
+        "whose ledger table, diff, report and diagnose read.")
+    ap.add_argument("traces", help="a folder with one profiler trace per rank (*RANK.json)")
+    ap.add_argument("--out", required=True, help="the run folder to write")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    folder = Path(args.traces)
+    try:
+        if not folder.is_dir():
+            raise RunFolderError(f"{args.traces!r} is not a folder of profiler traces")
+        files = trace_files(folder)
+        if not files:
+            raise RunFolderError(f"{args.traces!r} holds no profiler trace (files named "
+                                 f"...RANK.json, .json.gz or .pt.trace.json)")
+        check_out(args.out, create=True)
+        per_rank, notes = [], []
+        for rank, path in files.items():
+            events, said = events_of(read_trace(path), rank)
+            per_rank.append(events)
+            notes += said
+    except (RunFolderError, ValueError) as err:
+        print(f"paraloom import: error: {err}", file=sys.stderr)
+        return 2
+    merged = merge(per_rank)
+    write_events(args.out, merged)
+    for note in notes:
+        print(f"paraloom import: note: {note}", file=sys.stderr)
+    print(f"paraloom import: {len(merged)} communications from {len(files)} ranks -> "
+          f"{args.out} (ledger.jsonl)")
+    return 0
