@@ -144,3 +144,28 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, capsys):
         assert main(["diagnose", str(folder)]) == 2
         err = capsys.readouterr().err
         assert str(folder / "fr_0") in err and "Traceback" not in err, err
+
+
+def test_a_damaged_ledger_exits_2_naming_it(tmp_path, capsys):
+    """A run folder whose ledger has a line that is not JSON (other than a last line cut off by
+    a killed rank), or no event at all: exit 2 naming the file, not a verdict on nothing."""
+    event = {"rank": 0, "seq": 0, "step": 0, "phase": "forward", "kind": "world",
+             "op": "all_reduce", "group": [0, 1], "shape": [4], "dtype": "float32", "bytes": 16}
+    cut = tmp_path / "cut" / "ledger"
+    cut.mkdir(parents=True)
+    (cut / "rank_0.jsonl").write_text(json.dumps(event) + "\n" + json.dumps(event)[:20])
+    (cut / "rank_1.jsonl").write_text(json.dumps({**event, "rank": 1}) + "\n")
+    assert main(["diagnose", str(tmp_path / "cut")]) == 0  # a cut last line is left out
+    capsys.readouterr()
+    bad = tmp_path / "bad" / "ledger"
+    bad.mkdir(parents=True)
+    (bad / "rank_0.jsonl").write_text('{"rank": 0, "seq": 0, "op": "all_re\n' + json.dumps(event)
+                                      + "\n")
+    assert main(["diagnose", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert str(bad / "rank_0.jsonl") in err and "line 1 is not JSON" in err, err
+    empty = tmp_path / "empty" / "ledger"
+    empty.mkdir(parents=True)
+    (empty / "rank_0.jsonl").write_text("")
+    assert main(["diagnose", str(tmp_path / "empty")]) == 2
+    assert "hold no event" in capsys.readouterr().err

@@ -77,8 +77,19 @@ def number(events: list[dict]) -> list[dict]:
     return events
 
 
+def _checked(path: Path, events: list[dict]) -> list[dict]:
+    """``events`` as read from ``path``, each with its ``rank`` and ``op`` (else the file is not
+    a ledger: :class:`RunFolderError` naming it)."""
+    for n, e in enumerate(events, 1):
+        if "op" not in e or "rank" not in e:
+            raise RunFolderError(f"{str(path)!r} is not a paraloom ledger: event {n} has no "
+                                 f"{'op' if 'op' not in e else 'rank'}")
+    return events
+
+
 def _rank_events(folder: Path, rank: int, path: Path) -> list[dict]:
-    events = {e.get("seq", i): e for i, e in enumerate(read_json_lines(path, strict=False))}
+    # a cut last line (a rank killed mid-write) is left out; any other bad line is an error
+    events = {e.get("seq", i): e for i, e in enumerate(_checked(path, read_json_lines(path)))}
     for e in read_json_lines(rank_tail(folder, rank), strict=False):
         events[e.get("seq")] = e
     ordered = [events[k] for k in sorted(events, key=lambda k: (k is None, k or 0))]
@@ -112,7 +123,7 @@ def load(folder: str | Path) -> Evidence:
         for rank, path in files.items():
             ranks[rank] = RankEvidence(rank, _rank_events(folder, rank, path))
     else:
-        for e in read_json_lines(folder / LEDGER, strict=False):
+        for e in _checked(folder / LEDGER, read_json_lines(folder / LEDGER)):
             ranks.setdefault(e["rank"], RankEvidence(e["rank"])).events.append(e)
     source = "record" if any((folder / LEDGER_DIR).glob("rank_*.status.json")) else "train"
     for rank, ev in ranks.items():
@@ -129,6 +140,9 @@ def load(folder: str | Path) -> Evidence:
         ev.error = info.get("error", ev.error)
         ev.time = info.get("time", ev.time)
         ev.stopped = bool(info.get("stopped"))
+    if not any(ev.events or ev.exit is not None for ev in ranks.values()):
+        raise RunFolderError(f"{str(folder)!r}: its ledgers hold no event and no rank's exit "
+                             f"(nothing to diagnose)")
     world = max(ranks) + 1 if ranks else 0
     missing = [r for r in range(world) if r not in ranks]
     for r in missing:
