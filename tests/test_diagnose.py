@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -103,3 +104,53 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert paraloom(["diagnose", str(tmp_path / "empty")]) == 2
     err = capsys.readouterr().err
     assert "empty" in err and "Traceback" not in err
+
+
+def test_live_diagnosis_under_torchrun(tmp_path):
+    """``torchrun -m paraloom record --hang-after``: rank 0 watches the ledgers every rank writes,
+    stops the hung job and names the culprit, as the local launcher does."""
+    out = tmp_path / "torchrun"
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "paraloom", "record", "--hang-after", str(HANG_AFTER), "--timeout", "120",
+         "--out", str(out), "--", str(PROGRAM), "condition"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        raise
+    assert proc.returncode != 0 and "the ranks hung" in text, text[-3000:]
+    saved = json.loads((out / "diagnosis.json").read_text())
+    assert saved["verdict"] == "mismatch" and saved["culprits"] == [3], saved["explanation"]
+    assert f"_diagnose_cases.py:{cases.marker('condition')}" in saved["explanation"]
+    assert time.monotonic() - start < 60  # the watch, not the 120 s collective timeout
+
+
+def test_train_names_a_rank_that_dies(tmp_path):
+    """``paraloom train --hang-after``: ranks that make progress are never called hung (a
+    healthy start with a 2 s watch), and a rank killed mid-run ends the world at once with a
+    message naming it, not at the collective timeout."""
+    out = tmp_path / "train"
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paraloom", "train", "--nproc", "4", "--tp", "2", "--pp", "2",
+         "--dp", "1", "--steps", "2000", "--hang-after", "2", "--save-every", "0",
+         "--timeout", "300", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        live = out / "ledger" / "rank_2.live.json"
+        while not live.is_file() and time.monotonic() - start < 120 and proc.poll() is None:
+            time.sleep(0.2)
+        time.sleep(4)  # two watch periods of healthy training first
+        assert proc.poll() is None, "a healthy run ended (or was called hung)"
+        os.kill(json.loads(live.read_text())["pid"], 9)
+        killed = time.monotonic()
+        text, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode not in (0, 3), text[-3000:]  # failed, not a hang verdict
+    assert "rank 2" in text, text[-3000:]
+    assert time.monotonic() - killed < 60
