@@ -169,3 +169,19 @@ def test_a_damaged_ledger_exits_2_naming_it(tmp_path, capsys):
     (empty / "rank_0.jsonl").write_text("")
     assert main(["diagnose", str(tmp_path / "empty")]) == 2
     assert "hold no event" in capsys.readouterr().err
+
+
+def test_import_turns_dumps_into_a_run_folder(tmp_path, capsys):
+    """``paraloom import`` of FR dumps: a ledger that table and diagnose read like a run's."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    for rank in range(4):
+        second = _entry(2, name="gloo:barrier", sizes=((1,),)) if rank == 3 else _entry(2)
+        (dumps / f"fr_{rank}").write_bytes(pickle.dumps(_dump([_entry(1), second], completed=1)))
+    out = tmp_path / "run"
+    assert main(["import", str(dumps), "--out", str(out)]) == 0
+    assert "8 communications from 4 ranks" in capsys.readouterr().out
+    assert main(["table", str(out), "--rank", "0", "--step", "0"]) == 0
+    assert "train.py:88 step" in capsys.readouterr().out
+    assert main(["diagnose", str(out), "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["culprits"] == [3]

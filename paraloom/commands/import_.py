@@ -1,7 +1,9 @@
-"""``paraloom import TRACES --out RUN``: a job's per-rank PyTorch profiler traces as a run folder.
+"""``paraloom import TRACES --out RUN``: a job's per-rank PyTorch profiler traces, or its Flight
+Recorder dumps, as a run folder.
 
 TRACES holds one Chrome trace per rank (``export_chrome_trace``; the rank is the number before
-``.json``, ``.json.gz`` or ``.pt.trace.json``). RUN gets the ledger (``ledger.jsonl``) that
+``.json``, ``.json.gz`` or ``.pt.trace.json``), or one Flight Recorder dump per rank
+(:mod:`paraloom.diagnose.flight_recorder`). RUN gets the ledger (``ledger.jsonl``) that
 ``table``, ``diff``, ``report`` and ``diagnose`` read, so a production job's artefacts are
 read without rerunning it (:mod:`paraloom.record.kineto` says what is taken from where). Exit 0,
 or 2 for bad input (the file or folder named).
@@ -13,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..diagnose.flight_recorder import dump_files, load_dumps
 from ..ledger import merge
 from ..record.kineto import events_of, read_trace, trace_files
 from ..run_folder import RunFolderError, check_out, write_events
@@ -35,15 +38,26 @@ def main(argv: list[str] | None = None) -> int:
         if not folder.is_dir():
             raise RunFolderError(f"{args.traces!r} is not a folder of profiler traces")
         files = trace_files(folder)
-        if not files:
-            raise RunFolderError(f"{args.traces!r} holds no profiler trace (files named "
-                                 f"...RANK.json, .json.gz or .pt.trace.json)")
-        check_out(args.out, create=True)
         per_rank, notes = [], []
-        for rank, path in files.items():
-            events, said = events_of(read_trace(path), rank)
-            per_rank.append(events)
-            notes += said
+        if files:
+            for rank, path in files.items():
+                events, said = events_of(read_trace(path), rank)
+                per_rank.append(events)
+                notes += said
+        elif dump_files(folder):
+            evidence = load_dumps(folder)
+            files, notes = dump_files(folder), list(evidence.notes)
+            per_rank = [ev.events for ev in evidence.ranks.values()]
+            t0 = min((e["t_start"] for es in per_rank for e in es), default=0.0)
+            for e in (e for es in per_rank for e in es):
+                e["t_start"], e["t_wait"], e["t_end"] = (e[k] - t0 for k in
+                                                         ("t_start", "t_wait", "t_end"))
+                e["phase"] = e["phase"] or "unknown"
+        else:
+            raise RunFolderError(f"{args.traces!r} holds no profiler trace (files named "
+                                 f"...RANK.json, .json.gz or .pt.trace.json) and no Flight "
+                                 f"Recorder dump (..._RANK)")
+        check_out(args.out, create=True)
     except (RunFolderError, ValueError) as err:
         print(f"paraloom import: error: {err}", file=sys.stderr)
         return 2

@@ -118,6 +118,10 @@ def event_of(rank: int, index: int, entry: dict, config: dict, status: dict
          (desc if desc not in ("", "undefined") else f"pg {pg_name}"), "op": op,
          "site": _site(entry.get("frames")), "module": None, "split": None, "async": False,
          "bytes": nbytes, "shape": shape, "dtype": dtype, "group": group, "pg": str(pg_name)}
+    created = (entry.get("time_created_ns") or 0) / 1e9  # host seconds (epoch)
+    done = (entry.get("time_discovered_completed_ns") or 0) / 1e9
+    e["t_start"] = e["t_wait"] = created
+    e["t_end"] = max(done, created)
     seq = entry.get("collective_seq_id")
     if entry.get("is_p2p") or op in ("send", "recv"):
         m = re.match(r"(\d+)->(\d+)", pair)
