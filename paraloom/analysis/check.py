@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+from ..config.train import migrate
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
 from ..training.megatron_lm_loop import logged_iteration
 from .formulas import expected_comm
@@ -147,9 +148,9 @@ def config_from_run(cfg: dict) -> CommConfig:
 
 
 def _log_interval(run: dict) -> int:
-    """Megatron-LM's ``--log-interval`` of a run (100 before paraloom had it: its
-    ``log_interval`` was TensorBoard's then, and ``tensorboard_log_interval`` did not exist)."""
-    return run.get("log_interval", 100) if "tensorboard_log_interval" in run else 100
+    """Megatron-LM's ``--log-interval`` of a run (its saved ``run`` part read as the current
+    version reads it: :func:`~paraloom.config.train.migrate`; 100 where it was not saved)."""
+    return migrate({"run": dict(run)})["run"].get("log_interval", 100)
 
 
 def _ffn(model: dict) -> int | None:

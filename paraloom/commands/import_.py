@@ -44,15 +44,12 @@ def main(argv: list[str] | None = None) -> int:
                 events, said = events_of(read_trace(path), rank)
                 per_rank.append(events)
                 notes += said
-        elif dump_files(folder):
+        elif files := dump_files(folder):
             evidence = load_dumps(folder)
-            files, notes = dump_files(folder), list(evidence.notes)
+            notes = list(evidence.notes)
             per_rank = [ev.events for ev in evidence.ranks.values()]
-            t0 = min((e["t_start"] for es in per_rank for e in es), default=0.0)
             for e in (e for es in per_rank for e in es):
-                e["t_start"], e["t_wait"], e["t_end"] = (e[k] - t0 for k in
-                                                         ("t_start", "t_wait", "t_end"))
-                e["phase"] = e["phase"] or "unknown"
+                e["phase"] = "unknown"  # a dump says no phase
         else:
             raise RunFolderError(f"{args.traces!r} holds no profiler trace (files named "
                                  f"...RANK.json, .json.gz or .pt.trace.json) and no Flight "

@@ -146,45 +146,45 @@ def layout_from_world(parallel: dict, values: dict, world: int | None) -> None:
             parallel["dp"] = world // model_parallel
 
 
-MEGATRON_LM_DEFAULTS = {
-    "overlap_grad_reduce": (False, "gradients reduced after backward (--overlap-grad-reduce: "
-                                   "during it)"),
-    "overlap_p2p_comm": (None, "pipeline p2p as Megatron-LM: blocking batches, and with "
-                               "interleaving overlapped (--no-overlap-p2p-communication: "
-                               "blocking)"),
-    "run.ledger_steps": (-1, "every step in the ledger, as paraloom record (--ledger-steps N)"),
-}
-"""Megatron-LM's defaults where paraloom's own differ: setting -> (value, what it means); the
-p2p value is decided by :func:`_megatron_lm_overlap`."""
-_NOT_MEGATRON = {"nprocs"}  # torchrun's spellings
-_MEGATRON_ONLY = {"--num-layers-per-virtual-pipeline-stage"}
-
-
-def megatron_lm_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """The flags of ``argv`` spelt Megatron-LM's way, in order: a flag's Megatron-LM alias (its
-    option strings after the first, paraloom's own), or an argument of this module."""
-    spelt = set(_MEGATRON_ONLY)
-    for action in parser._actions:
-        longs = [o for o in action.option_strings
-                 if o.startswith("--") and not o.startswith("--no-")]
-        if action.dest.startswith(_DEST):
-            spelt.update(longs)
-        elif action.dest not in _NOT_MEGATRON and len(longs) > 1:
-            spelt.update(o for o in longs[1:] if o not in ("--num-layers-per-virtual-stage",))
-    found = []
-    for token in argv:
-        flag = token.split("=", 1)[0]
-        if flag in spelt and flag not in found:
-            found.append(flag)
-    return found
-
-
 def _megatron_lm_overlap(settings: dict, backend: str) -> bool:
     """Megatron-LM's ``overlap_p2p_comm``: on, and used by the interleaved schedule only (1F1B
     has blocking batches); on CUDA paraloom runs interleaving with blocking batches (its
     overlapped p2p is for gloo)."""
     vpp = settings.get("parallel", {}).get("vpp")
     return vpp is not None and vpp > 1 and backend == "gloo"
+
+
+MEGATRON_LM_DEFAULTS = {
+    "overlap_grad_reduce": (lambda settings, backend: False,
+                            "gradients reduced after backward (--overlap-grad-reduce: during it)"),
+    "overlap_p2p_comm": (_megatron_lm_overlap,
+                         "pipeline p2p as Megatron-LM: blocking batches, and with interleaving "
+                         "overlapped (--no-overlap-p2p-communication: blocking)"),
+    "run.ledger_steps": (lambda settings, backend: -1,
+                         "every step in the ledger, as paraloom record (--ledger-steps N)"),
+}
+"""Megatron-LM's defaults where paraloom's own differ: setting -> (its value for the settings
+and backend of the run, what it means)."""
+_NOT_MEGATRON = {"nprocs"}  # torchrun's spellings
+
+
+def megatron_lm_spellings(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """The flags of ``argv`` spelt Megatron-LM's way, in order: a flag's Megatron-LM alias (its
+    option strings after the first, paraloom's own), or an argument of this module."""
+    spelt = set()
+    for action in parser._actions:
+        longs = [o for o in action.option_strings
+                 if o.startswith("--") and not o.startswith("--no-")]
+        if action.dest.startswith(_DEST):
+            spelt.update(longs)
+        elif action.dest not in _NOT_MEGATRON:
+            spelt.update(longs[1:])
+    found = []
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in spelt and flag not in found:
+            found.append(flag)
+    return found
 
 
 def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str]:
@@ -194,12 +194,10 @@ def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str
     for path, (value, what) in MEGATRON_LM_DEFAULTS.items():
         if path in values:
             continue
-        if path == "overlap_p2p_comm":
-            value = _megatron_lm_overlap(settings, backend)
         *parents, name = path.split(".")
         target = settings
         for part in parents:
             target = target.setdefault(part, {})
-        target[name] = value
+        target[name] = value(settings, backend)
         applied.append(what)
     return applied

@@ -70,9 +70,9 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     base = TrainConfig()
     for title, paths in GROUPS.items():
         add_flags(parser.add_argument_group(title), paths, base, defaults=_SHOWN)
-    parser.add_argument("--num-layers-per-virtual-pipeline-stage",
-                        "--num-layers-per-virtual-stage", dest="layers_per_virtual_stage",
-                        type=int, default=None, metavar="N",
+    parser.add_argument("--num-layers-per-virtual-stage",
+                        "--num-layers-per-virtual-pipeline-stage",
+                        dest="layers_per_virtual_stage", type=int, default=None, metavar="N",
                         help="Megatron-LM's way to ask for interleaving: N layers per virtual "
                              "stage, so vpp = layers / (pp * N)")
     parser.add_argument("--nprocs", "--nproc", "--nproc-per-node", dest="nprocs", type=int,

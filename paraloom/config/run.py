@@ -68,10 +68,8 @@ class RunConfig:
         if self.save_every < 0:
             raise ValueError(f"save_every (--save-every) must be >= 0, got {self.save_every}")
         positive_int("max_bad_steps", self.max_bad_steps)
-        for flag, value in (("--log-interval", self.log_interval),
-                            ("--tensorboard-log-interval", self.tensorboard_log_interval)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{flag} must be a positive integer, got {value}")
+        positive_int("--log-interval", self.log_interval)
+        positive_int("--tensorboard-log-interval", self.tensorboard_log_interval)
         if not (isinstance(self.hang_after, (int, float)) and self.hang_after >= 0
                 and math.isfinite(self.hang_after)):
             raise ValueError(f"hang_after (--hang-after) must be 0 (off) or positive seconds, "

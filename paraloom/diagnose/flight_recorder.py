@@ -118,7 +118,7 @@ def event_of(rank: int, index: int, entry: dict, config: dict, status: dict
          (desc if desc not in ("", "undefined") else f"pg {pg_name}"), "op": op,
          "site": _site(entry.get("frames")), "module": None, "split": None, "async": False,
          "bytes": nbytes, "shape": shape, "dtype": dtype, "group": group, "pg": str(pg_name)}
-    created = (entry.get("time_created_ns") or 0) / 1e9  # host seconds (epoch)
+    created = (entry.get("time_created_ns") or 0) / 1e9  # host seconds (epoch): see load_dumps
     done = (entry.get("time_discovered_completed_ns") or 0) / 1e9
     e["t_start"] = e["t_wait"] = created
     e["t_end"] = max(done, created)
@@ -161,9 +161,12 @@ def load_dumps(folder: Path) -> Evidence:
         world = max([world, rank + 1] + [len(_ranks(config, n) or []) for n in config])
     notes = []
     assumed = sorted({e["pg"] for ev in ranks.values() for e in ev.events if not e["group"]})
+    t0 = min((e["t_start"] for ev in ranks.values() for e in ev.events), default=0.0)
     for ev in ranks.values():
         for e in ev.events:
             e["group"] = e["group"] or list(range(world))
+            for key in ("t_start", "t_wait", "t_end"):  # seconds since the first entry
+                e[key] -= t0
         ev.events = number(ev.events)
     if assumed:
         notes.append(f"the dumps do not say which ranks are in process group"

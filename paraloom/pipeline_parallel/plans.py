@@ -186,7 +186,7 @@ def _interleaved_overlapped(p: int, m: int, rank: int, v: int, forward_only: boo
             plan.append(("wait", posted_f))
         plan.append(f)
         send = out(f)
-        nxt = need(fs[w + j + 1]) if w + j + 1 < total else None
+        nxt = need(at(fs, w + j + 1))
         call("post", send, nxt)
         if send:
             plan.append(("wait", [send]))
