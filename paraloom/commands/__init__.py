@@ -28,7 +28,7 @@ COMMANDS = {
     "check": "compare a run's recorded communication with the analytical model",
     "diff": "do two runs communicate identically? every divergence, rank by rank",
     "diagnose": "why a run hung or broke: the rank whose program diverged, where, and why",
-    "import": "per-rank PyTorch profiler traces as a run folder (table, diff, diagnose)",
+    "import": "a job's profiler traces or Flight Recorder dumps as a run folder",
     "plan": "extrapolate memory, communication, bubble and FLOPs to any model and cluster",
     "explain": "read parallel-training source: where it splits and communicates",
     "doctor": "diagnose the LLM provider setup used by explain --ask",

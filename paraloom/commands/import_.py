@@ -24,9 +24,12 @@ from ..run_folder import RunFolderError, check_out, write_events
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="paraloom import",
-        description="Turn per-rank PyTorch profiler (Kineto) Chrome traces into a run folder "
-        "whose ledger table, diff, report and diagnose read.")
-    ap.add_argument("traces", help="a folder with one profiler trace per rank (*RANK.json)")
+        description="Turn per-rank PyTorch profiler (Kineto) Chrome traces, or PyTorch Flight "
+        "Recorder dumps, into a run folder whose ledger table, diff, report and diagnose read. "
+        "Exit 0, or 2 for bad input.")
+    ap.add_argument("traces", help="a folder with one profiler trace per rank (*RANK.json, "
+                                   ".json.gz, .pt.trace.json) or one Flight Recorder dump per "
+                                   "rank (..._RANK)")
     ap.add_argument("--out", required=True, help="the run folder to write")
     return ap
 
@@ -36,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.traces)
     try:
         if not folder.is_dir():
-            raise RunFolderError(f"{args.traces!r} is not a folder of profiler traces")
+            raise RunFolderError(f"{args.traces!r} is not a folder (of profiler traces or "
+                                 f"Flight Recorder dumps)")
         files = trace_files(folder)
         per_rank, notes = [], []
         if files:

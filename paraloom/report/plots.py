@@ -138,12 +138,14 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     rows = read_json_lines(metrics_path, strict=False)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.25 on a short run
     ax.set_ylabel("training loss (nats / byte)", color="tab:blue")
     norm = ax.twinx()
     norm.plot(steps, [r["grad_norm"] for r in rows], color="tab:grey", alpha=0.5, lw=1)
