@@ -219,6 +219,11 @@ def test_bad_tokenizers_and_inputs_exit_2(tmp_path, bpe, capsys, no_ranks):
     assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer",
                  str(folder), "--output-prefix", str(tmp_path / "nowhere" / "p")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    for prefix in (str(tmp_path) + "/", str(tmp_path) + "/."):
+        assert main(["preprocess", "--input", str(tmp_path / "bad.jsonl"), "--tokenizer",
+                     str(folder), "--output-prefix", prefix]) == 2
+        assert "names a folder, not a dataset" in capsys.readouterr().err
+    assert not list(tmp_path.glob(".bin")) and not list(tmp_path.glob("*.idx"))
 
 
 def test_export_says_when_the_tokenizer_is_not_there(tmp_path, bpe):

@@ -12,6 +12,7 @@ How documents are read and encoded: :mod:`paraloom.data.preprocess`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"end-of-document token (no eos_token in tokenizer_config.json, "
                              f"no <|endoftext|> or </s>)")
         folder = Path(args.output_prefix).parent
+        if os.path.basename(args.output_prefix) in ("", ".", ".."):
+            raise ValueError(f"--output-prefix {args.output_prefix!r} names a folder, not a "
+                             f"dataset: give the file name too (e.g. "
+                             f"{str(Path(args.output_prefix) / 'docs')!r} writes docs.bin and docs.idx)")
         if not folder.is_dir():
             raise ValueError(f"--output-prefix {args.output_prefix!r}: the folder "
                              f"{str(folder)!r} does not exist")
