@@ -286,6 +286,14 @@ def test_arch_llama_flags(tmp_path, capfd):
         run = checkpoint_folder(tmp_path / f"saved{i}", saved)
         resumed, _ = config_from_args(parse(["--resume", str(run), "--steps", "2"]))
         assert resumed.model == model and resumed.parallel == saved.parallel
+        # --arch naming the checkpoint's architecture is accepted; the other one is refused
+        same, other = ("gpt2", "llama") if model.normalization == "LayerNorm" \
+            else ("llama", "gpt2")
+        assert config_from_args(parse(["--resume", str(run), "--arch", same]))[0].model == model
+        assert main(["train", "--resume", str(run), "--arch", other]) == 2
+        assert f"--arch {other} contradicts --resume" in capfd.readouterr().err
+        assert main(["eval", "--resume", str(run), "--arch", other]) == 2
+        assert "the checkpoint fixes the architecture" in capfd.readouterr().err
 
 
 def test_formulas_know_the_llama_parameters_and_sdpa_memory():

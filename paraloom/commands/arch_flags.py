@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import LLAMA, TrainConfig
+from ..config import LLAMA, ModelConfig, TrainConfig
 from .flags import add_flags, given
 
 __all__ = ["ARCH_PATHS", "add_architecture_flags", "architecture_from_args", "apply_architecture",
-           "LLAMA"]
+           "LLAMA", "preset"]
 
 ARCH_PATHS = tuple(f"model.{name}" for name in (
     "normalization", "norm_epsilon", "swiglu", "position_embedding_type", "rotary_base",
     "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear", "attention"))
 """The architecture fields (not the shape): what ``--arch`` presets."""
+
+
+def preset(arch: str | None) -> dict:
+    """The ModelConfig fields ``--arch ARCH`` sets (``{}`` when not given): Llama's, or GPT-2's
+    (the defaults), so that either one can contradict a checkpoint."""
+    if arch == "llama":
+        return dict(LLAMA)
+    default = ModelConfig()
+    return {k: getattr(default, k) for k in LLAMA} if arch == "gpt2" else {}
 
 
 def add_architecture_flags(parser) -> None:
@@ -37,7 +46,7 @@ def add_architecture_flags(parser) -> None:
 def architecture_from_args(args) -> dict:
     """The ModelConfig fields the flags set (only those given or implied by ``--arch``);
     ``ValueError`` for inconsistent ones."""
-    out = dict(LLAMA) if getattr(args, "arch", None) == "llama" else {}
+    out = preset(getattr(args, "arch", None))
     out.update({path[len("model."):]: value for path, value in given(args, ARCH_PATHS).items()})
     gqa = getattr(args, "group_query_attention", None)
     groups = out.get("num_query_groups")

@@ -53,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"no <|endoftext|> or </s>)")
         folder = Path(args.output_prefix).parent
         if os.path.basename(args.output_prefix) in ("", ".", ".."):
+            example = str(Path(args.output_prefix) / "docs")
             raise ValueError(f"--output-prefix {args.output_prefix!r} names a folder, not a "
-                             f"dataset: give the file name too (e.g. "
-                             f"{str(Path(args.output_prefix) / 'docs')!r} writes docs.bin and docs.idx)")
+                             f"dataset: give the file name too ({example!r} writes docs.bin "
+                             f"and docs.idx)")
         if not folder.is_dir():
             raise ValueError(f"--output-prefix {args.output_prefix!r}: the folder "
                              f"{str(folder)!r} does not exist")

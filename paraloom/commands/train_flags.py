@@ -14,13 +14,13 @@ import argparse
 import dataclasses
 import os
 
-from ..config import LLAMA, ModelConfig, ParallelConfig, TrainConfig
+from ..config import ModelConfig, ParallelConfig, TrainConfig
 from ..config.train import migrate
 from ..data.tokenizer import load_tokenizer
 from ..device import default_backend
 from ..launch import under_torchrun
 from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_config
-from .arch_flags import add_architecture_flags, apply_architecture
+from .arch_flags import add_architecture_flags, apply_architecture, preset
 from .flags import add_flags, apply, flag_name, fresh, given
 from .layout_flags import check_layout_flags
 from .megatron_lm_flags import (
@@ -110,10 +110,12 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
     if "run.init_from_hf" in values:
         settings["model"] = _hf_model(args, values)
     elif resumed is None:
-        preset = LLAMA if args.arch == "llama" else {}
-        settings["model"].update({k: v for k, v in preset.items() if f"model.{k}" not in values})
+        settings["model"].update({k: v for k, v in preset(args.arch).items()
+                                  if f"model.{k}" not in values})
         if vocab is not None and "model.vocab_size" not in values:
             settings["model"]["vocab_size"] = vocab
+    elif args.arch is not None:
+        _check_resumed_arch(args.arch, settings["model"], values, resumed)
     _check_arch_pairing(args, settings["model"])
     if resumed is None:  # a resumed run keeps its layout unless flags change it
         layout_from_world(settings["parallel"], values, _world(args))
@@ -127,6 +129,17 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
                        shape_from="--init-from-hf" if "run.init_from_hf" in values else None)
     _check_vocab(model, vocab, tokenizer, values, resumed)
     return TrainConfig.from_dict(migrate(settings)), resumed
+
+
+def _check_resumed_arch(arch: str, model: dict, values: dict, resumed) -> None:
+    """``--arch`` on a resumed run must name the checkpoint's architecture (the fields typed
+    explicitly are compared by the model check); ``ValueError`` naming what differs."""
+    clash = [f"{k} = {model.get(k)!r}" for k, v in preset(arch).items()
+             if f"model.{k}" not in values and model.get(k) != v]
+    if clash:
+        raise ValueError(f"--arch {arch} contradicts --resume {str(resumed.ckpt)!r}, which was "
+                         f"trained with {', '.join(clash)}; drop --arch (the checkpoint fixes "
+                         f"the architecture)")
 
 
 def _world(args: argparse.Namespace) -> int | None:
