@@ -14,6 +14,7 @@ import gzip
 import json
 import re
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -391,3 +392,16 @@ def test_tensorboard_dir_naming_a_file(tmp_path, capsys, no_ranks):
                  "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert f"--tensorboard-dir {str(taken)!r} is a file" in err and len(err.splitlines()) == 1
+
+
+def test_settings_that_change_nothing_are_noted(tmp_path):
+    from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+    from paraloom.training.preflight import check_inputs
+    base = TrainConfig().replace(run=replace(TrainConfig().run, out=str(tmp_path / "run")))
+    cp1 = base.replace(parallel=ParallelConfig(tp=1, cp_comm_type="all_gather"))
+    assert any("--cp-comm-type all_gather has no effect with cp = 1" in n
+               for n in check_inputs(cp1)), check_inputs(cp1)
+    ring = base.replace(parallel=ParallelConfig(tp=1, cp=2),
+                        model=ModelConfig(attention="sdpa"))
+    assert any("--attention sdpa has no effect with cp = 2" in n for n in check_inputs(ring))
+    assert not any("no effect" in n for n in check_inputs(base))

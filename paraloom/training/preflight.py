@@ -60,6 +60,13 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
     if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
         notes.append("--sequence-parallel has no effect with tp = 1 (nothing is split); running "
                      "without it")
+    if cfg.parallel.cp == 1 and cfg.parallel.cp_comm_type != "p2p":
+        notes.append(f"--cp-comm-type {cfg.parallel.cp_comm_type} has no effect with cp = 1 "
+                     f"(attention is not split over context ranks)")
+    if cfg.parallel.cp > 1 and cfg.model.attention == "sdpa":
+        notes.append(f"--attention sdpa has no effect with cp = {cfg.parallel.cp}: context-"
+                     f"parallel attention ({cfg.parallel.cp_comm_type}) computes each block with "
+                     f"its own kernel")
     if cfg.dtype == "bf16":
         one = torch.ones(1, dtype=torch.bfloat16)
         if not one.matmul(torch.ones(1, 1, dtype=torch.bfloat16)).isfinite().all():
