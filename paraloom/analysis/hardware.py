@@ -34,6 +34,7 @@ node, about ten across InfiniBand. Everything can be overridden by flags or a TO
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields, replace
 
 import tomllib
@@ -84,10 +85,17 @@ class Hardware:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("name", "op_overhead", "cores", "overlap_efficiency"):
+            if f.name == "name":
                 continue
-            if not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"hardware {f.name} must be a positive number, got {value!r}")
+            flag = f"hardware {f.name} (--{f.name.replace('_', '-')})"
+            if isinstance(value, bool) or not isinstance(value, int | float) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{flag} must be a finite number, got {value!r}")
+            if f.name in ("op_overhead", "cores", "overlap_efficiency"):
+                if value < 0:
+                    raise ValueError(f"{flag} must be >= 0, got {value!r}")
+            elif value <= 0:
+                raise ValueError(f"{flag} must be a positive number, got {value!r}")
         if not 0 <= self.overlap_efficiency <= 1:
             raise ValueError(f"hardware overlap_efficiency is a fraction in [0, 1], got "
                              f"{self.overlap_efficiency}")

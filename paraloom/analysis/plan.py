@@ -24,11 +24,19 @@ from .layout import arch_param_count, param_count, params_per_rank
 from .memory_formulas import memory_per_gpu, moe_extra
 from .spec import CommConfig
 
-__all__ = ["plan", "memory_per_gpu", "render_plan", "human_bytes", "padded_vocab",
+__all__ = ["plan", "memory_per_gpu", "render_plan", "human_bytes", "human_count", "padded_vocab",
            "GPT2_VOCAB"]
 
 GPT2_VOCAB = 50257
 """``--vocab`` when not given: the GPT-2 BPE vocabulary of Megatron-LM's GPT examples."""
+
+
+def human_count(n: float) -> str:
+    """``6.7e9`` -> ``6.7B``, ``446.1e6`` -> ``446.1M``, ``1.2e4`` -> ``12.0K``."""
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f}{unit}"
+    return f"{n:.0f}"
 
 
 def human_bytes(n: float) -> str:
@@ -78,17 +86,23 @@ def plan(c: CommConfig) -> dict:
 def render_plan(c: CommConfig, p: dict) -> str:
     """The plan as a few aligned lines for people."""
     mem = p["memory_per_gpu_bytes"]
-    lines = [f"{p['parameters']['total'] / 1e9:.1f}B parameters on {p['gpus']} GPUs "
+    moe = (f", {c.moe.num_experts} experts top-{c.moe.topk} ep={c.moe.ep}" if c.moe else "")
+    lines = [f"{human_count(p['parameters']['total'])} parameters on {p['gpus']} GPUs "
              f"(tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.v}"
-             + (f" cp={c.cp} ({c.cp_comm_type})" if c.cp > 1 else "")
+             + (f" cp={c.cp} ({c.cp_comm_type})" if c.cp > 1 else "") + moe
              + f", sp={'on' if c.sp else 'off'}, "
              f"recompute={c.recompute}, distributed optimizer="
-             f"{'on' if c.distributed_optimizer else 'off'})",
+             f"{'on' if c.distributed_optimizer else 'off'}, "
+             f"{'bf16' if c.dtype_bytes == 2 else 'fp32'})",
              f"global batch {p['global_batch_size']} = micro {c.micro_batch} x "
              f"{c.num_microbatches} microbatches x dp {c.dp}",
-             f"parameters per GPU   {p['parameters']['per_gpu'] / 1e6:,.1f}M", "memory per GPU:"]
+             f"parameters per GPU   {human_count(p['parameters']['per_gpu'])}"
+             + (" (the stage holding most)" if c.pp > 1 else ""),
+             "memory per GPU" + (" (each part at the stage needing most: an upper bound):"
+                                 if c.pp > 1 else ":")]
     lines += [f"  {k:<12} {human_bytes(v)}" for k, v in mem.items()]
-    lines.append("communication per GPU per step (busiest stage):")
+    lines.append("communication per GPU per step"
+                 + (" (each kind at its busiest stage):" if c.pp > 1 else ":"))
     lines += [f"  {k:<4} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
               for k, b in sorted(p["comm_bytes_per_step"].items())]
     lines.append(f"pipeline bubble      {p['bubble_fraction']:.1%}")

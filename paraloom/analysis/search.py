@@ -29,8 +29,12 @@ from .plan import GPT2_VOCAB, padded_vocab
 from .spec import Architecture, CommConfig, MoECommConfig
 from .steptime import step_time
 
-__all__ = ["Candidate", "cp_sizes", "transient_bytes", "layouts", "search", "explain",
-           "no_valid_layout"]
+__all__ = ["Candidate", "cp_sizes", "transient_bytes", "memory_fit", "layouts", "search",
+           "explain", "no_valid_layout", "FIT_FRACTION"]
+
+FIT_FRACTION = 0.9
+"""The share of a GPU's memory a layout may plan to use (the rest: CUDA context, allocator
+slack, the logits' transients)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,27 @@ def transient_bytes(c: CommConfig) -> float:
     return (full - kept) * c.dtype_bytes / 2
 
 
+def memory_fit(c: CommConfig, hw: Hardware, fit_fraction: float = FIT_FRACTION) -> dict:
+    """Whether ``c`` fits ``hw``: ``need_bytes`` (the busiest stage's memory plus the layer
+    being recomputed), ``budget_bytes`` (``fit_fraction`` of the GPU's memory), ``fits`` and,
+    when it does not, ``advice``: the settings that would cut memory, most effective first."""
+    need = memory_per_gpu(c)["total"] + transient_bytes(c)
+    budget = fit_fraction * hw.hbm_bytes
+    advice = []
+    if need > budget:
+        if not c.distributed_optimizer and c.dp > 1:
+            advice.append("--distributed-optimizer (optimizer state sharded over dp)")
+        if c.recompute != "full":
+            advice.append("--recompute full" if c.recompute == "selective"
+                          else "--recompute selective or full")
+        if not c.sp and c.tp > 1:
+            advice.append("--sequence-parallel")
+        advice.append("a larger --tp or --pp (fewer layers and weights per GPU)")
+        advice.append("paraloom plan --search --gpus N (every layout that fits)")
+    return {"need_bytes": need, "budget_bytes": budget, "fits": need <= budget,
+            "advice": advice}
+
+
 def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
             global_batch: int, cps=(1,), max_vpp: int = 4, micro_batches=(1, 2, 4, 8, 16)):
     """Every valid ``(tp, cp, pp, dp, vpp, b, sp, recompute, zero)`` for the job."""
@@ -101,24 +126,27 @@ def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
 
 
 def no_valid_layout(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
-                    global_batch: int) -> str:
-    """Why no ``tp * cp * pp * dp = gpus`` splits the job, and the nearest GPU counts that do."""
+                    global_batch: int, query_groups: int | None = None) -> str:
+    """Why no ``tp * cp * pp * dp = gpus`` splits the job, and the nearest GPU counts that do.
+    ``query_groups``: grouped-query attention's key/value heads, which tp must divide too."""
     def valid(n: int) -> bool:
-        return any(True for _ in layouts(n, layers=layers, hidden=hidden, heads=heads,
-                                         seq_len=seq_len, global_batch=global_batch,
-                                         cps=cp_sizes(n, seq_len)))
+        return any(not query_groups or query_groups % split[0] == 0
+                   for split in layouts(n, layers=layers, hidden=hidden, heads=heads,
+                                        seq_len=seq_len, global_batch=global_batch,
+                                        cps=cp_sizes(n, seq_len)))
     near = [n for n in sorted(range(1, 2 * gpus + 1), key=lambda n: (abs(n - gpus), n))
             if n != gpus and valid(n)][:3]
+    groups = f", --num-query-groups {query_groups}" if query_groups else ""
     return (f"no layout of {gpus} GPUs splits this job (memory is not the problem): tp must "
-            f"divide --heads {heads} and --hidden {hidden}, pp must divide --layers {layers}, "
-            f"micro-batch x dp must divide --global-batch-size {global_batch}, and cp must cut "
-            f"--seq-len {seq_len} into 2 cp equal chunks"
+            f"divide --heads {heads}{groups} and --hidden {hidden}, pp must divide --layers "
+            f"{layers}, micro-batch x dp must divide --global-batch-size {global_batch}, and cp "
+            f"must cut --seq-len {seq_len} into 2 cp equal chunks"
             + (f"; GPU counts that do: {', '.join(map(str, sorted(near)))}" if near else ""))
 
 
 def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
            global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
-           dtype_bytes: int = 2, fit_fraction: float = 0.9, cps=None, cp_comm_type="p2p",
+           dtype_bytes: int = 2, fit_fraction: float = FIT_FRACTION, cps=None, cp_comm_type="p2p",
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
            arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
@@ -142,7 +170,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),
                            cp=cp, cp_comm_type=cp_comm_type, moe=moe, arch=arch)
-            mem = memory_per_gpu(c)["total"] + transient_bytes(c)
+            mem = memory_fit(c, hw, fit_fraction)["need_bytes"]
             if mem > fit_fraction * hw.hbm_bytes:
                 too_big += 1
                 continue

@@ -14,10 +14,11 @@ import argparse
 import json
 import sys
 
-from ..analysis.plan import GPT2_VOCAB, padded_vocab, plan, render_plan
+from ..analysis.plan import GPT2_VOCAB, human_bytes, padded_vocab, plan, render_plan
+from ..analysis.search import memory_fit
 from ..analysis.spec import Architecture, CommConfig, MoECommConfig
 from ..analysis.steptime import render_step_time, step_time
-from ..config import ModelConfig, ParallelConfig, check_layout
+from ..config import ModelConfig, ParallelConfig, TrainConfig
 from . import plan_calibrate, plan_search
 from .arch_flags import add_architecture_flags, architecture_from_args
 from .hardware_flags import add_hardware_args, hardware_from_args
@@ -46,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--distributed-optimizer", action="store_true")
     ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ap.add_argument("--require-fit", action="store_true",
+                    help="exit 1 when the layout does not fit the GPU's memory (for scripts; "
+                         "the verdict line is printed either way)")
     add_architecture_flags(ap)
     ap.add_argument("--cp", "--context-parallel-size", dest="cp", type=int, default=1,
                     help="context-parallel size (each rank holds seq-len / cp tokens)")
@@ -90,21 +94,14 @@ def _config(a: argparse.Namespace) -> CommConfig:
     if a.cp > 1 and a.seq_len % (2 * a.cp):
         problems.append(f"--seq-len {a.seq_len} is not divisible by 2 * --cp = {2 * a.cp} "
                         f"(context parallelism cuts each sequence into 2 * cp chunks)")
-    moe = None
-    if a.num_experts is not None:
-        try:  # the training config's own checks: topk <= E, ep | dp, E % ep
-            check_layout(ModelConfig(num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
-                                     moe_layer_freq=a.moe_layer_freq),
-                         ParallelConfig(dp=a.dp, ep=a.ep, cp=a.cp))
-        except ValueError as err:
-            problems.append(str(err))
-        moe = MoECommConfig(num_experts=a.num_experts, topk=a.moe_router_topk, ep=a.ep,
-                            layer_freq=a.moe_layer_freq)
-    elif a.ep != 1:
+    if a.num_experts is None and a.ep != 1:
         problems.append(f"--ep {a.ep} needs --num-experts")
     if problems:
         raise ValueError("; ".join(problems))
-    ffn = a.ffn or (int(4 * a.hidden * 2 / 3 / 64) * 64 if arch.swiglu else None)
+    train = _train_config(a, arch)
+    moe = None if a.num_experts is None else MoECommConfig(
+        num_experts=a.num_experts, topk=a.moe_router_topk, ep=a.ep, layer_freq=a.moe_layer_freq)
+    ffn = train.model.ffn
     return CommConfig(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq_len,
                       vocab=padded_vocab(a.vocab, a.make_vocab_size_divisible_by, a.tp),
                       ffn=ffn, micro_batch=a.micro_batch_size,
@@ -114,6 +111,30 @@ def _config(a: argparse.Namespace) -> CommConfig:
                       distributed_optimizer=a.distributed_optimizer,
                       dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch, cp=a.cp,
                       cp_comm_type=a.cp_comm_type, moe=moe)
+
+
+def _train_config(a: argparse.Namespace, arch: Architecture) -> TrainConfig:
+    """The run the flags describe, checked as ``paraloom train`` checks it (layout, schedule,
+    microbatches, the MoE model): ``ValueError`` for what train would refuse."""
+    fields = {k: getattr(arch, k) for k in Architecture.__dataclass_fields__
+              if k in ModelConfig.__dataclass_fields__}
+    moe = {} if a.num_experts is None else dict(
+        num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+        moe_layer_freq=a.moe_layer_freq)
+    try:
+        return TrainConfig(
+            model=ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
+                              num_attention_heads=a.heads, ffn_hidden_size=a.ffn,
+                              seq_length=a.seq_len,
+                              make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                              **fields, **moe),
+            parallel=ParallelConfig(tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp, cp=a.cp, ep=a.ep,
+                                    sequence_parallel=a.sequence_parallel,
+                                    cp_comm_type=a.cp_comm_type),
+            global_batch_size=a.global_batch_size, micro_batch_size=a.micro_batch_size,
+            dtype=a.dtype, recompute=a.recompute, distributed_optimizer=a.distributed_optimizer)
+    except ValueError as err:
+        raise ValueError(f"paraloom train would refuse this run: {err}") from None
 
 
 def _architecture(a: argparse.Namespace, problems: list[str]) -> Architecture:
@@ -149,13 +170,25 @@ def main(argv: list[str] | None = None) -> int:
     result = plan(config)
     result["step_time"] = step_time(config, hw)
     result["hardware"] = hw.to_dict()
+    fit = result["memory_fit"] = memory_fit(config, hw)
+    code = 1 if args.require_fit and not fit["fits"] else 0
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return code
     given = "given" if any(a.startswith("--vocab") for a in typed) else "default, GPT-2 BPE"
     note = (f"vocabulary {args.vocab} ({given})"
             + (f", padded to {config.vocab} rows (multiple of {args.make_vocab_size_divisible_by}"
                f" x tp {args.tp})" if config.vocab != args.vocab else ""))
-    print(render_plan(config, result) + "\n" + note + "\n"
+    print(render_plan(config, result) + "\n" + _verdict(fit, hw) + "\n" + note + "\n"
           + render_step_time(result["step_time"]))
-    return 0
+    return code
+
+
+def _verdict(fit: dict, hw) -> str:
+    """One line: fits or not, by how much, and what to change."""
+    need, budget = fit["need_bytes"], fit["budget_bytes"]
+    where = f"{human_bytes(budget)} usable of the {hw.name}'s {human_bytes(hw.hbm_bytes)}"
+    if fit["fits"]:
+        return f"verdict: fits ({human_bytes(need)} of {where}; {need / budget:.0%})"
+    return (f"verdict: does NOT fit: {human_bytes(need)} needed, {where} ({need / budget:.1f}x "
+            f"too much); try " + "; ".join(fit["advice"]))

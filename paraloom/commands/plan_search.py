@@ -19,6 +19,13 @@ from .hardware_flags import add_hardware_args, hardware_from_args
 __all__ = ["main"]
 
 
+_SEARCHED = ("--tp", "--pp", "--dp", "--cp", "--ep", "--vpp", "--micro-batch-size",
+             "--sequence-parallel", "--recompute", "--distributed-optimizer",
+             "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+             "--context-parallel-size", "--expert-model-parallel-size")
+"""Layout flags of ``plan``: the search enumerates them."""
+
+
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
     return (f"{i:>3} {x.tp:>3} {x.cp:>3} {x.ep:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
@@ -49,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     add_hardware_args(ap)
     add_architecture_flags(ap)
+    typed = sys.argv[1:] if argv is None else argv
+    searched = [f for f in _SEARCHED if any(t == f or t.startswith(f + "=") for t in typed)]
+    if searched:
+        print(f"paraloom plan --search: error: {', '.join(searched)}: the search tries every "
+              f"value of {'this' if len(searched) == 1 else 'these'} itself; leave "
+              f"{'it' if len(searched) == 1 else 'them'} out (or drop --search to plan one "
+              f"layout)", file=sys.stderr)
+        return 2
     a = ap.parse_args(argv)
     try:
         hw = hardware_from_args(a)
@@ -97,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not fits:
         print(no_valid_layout(a.gpus, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                              seq_len=a.seq_len, global_batch=a.global_batch_size))
+                              seq_len=a.seq_len, global_batch=a.global_batch_size,
+                              query_groups=arch.num_query_groups))
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
         ("tp", 3), ("cp", 3), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
