@@ -308,3 +308,21 @@ def test_layout_matches_the_model_and_its_grad_buffer():
             [(b.numel, True, tuple(b.names)) for b in buf.buckets]
         # the first stage cuts at 4000 elements; the last stage is one bucket and the embedding's
         assert len(buf.buckets) > 2 if pp_rank == 0 else len(buf.buckets) == 2
+
+
+def test_a_resumed_runs_earlier_part_ends_with_its_own_last_step():
+    """A run resumed with more --steps: the first process's last step ended with Megatron-LM's
+    "after training is done" barrier although the saved config's --steps is the later total."""
+    from dataclasses import replace
+
+    from paraloom.analysis.check import step_config
+    from paraloom.analysis.formulas import CommConfig
+    config = replace(CommConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256,
+                                micro_batch=1, num_microbatches=1, tp=1, pp=1, dp=1),
+                     megatron_lm_loop=True, total_steps=5, log_interval=100)
+    metrics = {0: {"first_of_process": True}, 1: {}, 2: {"first_of_process": True}, 3: {},
+               4: {}}
+    lasts = [step_config(config, s, metrics).last_step for s in range(5)]
+    firsts = [step_config(config, s, metrics).first_step for s in range(5)]
+    assert lasts == [False, True, False, False, True] and firsts == [True, False, True, False,
+                                                                     False]

@@ -164,12 +164,17 @@ def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> Comm
     """``config`` for one recorded step: the optimizer step skipped or not (metrics.jsonl
     ``skipped``), and whether it was the first step its process ran (``first_of_process``; the
     first step communicates differently, as Megatron's: see :class:`CommConfig`). Without a
-    metrics line, step 0 is a first step."""
+    metrics line, step 0 is a first step. The step before a process's first is the
+    last of the one before (which ended with its own barrier)."""
     line = metrics.get(step, {})
     first = bool(line.get("first_of_process", step == 0))
+    # the last step of a process (its run's end, or a resumed run's earlier part) ends with
+    # Megatron-LM's "after training is done" barrier
+    last = step + 1 == config.total_steps \
+        or bool(metrics.get(step + 1, {}).get("first_of_process", False))
     return replace(config, optimizer_step=not line.get("skipped", False), first_step=first,
                    timer_barriers=logged_iteration(step, config.log_interval, first),
-                   last_step=step + 1 == config.total_steps)
+                   last_step=last)
 
 
 def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:
