@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def read_json_lines(path: str | Path, *, strict: bool = True,
     mid-line); another line that does not parse raises :class:`RunFolderError` naming the file
     and its line number, unless ``strict=False`` (then it is skipped). A line holding JSON that
     is not an object is an error either way: the file is not what it is named. A dropped cut
-    line is said in ``notes`` when given."""
+    line is said in ``notes`` when given, else on stderr."""
     path = Path(path)
     if not path.is_file():
         if path.exists():
@@ -100,9 +101,13 @@ def read_json_lines(path: str | Path, *, strict: bool = True,
         try:
             value = json.loads(line)
         except json.JSONDecodeError as err:
-            if number == cut and notes is not None:
-                notes.append(f"{str(path)!r}: its last line was cut off (a writer stopped "
-                             f"mid-line) and is left out")
+            if number == cut:
+                note = (f"{str(path)!r}: its last line was cut off (a writer stopped "
+                        f"mid-line) and is left out")
+                if notes is None:
+                    print(f"paraloom: note: {note}", file=sys.stderr)
+                else:
+                    notes.append(note)
             if number == cut or not strict:
                 continue
             raise RunFolderError(f"{str(path)!r} is not a JSON Lines file: line {number} is not "

@@ -326,3 +326,36 @@ def test_a_resumed_runs_earlier_part_ends_with_its_own_last_step():
     firsts = [step_config(config, s, metrics).first_step for s in range(5)]
     assert lasts == [False, True, False, False, True] and firsts == [True, False, True, False,
                                                                      False]
+
+
+def test_damaged_run_folders_are_named_by_every_reader(runs, tmp_path, capfd):
+    """What a killed writer leaves (a last line cut short) is left out with a note by table,
+    trace, report and check; anything else exits 2 naming the file and the line."""
+    src = runs["tp-dp"]
+    torn = tmp_path / "torn"
+    shutil.copytree(src, torn)
+    text = (torn / "ledger.jsonl").read_text()
+    (torn / "ledger.jsonl").write_text(text[:-30])
+    for command in ("table", "trace", "report"):
+        assert main([command, str(torn)]) == 0, command
+        err = capfd.readouterr().err
+        assert "ledger.jsonl': its last line was cut off (a writer stopped mid-line)" in err, (
+            command, err)
+    assert check_main([str(torn)]) in (0, 1)
+    assert "its last line was cut off" in capfd.readouterr().err
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    lines = (bad / "metrics.jsonl").read_text().splitlines()
+    (bad / "metrics.jsonl").write_text("\n".join([lines[0], '{"step": 1, "lo', *lines[1:]])
+                                       + "\n")
+    for command in ("check", "report"):
+        assert main([command, str(bad)]) == 2, command
+        err = capfd.readouterr().err
+        assert "metrics.jsonl' is not a JSON Lines file: line 2 is not JSON" in err, err
+    (bad / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    for text, message in (('{"model": ', "config.json' is not valid JSON"),
+                          ("[]", "config.json' holds list, not a run configuration")):
+        (bad / "config.json").write_text(text)
+        for command in ("check", "report"):
+            assert main([command, str(bad)]) == 2
+            assert message in capfd.readouterr().err

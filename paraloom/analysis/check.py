@@ -189,7 +189,7 @@ def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:
         if not (root / name).is_file():
             raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "
                              f"train holds config.json and ledger.jsonl)")
-    metrics = {m["step"]: m for m in read_json_lines(root / METRICS, strict=False)} \
+    metrics = {m["step"]: m for m in read_json_lines(root / METRICS)} \
         if (root / METRICS).is_file() else {}
     return read_json(root / CONFIG, "a run configuration"), read_json_lines(root / LEDGER), \
         metrics

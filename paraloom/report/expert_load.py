@@ -17,7 +17,7 @@ __all__ = ["plot_expert_load"]
 
 def plot_expert_load(metrics_path: str | Path, out: str | Path) -> Path | None:
     """Write the picture; ``None`` (nothing written) when the run has no MoE metrics."""
-    rows = read_json_lines(metrics_path, strict=False)
+    rows = read_json_lines(metrics_path)
     rows = [r for r in rows if r.get("tokens_per_expert")]
     if not rows:
         return None

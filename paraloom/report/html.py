@@ -74,7 +74,7 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     events = read_json_lines(ledger)
     comms = [e for e in events if e["op"] != "compute"]
     cfg = read_json(run / CONFIG, "a run configuration")
-    metrics = read_json_lines(run / METRICS, strict=False)
+    metrics = read_json_lines(run / METRICS)
     ranks = sorted({e["rank"] for e in events})
     parts = [f"<h1>paraloom run report: {escape(str(run.resolve()))}</h1>",
              '<div class="langs"><button id="lang-en">English</button>'

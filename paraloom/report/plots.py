@@ -140,7 +140,7 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    rows = read_json_lines(metrics_path, strict=False)
+    rows = read_json_lines(metrics_path)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")
