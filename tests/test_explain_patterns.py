@@ -125,6 +125,36 @@ def test_reversed_line_range_is_named_reversed(tmp_path):
         load_snippet(f"{tmp_path / 'a.py'}:9-4")
 
 
+def test_what_users_hand_explain(tmp_path, capsys, monkeypatch):
+    """stdin that is binary or closed, ``-:A-B``, a folder, ``f.py:N`` and a byte-order mark."""
+    from paraloom.commands import main
+    code = "import torch.distributed as dist\n\n\ndef f(t):\n    dist.all_reduce(t)\n"
+    _write(tmp_path, {"a.py": code})
+    (tmp_path / "bom.py").write_bytes(b"\xef\xbb\xbf" + code.encode())
+
+    class Stdin(io.BytesIO):
+        @property
+        def buffer(self):
+            return self
+    for data, message in ((b"\x7fELF\x02\x01\xd0\x00", "standard input is not UTF-8 text"),
+                          (None, "standard input, which is closed")):
+        monkeypatch.setattr("sys.stdin", None if data is None else Stdin(data))
+        assert main(["explain", "-"]) == 2
+        assert message in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", Stdin(code.encode()))
+    assert main(["explain", "-:4-5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["lines"] == [4, 5] and [s["line"] for s in doc["sites"]] == [5]
+    assert main(["explain", str(tmp_path)]) == 2
+    assert "is a folder: give a Python file in it" in capsys.readouterr().err
+    for spec in (f"{tmp_path / 'a.py'}:5", f"{tmp_path / 'bom.py'}:5", str(tmp_path / "bom.py")):
+        assert main(["explain", spec, "--json"]) == 0, spec
+        doc = json.loads(capsys.readouterr().out)
+        assert [(s["line"], s["op"]) for s in doc["sites"]] == [(5, "all_reduce")], spec
+    assert main(["explain", f"{tmp_path / 'a.py'}:x"]) == 2
+    assert "expected START-END (two line numbers) or N (one line)" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- 3. collectives not dist.*
 FUNCOL = '''\
 import torch

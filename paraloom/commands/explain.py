@@ -64,8 +64,17 @@ def _ask(args, snippet, facts: dict) -> dict:
             "provider": got["provider"]}
 
 
+_STDIN_RANGE = "\x00stdin"
+"""Stands in for ``-`` in ``-:START-END`` while argparse reads the line (which would take it for
+a flag)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    typed = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args([_STDIN_RANGE + t[1:] if t.startswith("-:") else t
+                                 for t in typed])
+    if args.target.startswith(_STDIN_RANGE):
+        args.target = "-" + args.target[len(_STDIN_RANGE):]
     try:
         snippet = load_snippet(args.target)  # once: stdin can be read only once
         facts = explain(snippet, args.lang)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 __all__ = ["Snippet", "SourceError", "load_snippet", "parse_snippet"]
 
-_RANGE = re.compile(r"^(?P<path>.+):(?P<start>[^:]*)-(?P<end>[^:]*)$")
+_RANGE = re.compile(r"^(?P<path>.+):(?P<start>[^:-]*)(?:-(?P<end>[^:]*))?$")
 
 
 class SourceError(ValueError):
@@ -41,14 +41,36 @@ class Snippet:
 
 
 def _read(path: str, stdin) -> str:
+    """The text of ``path`` (``-``: standard input), UTF-8, a byte-order mark dropped."""
     if path == "-":
-        return (stdin or sys.stdin).read()
+        stream = stdin or sys.stdin
+        if stream is None or getattr(stream, "closed", False):
+            raise SourceError("- reads standard input, which is closed: pipe the code in "
+                              "(cat f.py | paraloom explain -) or give a file")
+        raw = getattr(stream, "buffer", None)
+        try:
+            data = raw.read() if raw is not None else stream.read()
+        except OSError as err:
+            raise SourceError(f"- cannot read standard input: {err}") from None
+        if isinstance(data, bytes):
+            try:
+                data = data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise SourceError(f"- : standard input is not UTF-8 text (byte {err.start} is "
+                                  f"{data[err.start]:#04x}); explain reads Python source") from None
+        return data.removeprefix("\ufeff")
     p = Path(path)
+    if p.is_dir():
+        raise SourceError(f"{path!r} is a folder: give a Python file in it (PATH or "
+                          f"PATH:START-END)")
     if not p.is_file():
         raise SourceError(f"no such file: {path!r}")
     try:
-        return p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
+        return p.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SourceError(f"cannot read {path!r}: not UTF-8 text (byte {err.start}); explain "
+                          f"reads Python source") from None
+    except OSError as err:
         raise SourceError(f"cannot read {path!r}: {err}") from None
 
 
@@ -58,11 +80,13 @@ def load_snippet(spec: str, stdin=None) -> Snippet:
     m = _RANGE.match(spec)
     if m and not (spec != "-" and Path(spec).is_file()):
         path = m["path"]
+        end = m["start"] if m["end"] is None else m["end"]  # PATH:N is the one line N
         try:
-            first, last = int(m["start"]), int(m["end"])
+            first, last = int(m["start"]), int(end)
         except ValueError:
-            raise SourceError(f"bad line range {m['start'] + '-' + m['end']!r} in {spec!r}: "
-                              f"expected START-END, two line numbers") from None
+            given = m["start"] if m["end"] is None else f"{m['start']}-{m['end']}"
+            raise SourceError(f"bad line range {given!r} in {spec!r}: expected START-END (two "
+                              f"line numbers) or N (one line)") from None
     text = _read(path, stdin)
     lines = text.splitlines()
     if first is None:
