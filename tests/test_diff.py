@@ -150,6 +150,10 @@ def test_length_and_missing_rank(tmp_path, capsys):
     only0 = [e for e in base() if e["rank"] == 0]
     code, out, _ = run_diff(capsys, tmp_path / "a.jsonl", write(tmp_path / "c.jsonl", only0))
     assert code == 1 and "rank 1: different (4 vs 0 communications" in out
+    assert "note: A has 2 ranks, B has 1: rank 1 only in A (the runs have different worlds" \
+        in out, out
+    assert "ranks" not in run_diff(capsys, tmp_path / "a.jsonl", tmp_path / "b.jsonl")[1].split(
+        "A =")[0]  # the same ranks on both sides: no note
     assert run_diff(capsys, tmp_path / "a.jsonl", tmp_path / "c.jsonl", "--rank", "0")[0] == 0
 
 
@@ -178,6 +182,8 @@ def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys):
     assert code == 2 and "not a JSON Lines file" in err
     code, _, err = run_diff(capsys, good, good, "--fields", "phase,colour")
     assert code == 2 and "['colour']" in err and "valid:" in err
+    code, _, err = run_diff(capsys, good, good, "--context", "-1")
+    assert code == 2 and "--context -1: give the number of equal events" in err
     code, _, err = run_diff(capsys, good, good, "--rank", "5")
     assert code == 2 and "--rank 5" in err and "[0, 1]" in err
 

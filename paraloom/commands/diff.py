@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="equal rows shown before each divergence (default 1)")
     args = ap.parse_args(argv)
     try:
+        if args.context < 0:
+            raise DiffError(f"--context {args.context}: give the number of equal events shown "
+                            f"around each difference, 0 or more")
         options = Options(fields=fields_to_compare(args.fields, args.ignore_names),
                           steps=parse_steps(args.step), kinds=args.kinds, phases=args.phases,
                           shapes=args.shapes, one_rank_groups=args.one_rank_groups)
@@ -60,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         events_a, events_b = load_events(args.a, notes), load_events(args.b, notes)
         a, b = sequences(events_a, options), sequences(events_b, options)
         notes += _lacking(args, options, events_a, events_b, bool(a), bool(b))
+        notes += _ranks_differ(events_a, events_b)
         if args.rank is not None:
             if args.rank not in a and args.rank not in b:
                 raise DiffError(f"--rank {args.rank}: neither ledger has it in the chosen "
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     step = f"steps {args.step}" if args.step else "every step (setup excluded)"
     print(f"A = {args.a}\nB = {args.b}\ncompared: {', '.join(options.fields)} in {step} "
           f"(kinds: {args.kinds}, phases: {args.phases}, shapes: {args.shapes})")
-    sys.stdout.write(report(a, b, result, options, context=max(args.context, 0)))
+    sys.stdout.write(report(a, b, result, options, context=args.context))
     same = equal(result)
     print("equal" if same else "different")
     return 0 if same else 1
@@ -88,6 +92,28 @@ def _steps(events: list[dict]) -> list:
              and e.get("phase") != "setup"}
     setup = any(e.get("phase") == "setup" and e["op"] != "compute" for e in events)
     return (["setup"] if setup else []) + sorted(s for s in found if isinstance(s, int))
+
+
+def _ranks_differ(events_a: list[dict], events_b: list[dict]) -> list[str]:
+    """A note when the two runs did not have the same ranks (other world sizes)."""
+    ranks_a, ranks_b = ({e["rank"] for e in ev} for ev in (events_a, events_b))
+    if ranks_a == ranks_b or not ranks_a or not ranks_b:
+        return []
+    sides = [f"rank{'s' if len(r) > 1 else ''} {_span(sorted(r))} only in {side}"
+             for side, r in (("A", ranks_a - ranks_b), ("B", ranks_b - ranks_a)) if r]
+    return [f"A has {len(ranks_a)} ranks, B has {len(ranks_b)}: {'; '.join(sides)} (the runs "
+            f"have different worlds; those ranks are compared against nothing)"]
+
+
+def _span(ranks: list[int]) -> str:
+    """``[2, 3, 4, 7]`` -> ``2-4, 7``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    return ", ".join(f"{x[0]}-{x[-1]}" if len(x) > 1 else str(x[0]) for x in runs)
 
 
 def _label(steps: list) -> str:
