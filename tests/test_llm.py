@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -151,9 +152,35 @@ def test_ask_with_missing_key_fails_naming_the_variable(server, tmp_path, monkey
     src = tmp_path / "region.py"
     src.write_text(SNIPPET)
     cfg = _config(tmp_path, server.url + "/v1")
-    assert explain_main(["--ask", "q", str(src), "--config", cfg]) == 1
+    assert explain_main(["--ask", "q", str(src), "--config", cfg]) == 2  # setup: bad input
     assert "PARALOOM_TEST_KEY" in capsys.readouterr().err
     assert server.seen == []  # nothing was sent without a key
+    # no config at all: exit 2, and the help shows the table to write
+    assert explain_main(["--ask", "q", str(src), "--config", str(tmp_path / "none.toml")]) == 2
+    err = capsys.readouterr().err
+    assert "no provider config at" in err and "paraloom explain --help" in err
+    with pytest.raises(SystemExit):
+        explain_main(["--help"])
+    assert "[model_providers.openai]" in capsys.readouterr().out
+    assert explain_main(["--ask", "q", str(src), "--config", cfg, "--timeout", "0"]) == 2
+    assert "--timeout 0: expected seconds" in capsys.readouterr().err
+
+
+def test_ask_timeout_bounds_the_answer_and_the_name_lookup(server, tmp_path, monkeypatch,
+                                                          capsys):
+    """--ask --timeout is the deadline of the whole answer, host name lookup included (a
+    lookup blocks where no socket can be cut)."""
+    import socket
+    monkeypatch.setenv("PARALOOM_TEST_KEY", KEY)
+    src = tmp_path / "region.py"
+    src.write_text(SNIPPET)
+    cfg = _config(tmp_path, "http://lookup.invalid:9/v1")
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: time.sleep(30))
+    t0 = time.monotonic()
+    assert explain_main(["--ask", "q", str(src), "--config", cfg, "--timeout", "0.5"]) == 1
+    assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert "within 0.5 s (the host name lookup or the connection did not finish)" in err, err
 
 
 def _problems(found):
@@ -205,6 +232,12 @@ def test_doctor_cli_reads_codex_home_and_never_prints_the_key(server, tmp_path, 
     assert doctor_main([]) == 1
     out = capsys.readouterr().out
     assert "PROBLEM  model" in out and "fix:" in out and KEY not in out
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path / "empty"))
+    assert doctor_main([]) == 1
+    out = capsys.readouterr().out  # the fix is the table itself, at the path it is read from
+    assert f"fix: write {tmp_path / 'empty' / 'config.toml'} like this" in out, out
+    assert "[model_providers.openai]" in out and 'env_key = "OPENAI_API_KEY"' in out
+    monkeypatch.setenv("CODEX_HOME", str(home))
     _config(home, server.url + "/v1")
     assert doctor_main([]) == 0
     assert KEY not in capsys.readouterr().out

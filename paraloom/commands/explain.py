@@ -6,7 +6,8 @@
     paraloom doctor [--config ~/.codex/config.toml]                 # diagnose the provider setup
 
 Exit codes: 0 ok, 1 the provider failed or its answer contradicts the facts (``--ask``) or
-doctor found problems, 2 bad input (the message names the value).
+doctor found problems, 2 bad input (the message names the value; also a provider setup that
+is wrong before any request: no config, a missing table or key).
 
 Wiring: the facts are :func:`paraloom.explain.explain`'s, the question and the check of the
 answer :mod:`paraloom.explain.grounding`'s, the answer :func:`paraloom.llm.ask`'s, the text
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from .. import llm
 from ..explain import (
@@ -36,12 +38,20 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="paraloom explain", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="paraloom explain", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="--ask reads a Codex-style config.toml (--config, default "
+               "~/.codex/config.toml); `paraloom doctor` checks it:\n\n"
+               + textwrap.indent(llm.EXAMPLE_CONFIG, "  "))
     ap.add_argument("target", metavar="PATH[:START-END]", help="a Python file, or - for stdin")
     ap.add_argument("--json", action="store_true", help="print the facts as JSON")
     ap.add_argument("--lang", choices=("en", "zh"), default="en")
     ap.add_argument("--ask", metavar="QUESTION", help="ask an OpenAI-compatible model")
-    ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml)")
+    ap.add_argument("--config", help="Codex-style config.toml (default ~/.codex/config.toml; "
+                    "its form below)")
+    ap.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                    help="--ask: deadline of the model's whole answer (default 60)")
     ap.add_argument("--run", metavar="DIR", help="a recorded run (paraloom record/train folder "
                     "or ledger.jsonl): mark each site with what the run did there")
     ap.add_argument("--rank", default="0", help="rank of the run to show, or 'all' (default 0)")
@@ -59,7 +69,8 @@ def _rank(text: str) -> int | None:
 
 def _ask(args, snippet, facts: dict) -> dict:
     """``{"answer", "flags", "provider"}``: the model's answer, checked against the facts."""
-    got = llm.ask(SYSTEM, question(args.ask, snippet, facts, args.lang), args.config)
+    got = llm.ask(SYSTEM, question(args.ask, snippet, facts, args.lang), args.config,
+                  timeout=args.timeout)
     return {"answer": got["answer"], "flags": contradictions(got["answer"], facts),
             "provider": got["provider"]}
 
@@ -75,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                                  for t in typed])
     if args.target.startswith(_STDIN_RANGE):
         args.target = "-" + args.target[len(_STDIN_RANGE):]
+    if not 0 < args.timeout < 3600:
+        print(f"paraloom explain: error: --timeout {args.timeout:g}: expected seconds in "
+              f"(0, 3600)", file=sys.stderr)
+        return 2
     try:
         snippet = load_snippet(args.target)  # once: stdin can be read only once
         facts = explain(snippet, args.lang)
@@ -86,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.ask:
         try:
             reply = _ask(args, snippet, facts)
+        except llm.ConfigError as err:  # the setup, before any request: bad input
+            print(f"paraloom explain: error: {err}\n(run `paraloom doctor`; the config's "
+                  f"form: paraloom explain --help)", file=sys.stderr)
+            return 2
         except llm.ProviderError as err:
             print(f"paraloom explain: provider error: {err}\n(run `paraloom doctor`)",
                   file=sys.stderr)

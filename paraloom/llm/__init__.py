@@ -8,7 +8,16 @@ knows what is asked: ``explain --ask`` writes the question and checks the answer
 
 from .ask import ask, complete
 from .doctor import diagnose
-from .provider import DeadlineError, Provider, ProviderError, http, is_placeholder, load_provider
+from .provider import (
+    EXAMPLE_CONFIG,
+    ConfigError,
+    DeadlineError,
+    Provider,
+    ProviderError,
+    http,
+    is_placeholder,
+    load_provider,
+)
 
-__all__ = ["Provider", "ProviderError", "DeadlineError", "load_provider", "http",
-           "is_placeholder", "complete", "ask", "diagnose"]
+__all__ = ["Provider", "ProviderError", "ConfigError", "DeadlineError", "EXAMPLE_CONFIG",
+           "load_provider", "http", "is_placeholder", "complete", "ask", "diagnose"]

@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 
 from .gateway import is_page, page_title
-from .provider import PATHS, Provider, ProviderError, http, is_placeholder, load_provider
+from .provider import (
+    PATHS,
+    ConfigError,
+    Provider,
+    ProviderError,
+    http,
+    is_placeholder,
+    load_provider,
+)
 
 __all__ = ["complete", "ask"]
 
@@ -31,7 +39,7 @@ def complete(p: Provider, system: str, user: str, env=None, timeout: float = 60.
     key = p.key(env)
     if key is None or is_placeholder(key):
         state = "missing or empty" if key is None else "a placeholder"
-        raise ProviderError(f"environment variable {p.env_key} (env_key of provider {p.name!r})"
+        raise ConfigError(f"environment variable {p.env_key} (env_key of provider {p.name!r})"
                             f" is {state}: export {p.env_key}=<your key>")
     if p.wire_api == "chat":
         body = {"model": p.model, "messages": [{"role": "system", "content": system},

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import difflib
 import re
+import textwrap
 import urllib.parse
 
 from .gateway import Probe, body_for, candidates, probe, split_base
 from .provider import (
+    EXAMPLE_CONFIG,
     PATHS,
     DeadlineError,
     Provider,
     ProviderError,
+    config_path,
     http,
     is_placeholder,
     load_provider,
@@ -201,7 +204,9 @@ def diagnose(config: str | None = None, env=None, timeout: float = 15.0) -> list
         p = load_provider(config, env)
     except ProviderError as err:
         return [dict(check="config", ok=False, problem=str(err),
-                     fix="write the provider table, see `paraloom explain --help`")]
+                     fix=f"write {config_path(config, env)} like this (any OpenAI-compatible "
+                         f"server: change base_url, env_key and model):\n"
+                         + textwrap.indent(EXAMPLE_CONFIG, "           "))]
     found.append(dict(check="config", ok=True, detail=f"{p.config}: provider {p.name!r}, model "
                       f"{p.model!r}, base_url {p.base_url}, wire_api {p.wire_api}"))
     key = _check_key(p, env, found)

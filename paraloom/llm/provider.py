@@ -51,6 +51,25 @@ class ProviderError(RuntimeError):
     """The provider could not be configured or reached, or answered with an error."""
 
 
+class ConfigError(ProviderError):
+    """The setup is wrong before any request (no config file, a missing table or key): the
+    user's to fix, not the server's."""
+
+
+EXAMPLE_CONFIG = """\
+model = "gpt-4o-mini"
+model_provider = "openai"
+
+[model_providers.openai]
+name = "OpenAI"
+base_url = "https://api.openai.com/v1"
+env_key = "OPENAI_API_KEY"
+wire_api = "chat"          # or "responses"
+"""
+"""A Codex-style ``config.toml`` that ``explain --ask`` and ``doctor`` read (any
+OpenAI-compatible server: change base_url, env_key and model)."""
+
+
 class DeadlineError(ProviderError):
     """The server kept the connection open past the request's deadline (stalled or trickling)."""
 
@@ -80,8 +99,8 @@ class Provider:
 def _toml(path: Path) -> dict:
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, tomllib.TOMLDecodeError) as err:
-        raise ProviderError(f"cannot read {path}: {err}") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise ConfigError(f"cannot read {path}: {err}") from None
 
 
 def config_path(path: str | None = None, env=None) -> Path:
@@ -96,23 +115,23 @@ def load_provider(path: str | None = None, env=None) -> Provider:
     """The provider of ``model_provider`` in the Codex config at ``path``."""
     p = config_path(path, env)
     if not p.is_file():
-        raise ProviderError(f"no provider config at {p} (write one like a Codex config.toml: "
+        raise ConfigError(f"no provider config at {p} (write one like a Codex config.toml: "
                             f"model, model_provider, [model_providers.NAME] base_url, env_key, "
                             f"wire_api)")
     cfg = _toml(p)
     name = cfg.get("model_provider", "openai")
     table = {**_DEFAULT, **cfg.get("model_providers", {})}
     if name not in table:
-        raise ProviderError(f"model_provider = {name!r} has no [model_providers.{name}] table "
+        raise ConfigError(f"model_provider = {name!r} has no [model_providers.{name}] table "
                             f"in {p}; tables present: {sorted(cfg.get('model_providers', {}))}")
     prov = {**_DEFAULT.get(name, {}), **table[name]}
     missing = [k for k in ("base_url", "env_key") if not prov.get(k)]
     missing += [] if cfg.get("model") else ["model"]
     if missing:
-        raise ProviderError(f"{p}: missing {', '.join(missing)} for provider {name!r}")
+        raise ConfigError(f"{p}: missing {', '.join(missing)} for provider {name!r}")
     wire = prov.get("wire_api", "chat")
     if wire not in PATHS:
-        raise ProviderError(f"{p}: wire_api = {wire!r} must be 'chat' or 'responses'")
+        raise ConfigError(f"{p}: wire_api = {wire!r} must be 'chat' or 'responses'")
     return Provider(name, cfg["model"], prov["base_url"].rstrip("/"), prov["env_key"], wire, str(p))
 
 
@@ -201,13 +220,30 @@ def http(method: str, url: str, key: str | None, body: dict | None = None,
         req.add_header("Authorization", f"Bearer {key}")
     watch = _Watch(timeout)
     opener = urllib.request.build_opener(_HTTPHandler(watch), _HTTPSHandler(watch))
-    watch.timer.start()
-    try:
+    box: dict = {}
+
+    def request() -> None:  # in a worker: the name lookup cannot be cut, the wait for it can
         try:
-            with opener.open(req, timeout=timeout) as resp:
-                out = resp.status, resp.headers.get("Content-Type", ""), resp.read()
-        except urllib.error.HTTPError as err:
-            out = err.code, err.headers.get("Content-Type", ""), err.read()
+            try:
+                with opener.open(req, timeout=timeout) as resp:
+                    box["out"] = (resp.status, resp.headers.get("Content-Type", ""),
+                                  resp.read())
+            except urllib.error.HTTPError as err:
+                box["out"] = err.code, err.headers.get("Content-Type", ""), err.read()
+        except BaseException as err:  # handed to the caller below
+            box["err"] = err
+    watch.timer.start()
+    worker = threading.Thread(target=request, daemon=True, name="paraloom-http")
+    worker.start()
+    worker.join(timeout + 1.0)
+    try:
+        if worker.is_alive():  # stuck before a socket existed: the name lookup, a proxy
+            watch.cut()
+            raise DeadlineError(f"no answer from {url} within {timeout:g} s (the host name "
+                                f"lookup or the connection did not finish)")
+        if "err" in box:
+            raise box["err"]
+        out = box["out"]
         if watch.expired:
             raise httpclient.IncompleteRead(out[2])
         return out[0], out[1], out[2].decode("utf-8", "replace")
