@@ -90,6 +90,21 @@ def test_bpe_preprocess_train_eval(tmp_path, bpe, corpus_docs, capfd):
     assert hf_tok(corpus_docs[0]).input_ids == tok.encode(corpus_docs[0]).ids
     assert transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "hf")).config.vocab_size >= len(hf_tok)
+    # the exported folder holds its tokenizer: eval --hf and train --init-from-hf read it
+    capfd.readouterr()
+    assert main(["eval", "--hf", str(tmp_path / "hf"), "--data-path", prefix, "--dp", "2",
+                 "--global-batch-size", "4", "--micro-batch-size", "2", "--batches", "2"]) == 0
+    printed, err = capfd.readouterr()
+    assert "holds its tokenizer (tokenizer.json): the data are read as its tokens" in err, err
+    line = [x for x in printed.splitlines() if x.startswith("{")][-1]
+    assert json.loads(line)["loss"] == pytest.approx(summary["held_out_loss_after"], rel=1e-5)
+    assert main(["train", "--init-from-hf", str(tmp_path / "hf"), "--tp", "1", "--pp", "1",
+                 "--dp", "1", "--global-batch-size", "2", "--steps", "1", "--save-every", "0",
+                 "--out", str(tmp_path / "from_hf")]) == 0
+    assert "holds its tokenizer" in capfd.readouterr().err
+    config = json.loads((tmp_path / "from_hf" / "config.json").read_text())
+    assert config["data"]["tokenizer"] == str(tmp_path / "hf")
+    assert config["model"]["vocab_size"] >= 300
     # --resume takes the tokenizer back; --data replaces the saved --data-path
     for argv, data, data_path in ((["--resume", str(out)], None, prefix),
                                   (["--resume", str(out), "--data", str(jsonl)], str(jsonl), None)):

@@ -31,7 +31,7 @@ from ..training.evaluate import evaluate_rank
 from .arch_flags import add_architecture_flags, apply_architecture
 from .flags import add_flags, given
 from .layout_flags import check_layout_flags
-from .train_flags import absolute
+from .train_flags import absolute, hf_tokenizer
 
 __all__ = ["main"]
 
@@ -88,6 +88,11 @@ def _config(args) -> tuple[TrainConfig, object]:
     if args.batches < 1:
         raise ValueError(f"--batches must be a positive integer, got {args.batches}")
     if args.hf is not None:
+        if args.tokenizer is None and hf_tokenizer(args.hf):
+            args.tokenizer = args.hf
+            print(f"paraloom eval: note: --hf {args.hf!r} holds its tokenizer (tokenizer.json): "
+                  f"the data are read as its tokens (give --tokenizer for another)",
+                  file=sys.stderr)
         model = model_config_from_hf(read_hf_config(args.hf), seq_length=args.seq_len)
         _check_vocab(args, model.vocab_size, f"--hf {args.hf!r}: vocab_size =")
         check_hf_checkpoint(args.hf, model)

@@ -128,6 +128,11 @@ def train_main(args: argparse.Namespace) -> int:
         if _rank0():
             for note in megatron_lm_notes(args):
                 _note(note)
+            hf = cfg.run.init_from_hf
+            if hf and getattr(args, "data.tokenizer", None) is None and cfg.data.tokenizer \
+                    and os.path.samefile(cfg.data.tokenizer, hf):
+                _note(f"--init-from-hf {hf!r} holds its tokenizer (tokenizer.json): the data "
+                      f"are read as its tokens (give --tokenizer for another)")
             applied = getattr(args, "megatron_lm_defaults", None)
             if applied:
                 spelt = ", ".join(args.megatron_lm_spelt[:3])

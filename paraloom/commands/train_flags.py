@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from pathlib import Path
 
 from ..config import ModelConfig, ParallelConfig, TrainConfig
 from ..config.train import migrate
@@ -31,7 +32,7 @@ from .megatron_lm_flags import (
 )
 from .resume import Resumed, resume_base
 
-__all__ = ["add_train_flags", "config_from_args", "absolute", "GROUPS"]
+__all__ = ["add_train_flags", "config_from_args", "absolute", "hf_tokenizer", "GROUPS"]
 
 GROUPS = {
     "layout": ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.cp",
@@ -84,6 +85,12 @@ def add_train_flags(parser: argparse.ArgumentParser) -> None:
     add_megatron_lm_flags(parser)
 
 
+def hf_tokenizer(folder: str) -> bool:
+    """Whether a Hugging Face folder holds its tokenizer (``tokenizer.json``, as ``export-hf``
+    writes it): then the model reads that tokenizer's tokens, not bytes."""
+    return Path(folder, "tokenizer.json").is_file()
+
+
 def absolute(path: str | None) -> str | None:
     """``path`` made absolute (``~`` expanded)."""
     return None if path is None else os.path.abspath(os.path.expanduser(path))
@@ -104,6 +111,9 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
         raise ValueError(f"--data-path {data['data_path']!r} needs --tokenizer DIR (the "
                          f"tokenizer that made it: the vocabulary size and end-of-document "
                          f"token come from it)")
+    hf = values.get("run.init_from_hf")
+    if hf and "data.tokenizer" not in values and hf_tokenizer(hf):
+        data["tokenizer"] = hf  # the model's own tokenizer, not the bundled corpus's bytes
     typed = getattr(args, "data.tokenizer", None)  # as typed: what an error names
     tokenizer = typed if typed is not None else data.get("tokenizer")
     vocab = load_tokenizer(tokenizer).vocab_size if tokenizer else None
