@@ -169,6 +169,13 @@ def test_eval_resume_scores_the_runs_own_data_from_any_folder(tmp_path, capfd, m
 
     implicit, notes = loss()
     assert f"scoring the run's own data, --data {str(home / 'notes.txt')!r}" in notes, notes
+    # with no batch flags, eval scores what train scored: the held-out loss train printed
+    assert main(["eval", "--resume", str(home / "run")]) == 0
+    out = capfd.readouterr()
+    default = json.loads([x for x in out.out.splitlines() if x.startswith("{")][-1])
+    assert "2 global batches of 2 windows, as train scored its held-out loss" in out.err
+    summary = json.loads((home / "run" / "summary.json").read_text())
+    assert default["loss"] == pytest.approx(summary["held_out_loss_after"], rel=1e-6)
     explicit, _ = loss("--data", str(home / "notes.txt"))
     assert implicit == explicit
     assert implicit["windows"] < 10  # the file's held-out 5 %, not the bundled corpus's

@@ -28,6 +28,7 @@ from ..data.tokenizer import load_tokenizer
 from ..models.hf import check_hf_checkpoint, model_config_from_hf, read_hf_config
 from ..training.checkpoint import find_checkpoint
 from ..training.evaluate import evaluate_rank
+from ..training.loop import EVAL_BATCHES
 from .arch_flags import add_architecture_flags, apply_architecture
 from .flags import add_flags, given
 from .layout_flags import check_layout_flags
@@ -60,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
                    "checkpoint's run's, else bytes)")
     p.add_argument("--split", choices=["heldout", "all"], default="heldout",
                    help="heldout: the last 5%% of the tokens (never trained on); all: the file")
-    p.add_argument("--batches", type=int, default=8, help="global batches to evaluate")
+    p.add_argument("--batches", type=int, default=None,
+                   help="global batches to evaluate (default: with --resume, what train scored "
+                        "as its held-out loss, 2 global batches of the run's size, so the loss "
+                        "is the one train printed; with --hf, 8)")
     add_flags(p.add_argument_group("layout"), _LAYOUT, _BASE)
     add_flags(p, ("global_batch_size", "micro_batch_size", "run.timeout_s"), _BASE)
     add_architecture_flags(p)  # only --attention may differ from the checkpoint's model
@@ -85,9 +89,10 @@ def _check_vocab(args, vocab_size: int, what: str, flag: str = "--tokenizer") ->
 
 def _config(args) -> tuple[TrainConfig, object]:
     """The configuration to evaluate with, and the checkpoint (``None`` for ``--hf``)."""
-    if args.batches < 1:
+    if args.batches is not None and args.batches < 1:
         raise ValueError(f"--batches must be a positive integer, got {args.batches}")
     if args.hf is not None:
+        args.batches = args.batches or 8
         if args.tokenizer is None and hf_tokenizer(args.hf):
             args.tokenizer = args.hf
             print(f"paraloom eval: note: --hf {args.hf!r} holds its tokenizer (tokenizer.json): "
@@ -103,7 +108,8 @@ def _config(args) -> tuple[TrainConfig, object]:
     ckpt, meta = find_checkpoint(args.resume)
     model = ModelConfig(**{**meta["config"]["model"], "dropout": 0.0})
     model = apply_architecture(model, args, "the checkpoint")
-    saved = TrainConfig.from_dict(meta["config"]).data
+    run = TrainConfig.from_dict(meta["config"])
+    saved = run.data
     flag = "--tokenizer"
     if args.tokenizer is None and saved.tokenizer:  # the run's own tokenizer
         args.tokenizer, flag = saved.tokenizer, "the checkpoint's --tokenizer"
@@ -115,11 +121,21 @@ def _config(args) -> tuple[TrainConfig, object]:
               f"{args.data or args.data_path!r} (from the checkpoint); give --data or "
               f"--data-path for another", file=sys.stderr)
     _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of", flag)
-    return _train_config(args, model, ckpt), ckpt
+    batch = {} if "global_batch_size" in given(args) else {
+        "global_batch_size": run.global_batch_size,
+        **({} if "micro_batch_size" in given(args) else {
+            "micro_batch_size": run.micro_batch_size})}
+    if args.batches is None:
+        args.batches = EVAL_BATCHES
+        if batch:
+            print(f"paraloom eval: note: {EVAL_BATCHES} global batches of "
+                  f"{run.global_batch_size} windows, as train scored its held-out loss (give "
+                  f"--batches, --global-batch-size for more)", file=sys.stderr)
+    return _train_config(args, model, ckpt, batch), ckpt
 
 
-def _train_config(args, model: ModelConfig, ckpt) -> TrainConfig:
-    values = given(args)
+def _train_config(args, model: ModelConfig, ckpt, batch: dict | None = None) -> TrainConfig:
+    values = {**(batch or {}), **given(args)}
     parallel = dataclasses.replace(_BASE.parallel, **{
         k[len("parallel."):]: v for k, v in values.items() if k.startswith("parallel.")})
     check_layout_flags(model, parallel, shape_from=f"--hf {args.hf!r}" if args.hf else
