@@ -136,6 +136,18 @@ def test_min_bytes_is_exactly_what_the_loader_needs(tmp_path, seq, use):
         check_data(short, seq, use)
 
 
+def test_training_draws_every_window_of_its_part_the_last_one_included():
+    """Offsets 0 .. split - seq_len - 1: the window ending at the training part's last token
+    is drawn too (it never was: an off-by-one), and nothing reaches the held-out part."""
+    seq = 8
+    corpus = Corpus(torch.arange(200) % 256, seq)
+    starts = {int(row[0]) for step in range(300) for row in corpus.global_batch(step, 4)}
+    assert starts == set(range(corpus.split - seq)), sorted(set(range(corpus.split - seq))
+                                                            - starts)
+    one = Corpus(torch.arange(seq + 1 + 40) % 256, seq, holdout=40 / (seq + 41))
+    assert one.split == seq + 1 and one.global_batch(0, 3)[:, 0].tolist() == [0, 0, 0]
+
+
 def test_binary_data_is_noted_not_refused(tmp_path):
     data = bytearray((TEXT * 20)[:min_bytes(SEQ, "train")])
     data[300] = 0xFF

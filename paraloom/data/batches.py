@@ -43,12 +43,13 @@ class Corpus:
     def global_batch(self, step: int, global_batch_size: int) -> torch.Tensor:
         """``[global_batch_size, seq_len + 1]`` int64 tokens for ``step`` (the same for every
         layout)."""
-        if self.split < self.seq_len + 2:  # check_data says so before ranks start
+        if self.split < self.seq_len + 1:  # check_data says so before ranks start
             raise ValueError(f"the corpus has {len(self.data)} bytes ({self.split} for training); "
                              f"training with seq_len = {self.seq_len} needs at least "
-                             f"{self.seq_len + 2} there")
+                             f"one window, seq_len + 1 = {self.seq_len + 1}, there")
         g = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + step)
-        starts = torch.randint(0, self.split - self.seq_len - 1, (global_batch_size,), generator=g)
+        # every window inside the training part: starts 0 .. split - seq_len - 1, inclusive
+        starts = torch.randint(0, self.split - self.seq_len, (global_batch_size,), generator=g)
         return self._windows(starts)
 
     def _windows(self, starts: torch.Tensor) -> torch.Tensor:

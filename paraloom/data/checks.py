@@ -25,9 +25,9 @@ def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--d
 
     * ``all`` (``eval --split all``): at least one window, ``seq_len + 1`` bytes.
     * ``heldout`` (``eval``): the last 5 % of the bytes hold at least one window.
-    * ``train``: the first 95 % hold at least ``seq_len + 2`` bytes (windows are drawn at random
-      offsets below ``split - seq_len - 1``) and the last 5 % at least one window (the held-out
-      loss before and after training).
+    * ``train``: the first 95 % hold at least one window (windows are drawn at random offsets
+      ``0 .. split - seq_len - 1``, the last one included) and the last 5 % at least one window
+      (the held-out loss before and after training).
     """
     if data_path is not None or tokenizer is not None:
         return _check_tokens(path, seq_len, use, data_path, tokenizer)
@@ -65,6 +65,6 @@ def _needs(use: str, seq_len: int, unit: str) -> str:
     return {"all": f"one window of seq_len + 1 = {seq_len + 1} tokens",
             "heldout": f"its last {HOLDOUT:.0%} (held out) to hold one window of seq_len + 1 "
                        f"= {seq_len + 1} tokens; --split all needs only {seq_len + 1}",
-            "train": f"its first {1 - HOLDOUT:.0%} (training) to hold at least seq_len + 2 = "
-                     f"{seq_len + 2} {unit} and its last {HOLDOUT:.0%} (held-out loss) one "
-                     f"window of seq_len + 1 = {seq_len + 1}"}[use]
+            "train": f"its first {1 - HOLDOUT:.0%} (training) and its last {HOLDOUT:.0%} "
+                     f"(held-out loss) to hold one window of seq_len + 1 = {seq_len + 1} "
+                     f"{unit} each"}[use]

@@ -62,7 +62,7 @@ def _fits(n: int, seq_len: int, use: str, holdout: float = HOLDOUT) -> bool:
         return n >= seq_len + 1
     if use == "heldout":
         return n - split >= seq_len + 1
-    return split >= seq_len + 2 and n - split >= seq_len + 1
+    return split >= seq_len + 1 and n - split >= seq_len + 1
 
 
 def min_bytes(seq_len: int, use: str, holdout: float = HOLDOUT) -> int:
