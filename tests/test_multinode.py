@@ -3,9 +3,10 @@
 * One run folder path seen by both nodes (a shared filesystem): both agents exit 0, the folder
   is complete (reports, every rank's ledger, whole checkpoints), and resuming its mid-run
   checkpoint on one node gives the uninterrupted run's losses.
-* A different folder per node (no shared filesystem, the usual case): both agents exit 0, node 0
-  has the reports with every rank's events, node 1 its ranks' raw ledgers and a note; asking
-  for checkpoints there is refused with a message that says why (checked without agents).
+* A different folder per node (no shared filesystem, the usual case) and default flags: both
+  agents exit 0, without checkpoints (rank 0 says why), node 0 has the reports with every rank's
+  events, node 1 its ranks' raw ledgers and a note; asking for checkpoints there (--save-every
+  given) is refused with a message that says why (checked without agents).
 * A ``--tokenizer`` folder only node 0 has: the ranks of node 1 find it missing while reading
   their flags, before the world exists, and still join it to say so: both nodes stop at once
   (exit code 2 in every rank), each node's log says why, instead of node 0 waiting for node 1
@@ -103,8 +104,11 @@ def test_shared_folder_complete_then_resumed_on_one_node(tmp_path):
 
 def test_node_local_folders(tmp_path):
     out0, out1 = tmp_path / "node0", tmp_path / "node1"
-    (rc0, log0), (rc1, log1) = _two_nodes(out0, out1, "--steps", "2", "--save-every", "0")
+    # default flags (no --save-every): the run trains, without checkpoints, and says why
+    (rc0, log0), (rc1, log1) = _two_nodes(out0, out1, "--steps", "2")
     assert (rc0, rc1) == (0, 0), log0[-3000:] + log1[-3000:]
+    assert "note: no checkpoints: not every node sees the run folder" in log0, log0[-3000:]
+    assert not (out0 / "checkpoints").exists() and not (out1 / "checkpoints").exists()
     assert sorted(_metrics(out0)) == [0, 1]
     events = [json.loads(x) for x in (out0 / "ledger.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events} == {0, 1, 2, 3}  # gathered over the network
@@ -127,6 +131,12 @@ def test_checkpoints_refuse_a_folder_not_every_rank_sees(tmp_path):
     assert "shared filesystem" in text and "--save-every 0" in text
     needs_shared_folder(split, 0)
     needs_shared_folder(RunFolder(tmp_path, [True] * 4), 1)
+    from paraloom.training.multinode import checkpoint_interval
+    assert checkpoint_interval(RunFolder(tmp_path, [True] * 4), None) == (50, None)
+    every, note = checkpoint_interval(split, None)
+    assert every == 0 and "no checkpoints: not every node sees the run folder" in note
+    with pytest.raises(SetupError):
+        checkpoint_interval(split, 5)
 
 
 def test_a_folder_only_some_nodes_have_stops_every_node_with_the_reason(tmp_path):

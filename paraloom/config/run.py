@@ -8,7 +8,11 @@ from dataclasses import dataclass
 from .fields import option
 from .parallel import positive_int
 
-__all__ = ["RunConfig"]
+__all__ = ["RunConfig", "DEFAULT_SAVE_EVERY"]
+
+
+DEFAULT_SAVE_EVERY = 50
+"""Steps between checkpoints when ``--save-every`` is not given."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -17,9 +21,13 @@ class RunConfig:
 
     out: str = option("runs/latest", "--out", "--save", help="run folder")
     """Run folder (config.json, metrics.jsonl, ledger.jsonl, trace.json, ...)."""
-    save_every: int = option(50, "--save-every", "--save-interval",
-                             help="checkpoint every N steps and at the end (0: never)")
-    """Save a checkpoint every N steps (and at the end when N > 0)."""
+    save_every: int | None = option(
+        None, "--save-every", "--save-interval",
+        help=f"checkpoint every N steps and at the end (0: never; default {DEFAULT_SAVE_EVERY}, "
+             f"or none when not every node sees the run folder, said in a note)")
+    """Save a checkpoint every N steps (and at the end when N > 0). ``None`` (not given):
+    :data:`DEFAULT_SAVE_EVERY` where every rank shares the run folder, else no checkpoints
+    (:func:`paraloom.training.multinode.checkpoint_interval`)."""
     resume: str | None = option(None, "--resume", "--load", help="run or checkpoint folder")
     """Run folder or checkpoint folder to continue from."""
     init_from_hf: str | None = option(
@@ -65,7 +73,7 @@ class RunConfig:
                 self.ledger_steps < 1 and self.ledger_steps != -1):
             raise ValueError(f"ledger_steps (--ledger-steps) must be a positive number of steps "
                              f"or -1 (every step), got {self.ledger_steps!r}")
-        if self.save_every < 0:
+        if self.save_every is not None and self.save_every < 0:
             raise ValueError(f"save_every (--save-every) must be >= 0, got {self.save_every}")
         positive_int("max_bad_steps", self.max_bad_steps)
         positive_int("--log-interval", self.log_interval)

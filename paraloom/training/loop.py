@@ -35,7 +35,7 @@ from ..run_folder import CONFIG, METRICS, SUMMARY, rank_ledger, read_json_lines,
 from ..tensor_parallel.random import rng_state_dict
 from . import megatron_lm_setup
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
-from .multinode import needs_shared_folder, prepare_run_folder
+from .multinode import checkpoint_interval, prepare_run_folder
 from .progress import show_progress
 from .resume import continue_folder, continue_ledger, restore_rng, same_layout, same_run
 from .state import state_entries
@@ -98,7 +98,9 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     rank = dist.get_rank()
     mesh = ParallelMesh(cfg.parallel)
     folder = prepare_run_folder(out, mesh.world)  # on every node; who sees rank 0's folder
-    needs_shared_folder(folder, r.save_every)
+    save_every, note = checkpoint_interval(folder, r.save_every)
+    if note and rank == 0:
+        print(f"paraloom train: note: {note}", file=sys.stderr, flush=True)
     d = cfg.data
     corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
     run, setup = _set_up(cfg, mesh, corpus, t0)
@@ -172,7 +174,7 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
                 f"stopping at step {step}: {bad} consecutive steps with a non-finite loss or "
                 f"gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
-        if r.save_every and ((step + 1) % r.save_every == 0 or step + 1 == cfg.steps):
+        if save_every and ((step + 1) % save_every == 0 or step + 1 == cfg.steps):
             _save(run, out, step + 1)
     if beat is not None:
         beat.stop()

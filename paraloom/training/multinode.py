@@ -12,13 +12,12 @@ it may or may not be on a filesystem every node sees. Here is what each case get
   ``OUT/``, every rank reads it back, and one all-reduce tells every rank which ranks share rank
   0's folder. When some do not, rank 0 says which (and on which hosts), and those nodes get a
   ``node.json`` saying where the reports are.
-* **Checkpoints need a shared folder.** DCP writes each rank's shards into the checkpoint folder
-  and rank 0 the index, so a checkpoint is only whole where every rank wrote into the same folder.
-  A run that would save (``--save-every`` > 0) without one stops before the first step, on every
-  rank, with :class:`SetupError` (exit code 2), instead of leaving checkpoints nobody can load.
-  ``--resume``, ``--data``, ``--tokenizer`` and ``--init-from-hf`` are checked on every rank
-  (:func:`agree`): if some ranks do not see the checkpoint, file or folder, every rank stops
-  with one message that names them. A rank that finds its problem while reading the flags, before
+* **Checkpoints need a shared folder** (DCP writes each rank's shards, rank 0 the index).
+  ``--save-every N`` given without one stops every rank before the first step
+  (:class:`SetupError`, exit 2); not given, the run has no checkpoints and rank 0 says why
+  (:func:`checkpoint_interval`). ``--resume``, ``--data``, ``--tokenizer`` and
+  ``--init-from-hf`` are checked on every rank (:func:`agree`): if some ranks do not see the
+  checkpoint, file or folder, every rank stops with one message that names them. A rank that finds its problem while reading the flags, before
   the world exists, still joins it to say so (:func:`refuse_under_torchrun`): the others would
   otherwise wait for it until the timeout and end without a reason.
 * **A clean end** is :func:`paraloom.launch.shutdown` after a barrier (see there).
@@ -39,11 +38,13 @@ from pathlib import Path
 import torch
 
 from .. import comm, launch
+from ..config.run import DEFAULT_SAVE_EVERY
 from ..device import get_device
 from ..mesh import world_axis
 from .checkpoint import find_checkpoint
 
-__all__ = ["SetupError", "RunFolder", "prepare_run_folder", "needs_shared_folder", "agree",
+__all__ = ["SetupError", "RunFolder", "prepare_run_folder", "needs_shared_folder",
+           "checkpoint_interval", "agree",
            "same_everywhere", "local_rank", "run_under_torchrun", "refuse_under_torchrun",
            "checkpoint_seen", "shared_clock"]
 
@@ -186,6 +187,18 @@ def _sees_token(path: Path, token: str, patience_s: float = SEE_PATIENCE_S) -> b
         time.sleep(0.1)
 
 
+def checkpoint_interval(folder: RunFolder, save_every: int | None) -> tuple[int, str | None]:
+    """Steps between checkpoints and rank 0's note: ``--save-every`` as given (checked by
+    :func:`needs_shared_folder`); not given, the default, or none without a shared folder."""
+    if save_every is not None:
+        needs_shared_folder(folder, save_every)
+    if save_every is not None or folder.shared:
+        return (DEFAULT_SAVE_EVERY if save_every is None else save_every), None
+    return 0, (f"no checkpoints: not every node sees the run folder (--out "
+               f"{str(folder.path)!r}) and each rank writes its own shards; for checkpoints "
+               f"give --out a path every node shares and --save-every N")
+
+
 def needs_shared_folder(folder: RunFolder, save_every: int) -> None:
     """:class:`SetupError` on every rank when checkpoints would be saved into a folder that not
     every rank shares (they would be incomplete on every node)."""
@@ -239,10 +252,9 @@ def run_under_torchrun(prog: str, timeout_s: float, check, body, resume: str | N
     ``body()``, and end cleanly; returns the exit code.
 
     A :class:`SetupError` (known to every rank) is printed once per node (rank 0's names every
-    rank's problem) and gives 2 on every rank;
-    any other exception propagates (torchrun reports the rank). After a good run every rank meets
-    in a barrier before the process groups are destroyed (:func:`paraloom.launch.shutdown`).
-    """
+    rank's problem) and gives 2 on every rank; any other exception propagates (torchrun reports
+    the rank). After a good run every rank meets in a barrier before the process groups are
+    destroyed (:func:`paraloom.launch.shutdown`)."""
     launch.init_distributed(timeout_s=timeout_s)
     world = world_axis()
     clean = False
