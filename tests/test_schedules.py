@@ -197,7 +197,11 @@ def test_cli_schedule_picture(tmp_path, capsys):
     assert f"bubble fraction: {3 / 19:.4f}" in capsys.readouterr().out
     assert cli.main(["schedule", "--pp", "4", "--microbatches", "6", "--vpp", "2",
                      "--out", str(out)]) == 2
-    assert "num_microbatches = 6" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("paraloom schedule: error:") and "num_microbatches = 6" in err
+    assert err.rstrip().endswith("use 4 or 8"), err
+    assert cli.main(["schedule", "--pp", "4", "--microbatches", "3", "--vpp", "2"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("pp = 4; use 4")  # not "use 4 or 4"
     assert cli.main(["schedule", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:

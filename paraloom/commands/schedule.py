@@ -95,5 +95,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _schedule(args)
     except (ValueError, OSError) as err:
-        print(f"paraloom schedule: {err}", file=sys.stderr)
+        print(f"paraloom schedule: error: {err}", file=sys.stderr)
         return 2

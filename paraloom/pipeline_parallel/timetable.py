@@ -42,7 +42,7 @@ def validate(schedule: str, p: int, m: int, v: int = 1) -> None:
     if schedule == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs num_microbatches to be a multiple of "
                          f"pp (as Megatron): got num_microbatches = {m}, pp = {p}; use "
-                         f"{max(p, m - m % p)} or {m - m % p + p}")
+                         + " or ".join(map(str, sorted({max(p, m - m % p), m - m % p + p}))))
 
 
 def warmup_count(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
