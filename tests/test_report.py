@@ -151,6 +151,28 @@ def test_group_folds_identical_layers_only(runs):
     assert "x2 layers" not in render_table(altered, group=True).split("backward")[0]
 
 
+def test_group_folds_microbatches_that_communicate_alike(runs):
+    """A step of 3 microbatches whose rows are alike reads as one block marked (x3
+    microbatches); the rows outside microbatches, and a microbatch that differs, stay apart."""
+    one = [dict(e) for e in runs["async"] if e["rank"] == 0 and e["step"] == 0]
+    per_mb = [e for e in one if e.get("microbatch") is not None]
+    span = max(e["t_end"] for e in one) - min(e["t_start"] for e in one)
+    events = [e for e in one if e.get("microbatch") is None and e["phase"] == "optimizer"]
+    for mb in range(3):
+        events += [dict(e, microbatch=mb, seq=e["seq"] + 1000 * mb, t_start=e["t_start"] + mb
+                        * span, t_end=e["t_end"] + mb * span) for e in per_mb]
+    events.sort(key=lambda e: e["seq"])
+    once = render_table([dict(e, seq=e["seq"]) for e in one], group=True).splitlines()
+    lines = render_table(events, group=True).splitlines()
+    folded = [ln for ln in lines if "(x3 microbatches)" in ln]
+    assert folded and len(lines) == len(once), "\n".join(lines)
+    assert all("(x3 microbatches)" not in ln for ln in lines if "optimizer" in ln)
+    assert "(x3 个微批次)" in render_table(events, group=True, lang="zh")
+    events[next(i for i, e in enumerate(events) if e["microbatch"] == 1
+                and e["op"] == "all_reduce")]["op"] = "all_gather"
+    assert "x3 microbatches" not in render_table(events, group=True)
+
+
 def test_table_without_ledger_names_both_writers(tmp_path, capsys):
     assert table_main([str(tmp_path)]) == 2
     assert "written by paraloom train or paraloom record" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_same_metrics, layout_config, run_training
 
 from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+from paraloom.run_folder import read_json_lines
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=32, num_layers=8, num_attention_heads=4,
                     seq_length=16)
@@ -43,6 +44,13 @@ def test_every_layout_trains_the_same_model(tmp_path, reference, layout):
     got = train(tmp_path, "run", **layout)
     assert_same_metrics(got, reference)
     assert got[-1]["loss"] < got[0]["loss"]  # and it learns
+    # the compute spans: a pipeline's stages, or on one stage each microbatch (no schedule)
+    sites = {e["site"] for e in read_json_lines(tmp_path / "run" / "ledger.jsonl")
+             if e["op"] == "compute"}
+    prefix = "pipeline." if layout["pp"] > 1 else "microbatch."
+    assert {prefix + "forward", prefix + "backward"} <= sites, sites
+    assert not any(s.startswith("microbatch." if layout["pp"] > 1 else "pipeline.")
+                   for s in sites)
 
 
 def test_eval_gives_the_same_loss_under_any_layout(tmp_path, capfd):

@@ -122,6 +122,7 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
                                       or (schedule == "1f1b" and rank > 0)):
         grad_sync = None  # no pipelining, the first 1F1B stage, ZB-H1: the hooks launch
     backwards = [(step[1], step[2]) for step in plan if step[0] == "B"]  # (mb, chunk) in order
+    where = "pipeline" if p > 1 else "microbatch"  # the compute spans' site
     synced: set[int] = set()
     done_b = 0
     last_vs = p * v - 1
@@ -152,9 +153,9 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
             continue
         kind, mb, c = step
         vs = c * p + rank
-        span = dict(stage=rank, chunk=c, module=f"chunk{c}")
+        span = dict(stage=rank, chunk=c, module=f"chunk{c}") if p > 1 else dict(stage=0, chunk=0)
         if kind == "F":  # under ZB-H1 the layers (built with own_backward) can split backward
-            with _at(mb), _ledger.span("pipeline.forward", phase="forward", **span):
+            with _at(mb), _ledger.span(f"{where}.forward", phase="forward", **span):
                 inp = received.pop(("act", mb, vs - 1)) if vs > 0 else None  # [s, b, h]
                 chunks[c].set_input_tensor(inp)
                 out, loss_func = forward_step_func(data_iterators[c], chunks[c])
@@ -169,14 +170,14 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
                 stats._change(+1)
         elif kind == "W":
             skip = no_sync[c] is not None and i != last[("W", c)]
-            with (_at(mb), _ledger.span("pipeline.weight_grad", phase="backward", **span),
+            with (_at(mb), _ledger.span(f"{where}.weight_grad", phase="backward", **span),
                   no_sync[c]() if skip else nullcontext()):
                 wgrads.pop((mb, c))()
             stats._change(-1)
         else:
             skip = no_sync[c] is not None and (grad_sync is not None or i != last[("B", c)])
             sync = no_sync[c]() if skip else nullcontext()
-            with (_at(mb), _ledger.span("pipeline.backward", phase="backward", **span), sync,
+            with (_at(mb), _ledger.span(f"{where}.backward", phase="backward", **span), sync,
                   defer_weight_grads() if split else nullcontext() as run_w):
                 inp, out = saved.pop((mb, c))
                 grad = received.pop(("grad", mb, vs + 1)) if vs < last_vs else None

@@ -24,7 +24,8 @@ exactly the one shown there. On gloo the plan overlaps communication with comput
 posted one step ahead, outputs are sent asynchronously as soon as computed, and the ledger's
 ``t_start`` / ``t_wait`` / ``t_end`` of each p2p event show the overlap. Each forward /
 backward step is a ledger compute span (site ``pipeline.forward`` / ``pipeline.backward``, with
-``stage`` and ``chunk``) attributed to its microbatch — under ZB-H1 the backward computes
+``stage`` and ``chunk``; on one stage ``microbatch.forward`` / ``microbatch.backward``, as there
+is no pipeline) attributed to its microbatch — under ZB-H1 the backward computes
 only input gradients and a later ``pipeline.weight_grad`` span runs the microbatch's deferred
 wgrad GEMMs (:func:`~paraloom.tensor_parallel.weight_grad.defer_weight_grads`) — and
 :class:`PipelineStats` counts the microbatches whose activations a stage holds.

@@ -118,7 +118,9 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     parts.append('<div class="tl-tools"><button id="zoom-in">+</button><button id="zoom-out">'
                  '−</button><button id="zoom-reset">reset</button> <span id="tl-info"></span>'
                  '</div><div id="timeline"></div>')
-    parts += [_h2("schedule"), _schedule(events)]
+    if any(str(e.get("site", "")).startswith("pipeline.") for e in events) \
+            or (cfg or {}).get("parallel", {}).get("pp", 1) > 1:
+        parts += [_h2("schedule"), _schedule(events)]  # one stage has no schedule to draw
     experts = run / "expert_load.png"
     if experts.is_file():
         data = base64.b64encode(experts.read_bytes()).decode()

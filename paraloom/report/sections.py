@@ -112,7 +112,8 @@ def _cells(row: dict, index: str) -> str:
 
 def table_html(events: list[dict], *, rank: int, step: int | None, lang: str) -> str:
     """The folded table (``<thead>`` + ``<tbody>``) of ``rank``'s ``step`` in ``lang``."""
-    rows = group_rows(table_rows(events, rank=rank, step=step, lang=lang), lang, members=True)
+    rows = group_rows(table_rows(events, rank=rank, step=step, lang=lang), lang, KEYS,
+                      members=True)
     heads = "".join(f"<th>{escape(h)}</th>" for h in (*HEADINGS[lang], SOURCE_HEADING[lang]))
     body = []
     for row in rows:

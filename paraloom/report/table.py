@@ -4,8 +4,8 @@ One row per communication (compute spans are not rows, but they say what an asyn
 operation overlapped: every compute span running between its launch and its completion), with the
 columns of SPEC.md — parallel type, split object, primitive, trigger location (phase · site ·
 module), async — in English or Chinese headings, as Markdown, CSV or JSON. ``group=True`` folds
-consecutive layers whose rows are identical except for the layer index into one block marked
-``x4 layers``, so a deep model's table stays readable. Events recorded without a ``split``
+consecutive layers and microbatches that communicate alike (:mod:`.fold`), so a deep model's
+table stays readable. Events recorded without a ``split``
 (pipeline p2p, the tied-embedding and sp finalize sums, the loss reduction) get a description
 of what travels, e.g. ``activations [16, 1, 32] to the next stage``.
 
@@ -20,9 +20,9 @@ from __future__ import annotations
 import csv
 import io
 import json
-import re
 
 from . import zh
+from .fold import group_rows
 from .moe_rows import ep_split
 
 __all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows", "steps_of"]
@@ -33,8 +33,7 @@ HEADINGS = {
 }
 """Column headings per language (the first, ``#``, is the execution order)."""
 KEYS = ("index", "parallel_type", "split_object", "primitive", "trigger_location", "async")
-_WORDS = {"en": ("yes", "no", "overlaps", "layers"), "zh": ("是", "否", "重叠", "层")}
-_LAYER = re.compile(r"layers\.\d+")
+_WORDS = {"en": ("yes", "no", "overlaps"), "zh": ("是", "否", "重叠")}
 
 
 def _site(site: str) -> str:
@@ -186,7 +185,7 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | str | None = No
     """One dict per communication of ``rank`` in ``step`` (a number, or ``"setup"``; default:
     its first step), in order of launch: the table columns under :data:`KEYS` plus the raw
     fields behind them."""
-    yes, no, overlaps, _ = _WORDS[lang]
+    yes, no, overlaps = _WORDS[lang]
     chosen = _select(events, rank, step)
     spans = [e for e in chosen if e["op"] == "compute"]
     rows = []
@@ -212,50 +211,6 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | str | None = No
     return rows
 
 
-def _layer_of(row: dict) -> str | None:
-    m = _LAYER.search(row.get("module") or "")
-    return m.group(0) if m else None
-
-
-def _shape(row: dict) -> tuple:
-    return tuple(_LAYER.sub("layers.*", str(row[k])) for k in KEYS[1:])
-
-
-def group_rows(rows: list[dict], lang: str, members: bool = False) -> list[dict]:
-    """Fold runs of consecutive layer blocks identical up to the layer index; ``members``:
-    each folded row also lists the rows it stands for (``members``, one per layer)."""
-    blocks: list[list[dict]] = []
-    for row in rows:  # a block: consecutive rows of one layer (or one row outside layers)
-        layer = _layer_of(row)
-        if blocks and layer is not None and _layer_of(blocks[-1][0]) == layer:
-            blocks[-1].append(row)
-        else:
-            blocks.append([row])
-    out: list[dict] = []
-    i = 0
-    while i < len(blocks):
-        j = i + 1
-        if _layer_of(blocks[i][0]) is not None:
-            shape = [_shape(r) for r in blocks[i]]
-            while j < len(blocks) and _layer_of(blocks[j][0]) is not None \
-                    and [_shape(r) for r in blocks[j]] == shape:
-                j += 1
-        n = j - i
-        for pos, row in enumerate(blocks[i]):
-            row = dict(row)
-            if members:
-                row["members"] = [blocks[k][pos] for k in range(i, j)]
-            if n > 1:
-                row["count"] = n
-                for k in ("trigger_location", "async"):
-                    row[k] = _LAYER.sub("layers.*", row[k])
-                row["trigger_location"] += f" (x{n} {_WORDS[lang][3]})"
-            row["index"] = len(out) + 1
-            out.append(row)
-        i = j
-    return out
-
-
 def render_table(events: list[dict], *, rank: int = 0, step: int | str | None = None,
                  lang: str = "en", fmt: str = "md", group: bool = False) -> str:
     """The table as Markdown (``md``), CSV or JSON (``{"rank", "step", "columns", "rows"}``)."""
@@ -265,7 +220,7 @@ def render_table(events: list[dict], *, rank: int = 0, step: int | str | None = 
         raise ValueError(f"format must be md, csv or json, got {fmt!r}")
     rows = table_rows(events, rank=rank, step=step, lang=lang)
     if group:
-        rows = group_rows(rows, lang)
+        rows = group_rows(rows, lang, KEYS)
     heads = HEADINGS[lang]
     if fmt == "json":
         step_no = rows[0]["step"] if rows else step

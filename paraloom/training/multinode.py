@@ -17,9 +17,9 @@ it may or may not be on a filesystem every node sees. Here is what each case get
   (:class:`SetupError`, exit 2); not given, the run has no checkpoints and rank 0 says why
   (:func:`checkpoint_interval`). ``--resume``, ``--data``, ``--tokenizer`` and
   ``--init-from-hf`` are checked on every rank (:func:`agree`): if some ranks do not see the
-  checkpoint, file or folder, every rank stops with one message that names them. A rank that finds its problem while reading the flags, before
-  the world exists, still joins it to say so (:func:`refuse_under_torchrun`): the others would
-  otherwise wait for it until the timeout and end without a reason.
+  checkpoint, file or folder, every rank stops with one message that names them. A rank that
+  finds its problem while reading the flags, before the world exists, still joins it to say so
+  (:func:`refuse_under_torchrun`): the others would otherwise wait for it until the timeout.
 * **A clean end** is :func:`paraloom.launch.shutdown` after a barrier (see there).
 """
 
