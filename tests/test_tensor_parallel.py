@@ -304,11 +304,22 @@ def mesh_mismatch():
     mesh = ParallelMesh(tp=2, dp=2)
     with pytest.raises(ValueError, match="output_size = 5 is not divisible by 2"):
         ColumnParallelLinear(4, 5, mesh=mesh)
+    # the building blocks follow Megatron-Core's rule by default: async unless sp (and tp > 1)
+    assert ColumnParallelLinear(4, 4, mesh=mesh).async_grad_allreduce is True
+    assert ColumnParallelLinear(4, 4, mesh=mesh, sequence_parallel=True).async_grad_allreduce \
+        is False
+    assert ColumnParallelLinear(4, 4, mesh=mesh, async_grad_allreduce=False) \
+        .async_grad_allreduce is False
     return True
 
 
 def test_clear_errors(world4):
     from paraloom.config import ParallelConfig
+    from paraloom.models.options import ParallelOptions
+    assert ParallelOptions().async_grad_allreduce is True  # Megatron-Core's rule, as train
+    assert ParallelOptions(sequence_parallel=True).async_grad_allreduce is False
+    assert ParallelOptions(async_grad_allreduce=False).async_grad_allreduce is False
+    assert ColumnParallelLinear(4, 4).async_grad_allreduce is False  # one rank: nothing to wait
     from paraloom.utils import divide
     with pytest.raises(ValueError, match="sequence_parallel=True cannot be combined"):
         ParallelConfig(tp=2, sequence_parallel=True, async_grad_allreduce=True)

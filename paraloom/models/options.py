@@ -19,13 +19,16 @@ __all__ = ["ParallelOptions"]
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelOptions:
-    """Megatron's meanings; the defaults are a plain fp32 model."""
+    """Megatron's meanings; the defaults are a plain fp32 model that communicates as
+    Megatron-Core's (the column layers' input-gradient all-reduce async when tp > 1 and not
+    sequence parallel)."""
 
     sequence_parallel: bool = False
     """Activations between tensor-parallel regions split along the sequence."""
-    async_grad_allreduce: bool = False
-    """Column layers overlap their input-gradient all-reduce with the weight-gradient GEMM (the
-    effective value: :attr:`~paraloom.config.ParallelConfig.uses_async_grad_allreduce`)."""
+    async_grad_allreduce: bool | None = None
+    """Column layers overlap their input-gradient all-reduce with the weight-gradient GEMM;
+    ``None``: Megatron-Core's rule, as :attr:`~paraloom.config.ParallelConfig.
+    uses_async_grad_allreduce` (a training run passes that effective value)."""
     gradient_accumulation_fusion: bool = False
     """Weight gradients go straight into fp32 ``main_grad``."""
     recompute: str = "none"
@@ -39,6 +42,8 @@ class ParallelOptions:
     """The parameters' dtype (bf16 runs keep fp32 master copies in the optimizer)."""
 
     def __post_init__(self) -> None:
+        if self.async_grad_allreduce is None:  # Megatron-Core's rule (each layer adds tp > 1)
+            object.__setattr__(self, "async_grad_allreduce", not self.sequence_parallel)
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
 

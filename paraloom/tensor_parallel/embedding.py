@@ -83,7 +83,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, axis: Axis, *,
-                       sequence_parallel: bool = False, async_grad_allreduce: bool = False,
+                       sequence_parallel: bool = False, async_grad_allreduce: bool | None = None,
                        site: str = "GPTModel.output", module: str = "output") -> torch.Tensor:
     """``[s(/tp), b, h] -> [s, b, Vp/tp]``: the logits of this rank's vocabulary range
     (``weight``: ``[Vp/tp, h]``, the output layer's or the tied word embeddings)."""
@@ -94,6 +94,8 @@ def parallel_lm_logits(x: torch.Tensor, weight: torch.Tensor, axis: Axis, *,
         where = Where(axis, site, module=module, split="vocabulary")
         return linear_with_grad_accumulation_and_async_allreduce(x, weight, None, where, True,
                                                                  False, False)
+    if async_grad_allreduce is None:  # Megatron-Core's rule
+        async_grad_allreduce = not sequence_parallel
     if axis.size > 1 and async_grad_allreduce:
         # the same async all-reduce of the input gradient as a ColumnParallelLinear, overlapping
         # the (tied) weight-gradient GEMM

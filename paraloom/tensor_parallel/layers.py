@@ -53,7 +53,8 @@ class ColumnParallelLinear(nn.Module):
         sequence_parallel: the input is ``[s/tp, b, h]``; all-gathered in forward, and the input
             gradient reduce-scattered (overlapping the wgrad GEMM) in backward.
         async_grad_allreduce: launch the input-gradient all-reduce before the wgrad GEMM and wait
-            after it. Not with ``sequence_parallel``.
+            after it. ``None`` (default): Megatron-Core's rule, on when tp > 1 and not
+            ``sequence_parallel``; an explicit ``True`` with ``sequence_parallel`` is an error.
         gradient_accumulation_fusion: accumulate the weight gradient in fp32 ``weight.main_grad``.
         own_backward: use the layer's own autograd function also at tp = 1, where it would use
             ``F.linear``: for a model whose backward a zero-bubble schedule splits into B and W
@@ -67,7 +68,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True,
                  gather_output: bool = False, sequence_parallel: bool = False,
-                 async_grad_allreduce: bool = False, gradient_accumulation_fusion: bool = False,
+                 async_grad_allreduce: bool | None = None,
+                 gradient_accumulation_fusion: bool = False,
                  own_backward: bool = False, skip_bias_add: bool = False, init_method=None,
                  mesh: ParallelMesh | None = None, name: str = "column",
                  params_dtype: torch.dtype = torch.float32, device=None) -> None:
@@ -84,6 +86,8 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size, self.name = input_size, output_size, name
         self.output_size_per_partition = divide(output_size, tp.size, f"{name}: output_size")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        if async_grad_allreduce is None:  # Megatron-Core's rule
+            async_grad_allreduce = not sequence_parallel
         self.async_grad_allreduce = async_grad_allreduce and tp.size > 1
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.own_backward = own_backward
