@@ -120,6 +120,13 @@ FAILING = '''
             layer(p).sum().backward()
             opt.step()
         sys.exit(3)
+    if how == "inference":  # invisible to the recorder: counted, said, not in the ledger
+        with torch.inference_mode():
+            dist.all_reduce(torch.ones(4))
+            dist.all_reduce(torch.ones(4))
+        with torch.no_grad():
+            dist.all_reduce(t)
+        sys.exit(0)
     if how == "fine":
         time.sleep(2 * dist.get_rank())  # rank 0 ends first and must wait for rank 1's status
         sys.exit(0)
@@ -190,6 +197,7 @@ def runs(tmp_path_factory):
                "quit": _start(tmp, FAILING, "quit", name="quit"),
                "hang": _start(tmp, FAILING, "hang", name="hang", options=("--timeout", "25")),
                "mesh": _start(tmp, FAILING, "mesh", name="mesh"),
+               "inference": _start(tmp, FAILING, "inference", name="inference"),
                "torchrun": _start(tmp, FAILING, "fine", name="joined", torchrun=True),
                "plain": _start(tmp, NO_GROUP, nproc=1, name="plain")}
     done, stdout = {}, {}
@@ -394,6 +402,18 @@ def test_group_from_init_device_mesh_is_recorded(runs):
     assert code == 0, err
     events = load(out / "ledger.jsonl")
     assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce"), (1, "all_reduce")]
+
+
+def test_collectives_in_inference_mode_are_said_not_recorded(runs):
+    code, err, out = runs["inference"]
+    assert code == 0, err
+    assert "called collectives inside torch.inference_mode (rank 0: all_reduce x2 at " \
+        "inference.py:" in err and "so they are not in the ledger" in err, err
+    status = json.loads((out / "ledger" / "rank_1.status.json").read_text())
+    assert status["unrecorded"]["all_reduce"]["count"] == 2 and "not_covered" in status
+    events = load(out / "ledger.jsonl")
+    assert [(e["rank"], e["op"]) for e in events] == [(0, "all_reduce")] * 2 + [
+        (1, "all_reduce")] * 2  # before, and under no_grad
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):

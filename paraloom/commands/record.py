@@ -140,11 +140,25 @@ def finish(out: Path, ranks) -> list[dict]:
     return events
 
 
+def _unrecorded(statuses: dict[int, dict]) -> None:
+    """A note for the collectives the program called inside ``torch.inference_mode``, which the
+    recorder cannot see (per rank: how many of each, where the first was)."""
+    parts = [f"rank {r}: " + ", ".join(f"{name} x{v['count']} at {v['site']}"
+                                       for name, v in sorted(s["unrecorded"].items()))
+             for r, s in sorted(statuses.items()) if s.get("unrecorded")]
+    if parts:
+        print(f"paraloom record: note: the program called collectives inside "
+              f"torch.inference_mode ({'; '.join(parts)}); inference mode skips the dispatch "
+              f"keys the recorder listens on, so they are not in the ledger (torch.no_grad() "
+              f"is recorded)", file=sys.stderr)
+
+
 def _report(out: Path, codes: dict[int, int], stop: dict | None = None,
             timeout: float | None = None) -> int:
     """Print what happened (naming the rank) and return the exit code of ``record``."""
     stop = stop or {"why": None, "ranks": set(), "killed": set()}
     statuses = {r: status(out, r) for r in codes}
+    _unrecorded(statuses)
     if all(c == 0 for c in codes.values()):
         if not any(s.get("init") for s in statuses.values()):
             print("paraloom record: the program never created a torch.distributed process "

@@ -5,7 +5,8 @@ The recorder is installed before the program imports anything, so import-time al
 pipelining all run with it in place. The program runs as ``__main__`` (``runpy``) with its own
 ``sys.argv``; its exit code is this process's. Next to the rank's ledger it leaves
 ``rank_R.status.json``: the exit code, the error line if it raised, whether it ever created a
-process group and whether it started processes of its own — what the launcher reports.
+process group, whether it started processes of its own, and the collectives it called inside
+``torch.inference_mode`` (which the recorder cannot see) — what the launcher reports.
 
     python -m paraloom.record.bootstrap OUT STEPS COMPUTE (-m MODULE | SCRIPT) [ARGS...]
 """
@@ -20,6 +21,7 @@ import sys
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -75,6 +77,39 @@ def _watch(seen: dict) -> None:
         return start(self)
 
     multiprocessing.process.BaseProcess.start = start_process
+    _watch_inference_mode(seen)
+
+
+UNSEEN = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+          "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all", "all_to_all_single",
+          "send", "recv", "barrier", "gather", "scatter", "batch_isend_irecv",
+          "all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+"""``torch.distributed`` functions whose calls inside ``torch.inference_mode`` are counted: the
+recorder's dispatcher kernels sit on the autograd keys, which inference mode skips. Not
+``isend``/``irecv``: ``P2POp`` checks their identity (their ops go through
+``batch_isend_irecv``, counted)."""
+
+
+def _watch_inference_mode(seen: dict) -> None:
+    """Count the program's ``torch.distributed`` calls made while inference mode is on (the
+    recorder cannot see them), with the first call's site, into ``seen["unrecorded"]``. Calls
+    through a reference taken before the program ran, or issued from another tensor subclass's
+    ``__torch_dispatch__``, are not counted either: the status says what is not covered."""
+    counts = seen.setdefault("unrecorded", {})
+
+    def wrap(name, fn):
+        def watched(*args, **kwargs):
+            if torch.is_inference_mode_enabled():
+                caller = sys._getframe(1)
+                where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+                counts.setdefault(name, {"count": 0, "site": where})["count"] += 1
+            return fn(*args, **kwargs)
+        watched.__wrapped__ = fn
+        return watched
+    for name in UNSEEN:
+        fn = getattr(c10d, name, None)
+        if fn is not None:
+            setattr(dist, name, wrap(name, fn))
 
 
 def run_program(out: str, steps: int | None, compute: bool, target: list[str],
@@ -116,8 +151,13 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
             code, error = 1, f"{type(err).__name__}: {err}".splitlines()[0]
         init = seen["init"] or dist.is_initialized() \
             or any(e["op"] != "compute" for e in ledger.events)
-    status.write_text(json.dumps({"rank": rank, "exit": code, "error": error, "init": init,
-                                  "children": seen["children"], "time": time.time()}))
+    status.write_text(json.dumps({
+        "rank": rank, "exit": code, "error": error, "init": init, "children": seen["children"],
+        "time": time.time(), "unrecorded": seen.get("unrecorded", {}),
+        "not_covered": "collectives inside torch.inference_mode (counted in unrecorded when "
+                       "called as torch.distributed.NAME) and those issued from another tensor "
+                       "subclass's __torch_dispatch__ skip the autograd dispatch keys the "
+                       "recorder listens on: they are not in the ledger"}))
     return code
 
 
