@@ -55,7 +55,7 @@ def test_table_zh_snapshot_and_sync_rows(runs):
     lines = render_table(runs["async"], lang="zh").splitlines()
     assert lines[0] == ZH_HEAD
     assert lines[2] == ("| 1 | tp | 词嵌入的行，按词表范围切分 | all_reduce | 前向 · "
-                        "VocabParallelEmbedding output · embedding.word_embeddings | 否 |")
+                        "VocabParallelEmbedding 输出 · embedding.word_embeddings | 否 |")
     assert lines[11].endswith("| 是, 重叠: ColumnParallelLinear 权重梯度 GEMM (layers.1.mlp.fc1) |")
     sync = table_rows(runs["sync"])
     grads = [r for r in sync if r["site"] == "ColumnParallelLinear.backward:input_grad"]
@@ -99,9 +99,15 @@ def test_zh_table_has_no_english_words(runs):
         assert not _english(text), text
     for events in runs.values():
         for row in table_rows(events, lang="zh"):
-            cells = row["split_object"] + " " + row["async"] + " " + \
-                row["trigger_location"].split(" · ")[0]
+            where = row["trigger_location"].split(" · ")
+            tag = where[1].split(" ", 1)[1] if " " in where[1] else ""  # after the code name
+            cells = row["split_object"] + " " + row["async"] + " " + where[0] + " " + tag
             assert not _english(cells), row
+            assert row["overlaps"] == [] or row["async"].startswith("是"), row  # sync: none
+    # every tag paraloom's train writes has its Chinese (the sites of a Megatron-LM loop too)
+    for text in zh.TAGS.values():
+        assert not _english(text.replace("logits", "").replace("logit", "").replace(
+            "token", "").replace("Megatron", "").replace("MoE", "").replace("GEMM", "")), text
 
 
 def test_table_sp_rows_in_megatron_order(runs):

@@ -36,15 +36,16 @@ KEYS = ("index", "parallel_type", "split_object", "primitive", "trigger_location
 _WORDS = {"en": ("yes", "no", "overlaps"), "zh": ("是", "否", "重叠")}
 
 
-def _site(site: str) -> str:
-    """``ColumnParallelLinear.backward:input_grad`` -> ``ColumnParallelLinear input grad``; a
-    recorded program's ``path/to/file.py:LINE function`` -> ``file.py:LINE function``."""
+def _site(site: str, lang: str = "en") -> str:
+    """``ColumnParallelLinear.backward:input_grad`` -> ``ColumnParallelLinear input grad``
+    (``zh``: the tag's words in Chinese, the code name kept); a recorded program's
+    ``path/to/file.py:LINE function`` -> ``file.py:LINE function``."""
     head, _, tag = site.partition(":")
     if head.endswith(".py"):
         return f"{head.rsplit('/', 1)[-1]}:{tag}"
     for phase in (".forward", ".backward", ".optimizer", ".setup"):
         head = head.removesuffix(phase)
-    return f"{head} {tag.replace('_', ' ')}".strip()
+    return f"{head} {tag.replace('_', ' ') if lang == 'en' else zh.tag(tag)}".strip()
 
 
 _FILL = {  # split text for events recorded without one: (kind, op, phase) or kind
@@ -200,14 +201,14 @@ def table_rows(events: list[dict], *, rank: int = 0, step: int | str | None = No
         if e["async"] and names:
             asynchronous += f", {overlaps}: " + _summary(shown, over, lang)
         where = _phase(e) if lang == "en" else zh.phase(_phase(e))
-        location = " · ".join(x for x in (where, _site(e["site"]), e.get("module")) if x)
+        location = " · ".join(x for x in (where, _site(e["site"], lang), e.get("module")) if x)
         rows.append({"index": len(rows) + 1, "parallel_type": e["kind"],
                      "split_object": zh.split(_split(e, lang)) if lang == "zh"
                      else _split(e, lang), "primitive": e["op"],
                      "trigger_location": location, "async": asynchronous, "count": 1,
                      "seq": e["seq"], "step": e["step"], "microbatch": e["microbatch"],
                      "phase": e["phase"], "site": e["site"], "module": e.get("module"),
-                     "bytes": e["bytes"], "overlaps": names})
+                     "bytes": e["bytes"], "overlaps": names if e["async"] else []})
     return rows
 
 

@@ -2,18 +2,19 @@
 that an asynchronous communication overlaps.
 
 The runtime writes each event's ``split`` in English (it is the ledger's contract); the table
-translates it here when ``--lang zh`` is asked, with the phase of the trigger location. Class,
-module, site and dtype names stay as they are (``ColumnParallelLinear input grad``,
+translates it here when ``--lang zh`` is asked, with the phase of the trigger location and the
+words of each site's tag (``ColumnParallelLinear input grad`` -> ``ColumnParallelLinear
+输入梯度``). Class, function, module and dtype names stay as they are (``ColumnParallelLinear``,
 ``layers.0.mlp.fc1``, ``float32``): they are what a reader searches the code for. A split this
 table does not know is shown as written (a test walks every split that ``train`` and ``record``
-produce, so none is left in English).
+produce, so none is left in English); a tag word it does not know too.
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["SPLITS", "PHASES", "split", "compute", "phase"]
+__all__ = ["SPLITS", "PHASES", "TAGS", "split", "compute", "phase", "tag"]
 
 SPLITS = {
     "ColumnParallelLinear weight, output dim": "ColumnParallelLinear 权重，按输出维切分",
@@ -69,6 +70,50 @@ _COMPUTE = (
     (re.compile(r"\bforward\b"), "前向"),
     (re.compile(r"\bbackward\b"), "反向"),
 )
+
+
+TAGS = {
+    "input": "输入", "input (re-gather)": "输入（重新汇集）", "input_grad": "输入梯度", "output": "输出", "output_grad": "输出梯度", "bucket_grads": "梯度桶", "embedding_grads":
+    "词嵌入梯度", "vote": "投票", "squared_norm": "范数平方", "update_successful": "更新是否成功",
+    "grad_norm": "梯度范数", "loss": "损失", "learning_rate": "学习率", "flag": "标志",
+    "flags": "标志", "max": "最大值", "target_logit": "目标 logits", "sum_exp": "指数和",
+    "sum_logits": "logits 之和", "logits": "logits",
+    "tokens": "token", "labels": "标签", "loss_mask": "损失掩码", "position_ids": "位置编号",
+    "attention_mask": "注意力掩码", "interval_timer_start": "区间计时器开始",
+    "interval_timer_stop": "区间计时器停止", "interval-time": "区间计时",
+    "program_start_time": "程序启动时间", "training_start_time": "训练启动时间",
+    "compile_dependencies": "编译依赖", "after_training_is_done": "训练结束后",
+    "after_in-process_setup": "进程内初始化之后", "after_in-job_setup": "作业内初始化之后",
+    "after_megatron_is_initialized": "Megatron 初始化之后",
+    "after_model,_optimizer,_and_learning_rate_scheduler_are_built":
+        "模型、优化器与学习率调度器构建之后",
+    "after_dataloaders_are_built": "数据加载器构建之后",
+    "before_the_start_of_training_step": "训练步开始之前", "start-up": "启动",
+    "set-up": "初始化", "model-and-optimizer-setup": "模型与优化器初始化",
+    "train/valid/test-data-iterators-setup": "训练/验证/测试数据迭代器初始化",
+    "train": "训练集", "valid": "验证集", "test": "测试集", "dense": "稠密参数",
+    "expert": "专家参数", "kv": "K、V", "dkv": "K、V 的梯度", "tokens_grad": "token 梯度",
+    "tokens_per_expert": "每个专家的 token 数", "moe_stats": "MoE 统计",
+    "param_shards": "参数分片", "gather_optimizer_shards": "汇集优化器分片",
+    "sequence_parallel_grads": "序列并行梯度", "setup": "初始化", "clock": "时钟",
+    "created": "已创建", "token": "令牌", "token_written": "令牌已写入", "who_sees": "谁能看到",
+    "resumed_ledger_time": "续训账本时间", "dgrad": "输入梯度 GEMM", "wgrad": "权重梯度 GEMM",
+    "fprop": "前向 GEMM",
+}
+"""The tags of paraloom's sites (after the ``:``), in Chinese."""
+
+
+_WORDS = {"input": "输入", "output": "输出", "grad": "梯度", "grads": "梯度", "weight": "权重",
+          "tokens": "token", "gather": "汇集", "scatter": "分发", "reduce": "归约",
+          "start": "开始", "stop": "停止", "time": "时间"}
+
+
+def tag(text: str) -> str:
+    """A site's tag in Chinese (``input_grad`` -> ``输入梯度``); unknown: word by word where the
+    words are known, else as written."""
+    if text in TAGS:
+        return TAGS[text]
+    return "".join(_WORDS.get(w, f" {w} ") for w in text.split("_")).strip()
 
 
 PHASES = {"forward": "前向", "backward": "反向", "optimizer": "优化器", "setup": "初始化",
