@@ -219,6 +219,12 @@ def test_chinese_output_and_errors(capsys, tmp_path):
     assert explain_main([str(src), "--lang", "zh"]) == 0
     out = capsys.readouterr().out
     assert "## 通信位置" in out and "需要更多上下文" in out and "并行类型" in out
+    # the fixed words are Chinese; code names and conditions stay as written
+    assert " | phase " not in out and " | kind " not in out and "[if " not in out, out
+    assert "- line " not in out and "第 " in out and "| 阶段 " in out and "| 异步 " in out
+    rows = [ln for ln in out.splitlines() if ln.startswith("| ") and " · " in ln]
+    assert rows and all(r.split(" | ")[4].split(" · ")[0] in ("前向", "反向", "需要更多上下文")
+                        for r in rows), rows
     for bad, named in [(f"{src}:5-99", "5-99"), (f"{src}:x-2", "x-2"),
                        (str(tmp_path / "missing.py"), "missing.py")]:
         assert explain_main([bad]) == 2

@@ -129,7 +129,7 @@ def _all_reduce(facts, lang):
         phase = _PHASE_ZH.get(s["phase"], s["phase"]) if lang == "zh" else s["phase"]
         if s["phase"] == UNKNOWN:
             phase = _NMC[lang]
-        cond = f" [if {s['condition']}]" if s["condition"] else ""
+        cond = f" [{'if' if lang == 'en' else '条件'} {s['condition']}]" if s["condition"] else ""
         where = ".".join(x for x in (s["class"], s["function"]) if x)
         parts.append(_t("ar", lang, line=s["line"], where=where, phase=phase, cond=cond,
                         what=_t(what, lang, arg=arg) if what else _NMC[lang]))
@@ -146,7 +146,8 @@ def _sp_async(facts, lang, guards):
     guard = "".join(_t("guard", lang, line=g) for g in guards[:2])
     if rs:
         r = rs[0]
-        text = _t("sp", lang, rs=r["line"], rs_async=", async" if r["async"] is True else "",
+        text = _t("sp", lang, rs=r["line"], rs_async=(", async" if lang == "en" else "，异步")
+                  if r["async"] is True else "",
                   ar=(f" (line {ar[0]['line']})" if lang == "en" else f"（第 {ar[0]['line']} 行）")
                   if ar else "") + guard
         return [text], [r["line"]] + ([ar[0]["line"]] if ar else []) + guards[:2]

@@ -8,6 +8,8 @@ Every fact is written with its line number.
 
 from __future__ import annotations
 
+import re
+
 from ..explain.rules import UNKNOWN
 from .table import HEADINGS
 
@@ -23,53 +25,110 @@ _STATIC_HEAD = {
 }
 
 
+_WORD = {  # the fixed words of a site line, the table and the run section
+    "zh": {"line": "第 {} 行", "lines": "第 {}-{} 行", "phase": "阶段",
+           "kind": "类型",
+           "async": "异步", "if": "条件", "via": "经由", "through": "途经", "assumed": "假定",
+           "helper": "辅助函数", "group": "组", "module": "模块顶层", True: "是", False: "否",
+           "static": "静态", "recorded": "记录到", "not run": "在记录的运行中未执行",
+           "callers": "（它的所有调用方）",
+           "outside": "定义在本文件之外；在本文件调用它的位置记录到",
+           "not here": "未在本文件中定义；它的调用带有它自己文件的位置",
+           "several": "经由辅助函数有多条路径；见上下文中它们的直接位置",
+           "no site": "静态阅读中没有通信位置",
+           "no event": "没有记录到的事件指向本文件（或行范围）；运行中的调用来自：",
+           "none": "无", "sync": "同步", "at": "位于", "in": "在"},
+}
+_PHRASES = {"zh": (
+    ("needs more context", "需要更多上下文"), ("explicit phase argument", "显式 phase 参数"),
+    ("module level", "模块顶层"), ("inside a forward method", "在 forward 方法内"),
+    ("constructor", "构造函数"), ("ONNX export (not training)", "ONNX 导出（非训练）"),
+    ("backward of ", "反向，来自 "), ("via ", "经由 "), ("forward", "前向"), ("backward", "反向"),
+    ("optimizer", "优化器"), ("setup", "初始化"))}
+"""Phrases of phases, their bases and trigger locations; a whole word only, so code names
+(``Block.forward``, ``send_forward``) are kept."""
+
+
+_EN = {"line": "line {}", "lines": "lines {}-{}", True: "True", False: "False",
+       "callers": "(all its callers)", "recorded": "recorded", "not run":
+       "not run in the recorded run", "outside": "defined outside this file; recorded where "
+       "this file runs it,", "not here": "is not defined in this file; its calls carry its own "
+       "file's site", "several": "several paths through helpers; see their direct sites above "
+       "and below", "no site": "no communication site in the static reading", "no event":
+       "no recorded event names this file (or line range); the run's calls come from:"}
+
+
+def _w(lang: str, key, *args) -> str:
+    """The word ``key`` in ``lang`` (English: the key itself, formatted)."""
+    text = _WORD.get(lang, {}).get(key)
+    if text is None:
+        text = _EN.get(key, key)
+    return text.format(*args) if args else text
+
+
+def _tr(text: str, lang: str) -> str:
+    """A phase, a phase's basis or a trigger location in ``lang`` (code names kept)."""
+    for en, other in _PHRASES.get(lang, ()):
+        text = re.sub(rf"(?<![\w.]){re.escape(en)}(?!\w)", other, text)
+    return text
+
+
 def render(facts: dict, lang: str = "en") -> str:
     """Plain-text report: every fact with its line number."""
     h = _STATIC_HEAD[lang]
-    out = [f"{facts['file']} lines {facts['lines'][0]}-{facts['lines'][1]}", "", f"## {h[0]}"]
-    out += [f"- line {w['line']}: {w['name']} = {w['source']} (group: {w['group']})"
+    out = [f"{facts['file']} {_w(lang, 'lines', *facts['lines'])}", "", f"## {h[0]}"]
+    out += [f"- {_w(lang, 'line', w['line'])}: {w['name']} = {w['source']} "
+            f"({_w(lang, 'group')}: {w['group']})"
             for w in facts["world_sizes"]] or [f"- {h[6]}"]
     out += ["", f"## {h[1]}"]
-    out += [f"- line {p['line']}: {p['into'] or '?'} = {p['what']} / {p['parts']}"
-            + (f"   [{p['parts_from']['name']} = {p['parts_from']['source']}, line "
-               f"{p['parts_from']['line']}]" if p["parts_from"] else "")
+    out += [f"- {_w(lang, 'line', p['line'])}: {p['into'] or '?'} = {p['what']} / {p['parts']}"
+            + (f"   [{p['parts_from']['name']} = {p['parts_from']['source']}, "
+               f"{_w(lang, 'line', p['parts_from']['line'])}]" if p["parts_from"] else "")
             for p in facts["partitions"]] or [f"- {h[6]}"]
     out += ["", f"## {h[2]}"]
-    out += [f"- line {w['line']}: {w['name']} [{', '.join(w['shape'] or ['?'])}] -> {w['layout']}"
-            f" ({w['basis']})" for w in facts["weights"]] or [f"- {h[6]}"]
+    out += [f"- {_w(lang, 'line', w['line'])}: {w['name']} [{', '.join(w['shape'] or ['?'])}] "
+            f"-> {w['layout']} ({w['basis']})" for w in facts["weights"]] or [f"- {h[6]}"]
     out += ["", f"## {h[3]}"]
     for s in facts["sites"]:
-        where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
-        out.append(f"- line {s['line']} {where}: {s['op']} | phase {s['phase']} "
-                   f"({s['phase_basis']}) | kind {s['kind']} | async {s['async']}"
-                   + (f" | if {s['condition']}" if s["condition"] else "")
-                   + (f" | via {' -> '.join(s['via'])}" if s["via"] else "")
-                   + (f" | through {', '.join(s['through'])}" if s.get("through") else "")
-                   + (f" | assumed: {s['assumed']}" if s.get("assumed") else "")
-                   + (" | helper" if s["helper"] else ""))
+        where = ".".join(x for x in (s["class"], s["function"]) if x) or _w(lang, "module")
+        out.append(f"- {_w(lang, 'line', s['line'])} {where}: {s['op']} | {_w(lang, 'phase')} "
+                   f"{_tr(s['phase'], lang)} ({_tr(s['phase_basis'], lang)}) | "
+                   f"{_w(lang, 'kind')} {s['kind']} | {_w(lang, 'async')} {_w(lang, s['async'])}"
+                   + (f" | {_w(lang, 'if')} {s['condition']}" if s["condition"] else "")
+                   + (f" | {_w(lang, 'via')} {' -> '.join(s['via'])}" if s["via"] else "")
+                   + (f" | {_w(lang, 'through')} {', '.join(s['through'])}"
+                      if s.get("through") else "")
+                   + (f" | {_w(lang, 'assumed')}: {s['assumed']}" if s.get("assumed") else "")
+                   + (f" | {_w(lang, 'helper')}" if s["helper"] else ""))
     grouped: dict[str, dict] = {}  # one line per callee, with every line that calls it
     for u in facts.get("unresolved", []):
         grouped.setdefault(u["call"], dict(u, lines=[]))["lines"].append(str(u["line"]))
     for call, u in grouped.items():
-        out.append(f"- line {', '.join(u['lines'])}: {call}(...) | "
+        out.append(f"- {_w(lang, 'line', ', '.join(u['lines']))}: {call}(...) | "
                    + (u["why"] if lang == "en" else u["why"].replace(UNKNOWN, _NMC_ZH)))
     if not facts["sites"] and not facts.get("unresolved"):
         out.append(f"- {h[6]}")
     heads = HEADINGS[lang]
     out += ["", f"## {h[4]}", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in facts["table"]:
+        location = r["trigger_location"]
+        if lang != "en":  # the phase and the words; the code names stay
+            phase, _, rest = location.partition(" · ")
+            rest = re.sub(r"\(line (\d+)\)", lambda m: f"（{_w(lang, 'line', m[1])}）", rest)
+            via = _w(lang, "via")
+            location = f"{_tr(phase, lang)} · " + rest.replace(" via ", f" {via} ")
         cells = [r["index"], r["parallel_type"], r["split_object"], r["primitive"],
-                 r["trigger_location"] + (f" [if {r['condition']}]" if r["condition"] else ""),
-                 r["async"]]
+                 location + (f" [{_w(lang, 'if')} {r['condition']}]" if r["condition"] else ""),
+                 _w(lang, r["async"]) if isinstance(r["async"], bool) else r["async"]]
         out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     out += ["", f"## {h[5]}"]
     for i, a in enumerate(facts["answers"].values(), 1):
-        cite = f" [lines {', '.join(map(str, a['lines']))}]" if a["lines"] else ""
+        cite = f" [{_w(lang, 'line', ', '.join(map(str, a['lines'])))}]" if a["lines"] else ""
         out += [f"{i}. {a['question']}", f"   {a['text']}{cite}"]
     return "\n".join(out) + "\n"
 
 
-def _summary(events: list[dict]) -> str:
+def _summary(events: list[dict], lang: str = "en") -> str:
     """``rank 0: 2x all_gather backward async 512 B at #3, #8 in layers.0.mlp.fc1``."""
     groups: dict[tuple, list[dict]] = {}
     for e in events:
@@ -78,8 +137,9 @@ def _summary(events: list[dict]) -> str:
     parts = []
     for (rank, phase, op, asy, nbytes, module), evs in groups.items():
         idx = ", ".join(f"#{e['index']}" for e in evs)
-        parts.append(f"rank {rank}: {len(evs)}x {op} {phase} {'async' if asy else 'sync'} "
-                     f"{nbytes} B at {idx}" + (f" in {module}" if module else ""))
+        parts.append(f"rank {rank}: {len(evs)}x {op} {_tr(phase, lang)} "
+                     f"{_w(lang, 'async' if asy else 'sync')} {nbytes} B {_w(lang, 'at')} {idx}"
+                     + (f" {_w(lang, 'in')} {module}" if module else ""))
     return "; ".join(parts)
 
 
@@ -99,36 +159,35 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
     by_site = {m["site"]: m for m in run["sites"]}
     via = {v["site"]: v for v in run.get("via", [])}
     for i, s in enumerate(facts["sites"]):
-        where = ".".join(x for x in (s["class"], s["function"]) if x) or "module"
-        head = f"- line {s['line']} {where}: {s['op']} (static: {s['phase']}, async {s['async']})"
+        where = ".".join(x for x in (s["class"], s["function"]) if x) or _w(lang, "module")
+        head = (f"- {_w(lang, 'line', s['line'])} {where}: {s['op']} ({_w(lang, 'static')}: "
+                f"{_tr(s['phase'], lang)}, {_w(lang, 'async')} {_w(lang, s['async'])})")
         if i in by_site:
             evs = by_site[i]["events"]
-            out.append(f"{head} -> recorded: {_summary(evs)}" if evs
-                       else f"{head} -> not run in the recorded run")
+            out.append(f"{head} -> {_w(lang, 'recorded')}: {_summary(evs, lang)}" if evs
+                       else f"{head} -> {_w(lang, 'not run')}")
             continue
         chain, v = " -> ".join(s["via"]), via.get(i, {})
+        head = f"{head} -> {_w(lang, 'via')} {chain}"
         if v.get("to") is not None:
             evs = by_site[v["to"]]["events"]
-            out.append(f"{head} -> via {chain}: at line {by_site[v['to']]['line']} (all its "
-                       f"callers): "
-                       + (_summary(evs) if evs else "not run in the recorded run"))
+            out.append(f"{head}: {_w(lang, 'at')} {_w(lang, 'line', by_site[v['to']]['line'])} "
+                       f"{_w(lang, 'callers')}: "
+                       + (_summary(evs, lang) if evs else _w(lang, "not run")))
         elif v.get("elsewhere") and v.get("events"):
             lines = ", ".join(str(n) for n in sorted({e["line"] for e in v["events"]}))
-            out.append(f"{head} -> via {chain}: defined outside this file; recorded where this "
-                       f"file runs it, line {lines}: {_summary(v['events'])}")
+            out.append(f"{head}: {_w(lang, 'outside')} {_w(lang, 'line', lines)}: "
+                       f"{_summary(v['events'], lang)}")
         elif v.get("elsewhere"):
-            out.append(f"{head} -> via {chain}: {v['elsewhere']} is not defined in this file; "
-                       f"its calls carry its own file's site")
+            out.append(f"{head}: {v['elsewhere']} {_w(lang, 'not here')}")
         else:
-            out.append(f"{head} -> via {chain}: several paths through helpers; see their "
-                       f"direct sites above and below")
+            out.append(f"{head}: {_w(lang, 'several')}")
     if not facts["sites"]:
-        out.append("- no communication site in the static reading")
+        out.append(f"- {_w(lang, 'no site')}")
     if not run.get("matched") and run.get("files"):
         top = sorted(run["files"].items(), key=lambda kv: -kv[1])[:5]
-        out.append("- no recorded event names this file (or line range); the run's calls come "
-                   "from: " + ", ".join(f"{f} ({n})" for f, n in top))
+        out.append(f"- {_w(lang, 'no event')} " + ", ".join(f"{f} ({n})" for f, n in top))
     out += ["", f"## {h[3]}"]
-    out += [f"- line {e['line']} {e['function'] or ''}: {_summary([e])}"
-            for e in run["missed"]] or ["- none"]
+    out += [f"- {_w(lang, 'line', e['line'])} {e['function'] or ''}: {_summary([e], lang)}"
+            for e in run["missed"]] or [f"- {_w(lang, 'none')}"]
     return "\n".join(out) + "\n"

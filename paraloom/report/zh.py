@@ -73,8 +73,10 @@ _COMPUTE = (
 
 
 TAGS = {
-    "input": "输入", "input (re-gather)": "输入（重新汇集）", "input_grad": "输入梯度", "output": "输出", "output_grad": "输出梯度", "bucket_grads": "梯度桶", "embedding_grads":
-    "词嵌入梯度", "vote": "投票", "squared_norm": "范数平方", "update_successful": "更新是否成功",
+    "input": "输入", "input (re-gather)": "输入（重新汇集）", "input_grad": "输入梯度",
+    "output": "输出", "output_grad": "输出梯度", "bucket_grads": "梯度桶",
+    "embedding_grads": "词嵌入梯度", "vote": "投票", "squared_norm": "范数平方",
+    "update_successful": "更新是否成功",
     "grad_norm": "梯度范数", "loss": "损失", "learning_rate": "学习率", "flag": "标志",
     "flags": "标志", "max": "最大值", "target_logit": "目标 logits", "sum_exp": "指数和",
     "sum_logits": "logits 之和", "logits": "logits",
