@@ -189,3 +189,44 @@ def test_a_dtensor_plans_collectives_are_given_to_its_site(tmp_path):
     assert [e["op"] for e in marked["missed"]] == ["scatter"]
     text = render_run(facts, marked)
     assert "defined outside this file; recorded where this file runs it, line 13" in text, text
+
+
+DDP_FSDP = '''\
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+model = DDP(torch.nn.Linear(8, 8))
+model(torch.ones(2, 8)).sum().backward()
+other = torch.nn.Linear(8, 8)
+fully_shard(other)
+other(torch.ones(2, 8)).sum().backward()
+dist.barrier()
+'''
+
+
+def test_collectives_inside_torchs_wrappers_are_not_called_missed(tmp_path):
+    """DDP's and FSDP's collectives are torch's code: the static reading finds no site for them
+    in FILE, and the run lists them as inside the wrapper (with the line that wrapped the
+    module), not as missed; a collective FILE calls itself and the reading missed stays missed."""
+    src = tmp_path / "dp.py"
+    src.write_text(DDP_FSDP)
+    facts = explain(str(src))
+    rows = [("broadcast", "setup", f"{src}:6 <module>"),  # DDP's constructor
+            ("all_reduce", "backward", f"{src}:7 <module>"),  # its reducer
+            ("all_gather", "forward", f"{src}:10 <module>"),  # FSDP's unshard
+            ("reduce_scatter", "backward", f"{src}:10 <module>"),
+            ("send", "other", f"{src}:8 <module>")]  # neither a site of FILE nor a wrapper
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ledger.jsonl").write_text("".join(
+        json.dumps(ev(0, i, op, ph, site)) + "\n" for i, (op, ph, site) in enumerate(rows)))
+    marked = annotate(facts, str(run), rank=0)
+    assert [(e["op"], e["wrapper"]) for e in marked["inside"]] == [
+        ("broadcast", "DistributedDataParallel (line 6)"),
+        ("all_reduce", "DistributedDataParallel (line 6)"),
+        ("all_gather", "fully_shard (line 9)"), ("reduce_scatter", "fully_shard (line 9)")]
+    assert [e["op"] for e in marked["missed"]] == ["send"]
+    text = render_run(facts, marked)
+    assert "inside torch's wrappers" in text and "<- fully_shard (line 9)" in text, text

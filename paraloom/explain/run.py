@@ -13,7 +13,10 @@ own file, so its events carry that file's site -- unless that file is torch's: t
 names the innermost frame outside torch, so a DTensor plan's collectives (``ColwiseParallel``)
 carry the line of FILE that ran the module (its forward call, ``backward()``); they are given to
 the plan's site by op and phase. Recorded events in FILE (and in the snippet's line range) that
-no site takes are listed as *missed by the static reading*.
+no site takes are listed as *missed by the static reading* -- unless FILE wraps a module in one
+of torch's data-parallel wrappers (``DistributedDataParallel``/``DDP``, ``fully_shard``, FSDP):
+their collectives are torch's (its reducer, FSDP's hooks), recorded at the line of FILE that ran
+them, and are listed as *inside torch's wrapper*, with the line that wrapped the module.
 
 Per site and rank: count, phase, async, bytes and the order index ``#k`` (position in that
 rank's communication sequence, compute spans excluded — the index ``paraloom diff`` prints).
@@ -71,6 +74,41 @@ def _functions(tree: ast.Module) -> dict[str, tuple[int, int]]:
                 name = f"{node.name}.{fn.name}" if node is not fn else fn.name
                 out[name] = (fn.lineno, fn.end_lineno or fn.lineno)
     return out
+
+
+_WRAPPERS = {"DistributedDataParallel": "DistributedDataParallel", "DDP": "DistributedDataParallel",
+             "fully_shard": "fully_shard", "FullyShardedDataParallel": "FullyShardedDataParallel",
+             "FSDP": "FullyShardedDataParallel"}
+"""torch's data-parallel wrappers by the names a program calls them."""
+_FSDP_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_WRAPPER_OPS = {"DistributedDataParallel": ("all_reduce", "broadcast", "all_gather"),
+                "fully_shard": _FSDP_OPS, "FullyShardedDataParallel": _FSDP_OPS}
+"""What each wrapper issues: DDP's reducer all-reduces buckets, its constructor broadcasts and
+gathers; the FSDPs all-gather and reduce-scatter (all-reduce under hybrid sharding, broadcast
+to sync module states)."""
+
+
+def _wrappers(tree: ast.Module) -> dict[str, int]:
+    """torch's wrapper -> the first line of FILE that calls it (``DDP(model)``)."""
+    out: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in _WRAPPERS:
+                out.setdefault(_WRAPPERS[name], node.lineno)
+    return out
+
+
+def _wrapped_by(event: dict, wrappers: dict[str, int]) -> str | None:
+    """Which of FILE's torch wrappers issues ``event`` (``None``: none could): of those that
+    issue its op, the last one wrapped at or before its line (else the first)."""
+    able = sorted((line, name) for name, line in wrappers.items()
+                  if event["op"] in _WRAPPER_OPS[name])
+    if not able:
+        return None
+    line, name = ([a for a in able if a[0] <= event["line"]] or able[:1])[-1]
+    return f"{name} (line {line})"
 
 
 def _range_of(line: int, stmts: list[tuple[int, int]]) -> tuple[int, int]:
@@ -143,5 +181,9 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
             entry["events"] = [e for e in missed if (e["op"], e["phase"]) == (s["op"], s["phase"])]
             missed = [e for e in missed if not any(e is c for c in entry["events"])]
         via.append(entry)
+    wrappers = _wrappers(tree)
+    inside = [dict(e, wrapper=w) for e in missed if (w := _wrapped_by(e, wrappers))]
+    missed = [e for e in missed if not _wrapped_by(e, wrappers)]
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
-            "via": via, "missed": missed, "files": files, "matched": len(here)}
+            "via": via, "missed": missed, "inside": inside, "files": files,
+            "matched": len(here)}

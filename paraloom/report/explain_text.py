@@ -145,9 +145,12 @@ def _summary(events: list[dict], lang: str = "en") -> str:
 
 _RUN_HEAD = {
     "en": ("Recorded run", "every rank", "order #k = position in the rank's communication "
-           "sequence", "Recorded in this file but missed by the static reading"),
+           "sequence", "Recorded in this file but missed by the static reading",
+           "Recorded in this file, inside torch's wrappers (their collectives are torch's code, "
+           "not this file's)"),
     "zh": ("实际运行记录", "所有 rank", "#k = 该 rank 通信序列中的位置",
-           "运行中在本文件记录到、但静态阅读未找到的通信"),
+           "运行中在本文件记录到、但静态阅读未找到的通信",
+           "运行中在本文件记录到、发生在 torch 封装内部的通信（其集合通信属于 torch 的代码）"),
 }
 
 
@@ -190,4 +193,8 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
     out += ["", f"## {h[3]}"]
     out += [f"- {_w(lang, 'line', e['line'])} {e['function'] or ''}: {_summary([e], lang)}"
             for e in run["missed"]] or [f"- {_w(lang, 'none')}"]
+    if run.get("inside"):
+        out += ["", f"## {h[4]}"]
+        out += [f"- {_w(lang, 'line', e['line'])} {e['function'] or ''}: {_summary([e], lang)}"
+                f" <- {e['wrapper']}" for e in run["inside"]]
     return "\n".join(out) + "\n"
