@@ -225,6 +225,16 @@ def test_source_sites_and_expert_load(runs, tmp_path):
     assert (gone["file"], gone["line"]) == ("/nowhere/train.py", 12)
     assert site_facts(gone, "all_reduce", "backward") is None
     assert resolve_site("no_such_thing:x") is None
+    # a label found as its class: the Source column names the call site, not the class line
+    from paraloom.report.sections import _facts_html
+    place = resolve_site("RowParallelLinear.forward:output")
+    assert place["how"] == "class"
+    cell = _facts_html(place, {"primitive": "all_reduce", "phase": "forward"})
+    call = site_facts(place, "all_reduce", "forward")[0]["line"]
+    assert call != place["line"] and f"layers.py:{call}</summary>" in cell, cell
+    assert f"class at line {place['line']}, its call site" in cell
+    p2p = resolve_site("p2p.send_forward")  # a module: its batched send/recv call
+    assert site_facts(p2p, "send", "forward"), p2p
     run = tmp_path / "moe"
     shutil.copytree(runs["train"], run)
     png = runs["train"] / "loss.png"  # any PNG stands for the MoE engineer's picture

@@ -85,8 +85,10 @@ def metric_charts(metrics: list[dict], tokens_per_step: int | None) -> list[str]
 def _facts_html(place: dict | None, row: dict) -> str:
     if place is None:
         return '<span class="nosrc">—</span>'
-    where = f"{place['file']}:{place['line']}"
     facts = site_facts(place, row["primitive"], row["phase"])
+    # a label found as its class or module: the call site the facts name, not the class line
+    line = facts[0]["line"] if facts and place["how"] in ("class", "module") else place["line"]
+    where = f"{place['file']}:{line}"
     if facts is None:
         body = "<li>the file is not readable here: no explain facts</li>"
     elif not facts:
@@ -100,7 +102,9 @@ def _facts_html(place: dict | None, row: dict) -> str:
             + f"<br><code>{escape(str(f['call']))}</code></li>" for f in facts)
     link = Path(place["path"]).resolve().as_uri() if Path(place["path"]).is_file() else None
     opener = f' <a href="{escape(link)}">open</a>' if link else ""
-    return (f'<details class="src"><summary>{escape(where)}</summary><div>{place["how"]}'
+    how = place["how"] if line == place["line"] else \
+        f"{place['how']} at line {place['line']}, its call site"
+    return (f'<details class="src"><summary>{escape(where)}</summary><div>{escape(how)}'
             f'{opener}<ul>{body}</ul></div></details>')
 
 

@@ -92,6 +92,8 @@ def site_facts(place: dict, op: str, phase: str) -> list[dict] | None:
     line = place["line"]
     if place["how"] in ("class", "module"):
         chosen = [s for s in sites if s["op"] == op and s["phase"] in (phase, "unknown")]
+        if not chosen and op in ("send", "recv"):  # a p2p helper batches its sends/receives
+            chosen = [s for s in sites if s["op"] in ("batch_p2p", "isend", "irecv", op)]
     else:
         near = [s for s in sites if line - 4 <= s["line"] <= line]
         best = max((s["line"] for s in near), default=None)
