@@ -93,7 +93,8 @@ class Heartbeat:
         _write_atomic(self.live, json.dumps(state))
         if pending and now - led.activity >= self.tail_after \
                 and self._tailed_at != led.activity:
-            lines = "".join(json.dumps(e) + "\n" for e in events)
+            host = led.now()  # a CUDA event stamp not resolved yet: the host's time now
+            lines = "".join(json.dumps(e, default=lambda _: host) + "\n" for e in events)
             _write_atomic(self.tail, lines)
             self._tailed_at = led.activity
 

@@ -76,6 +76,15 @@ class Ledger:
         self.activity = time.time()
         """Host time of the last launch or completion: what a hang watch reads."""
 
+    def use_device_clock(self, event_type) -> None:
+        """From now on stamp with ``event_type`` (device events; see :meth:`stamp`), anchored
+        at this moment: for a recorder that learns only at a program's first CUDA collective
+        that it runs on a GPU. Stamps taken before stay wall-clock seconds."""
+        if self._event_type is None and event_type is not None:
+            self._event_type = event_type
+            self._anchor = (event_type(), self.now())
+            self._anchor[0].record()
+
     def now(self) -> float:
         """Host wall-clock seconds since ``t0``."""
         return time.time() - self.t0
@@ -90,14 +99,14 @@ class Ledger:
         event.record()
         return event
 
-    def resolve(self) -> None:
-        """Replace every event stamp in :attr:`events` by seconds since ``t0`` (device events:
-        anchor time + elapsed device time). Waits for those events only (they are done once the
-        step's loss was read back)."""
+    def resolve(self, start: int = 0) -> None:
+        """Replace every event stamp in :attr:`events` (from index ``start``) by seconds since
+        ``t0`` (device events: anchor time + elapsed device time). Waits for those events only
+        (they are done once the step's loss was read back)."""
         if self._anchor is None:
             return
         anchor, anchor_t = self._anchor
-        for event in self.events:
+        for event in self.events[start:]:
             for key in ("t_start", "t_wait", "t_end"):
                 mark = event[key]
                 if not isinstance(mark, (int, float)):

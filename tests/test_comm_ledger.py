@@ -160,3 +160,40 @@ def test_cuda_event_stamps_resolve_to_device_times(tmp_path):
     assert (comm_event["t_start"], comm_event["t_wait"], comm_event["t_end"]) == pytest.approx(
         (anchor_host + 1.75, anchor_host + 2.25, anchor_host + 3.25))
     assert _DeviceClock.syncs >= 5  # each event waited for (not the device as a whole)
+
+
+def test_record_on_cuda_stamps_device_times_from_the_first_cuda_collective(tmp_path,
+                                                                         monkeypatch):
+    """``paraloom record``'s recorder: host seconds until the program's first collective on a
+    CUDA tensor, then CUDA events on the stream (the fake device clock here), written
+    provisionally with host times and rewritten at the step boundary as anchor + device time;
+    no event says ``"clock": "host"`` any more."""
+    from paraloom.record import recorder as rec_module
+    from paraloom.record.recorder import Recorder
+    _DeviceClock.now, _DeviceClock.lag = 0.0, 0.0
+    led = Ledger(rank=0, t0=0.0)
+    path = tmp_path / "rank_0.jsonl"
+    sink = Recorder(led, steps=None, compute=False, path=path)
+    cpu = led.record(op="all_reduce", phase="forward", kind="dp", site="a.py:1", nbytes=4)
+    assert isinstance(cpu["t_start"], float)  # before any CUDA collective: the wall clock
+
+    class _Cuda:  # what the recorder reads of a CUDA tensor
+        is_cuda, device = True, "cuda:0"
+    monkeypatch.setattr(rec_module, "timing_event_type", lambda device: _DeviceClock)
+    sink._device_clock(_Cuda.device)
+    anchor_host = led._anchor[1]
+    _DeviceClock.now, _DeviceClock.lag = 1.0, 0.25  # the host runs ahead of the device
+    event = led.record(op="all_reduce", phase="backward", kind="dp", site="a.py:2", nbytes=8)
+    sink._open().write(json.dumps(event, default=lambda _: led.now()) + "\n")  # provisional
+    _DeviceClock.now = 2.0
+    event["t_wait"] = sink.now()
+    _DeviceClock.now = 3.0
+    event["t_end"] = sink.now()
+    assert not isinstance(event["t_end"], float)
+    sink.flush()
+    lines = load(path)
+    assert [e["site"] for e in lines] == ["a.py:1", "a.py:2"] and "clock" not in lines[1]
+    assert (lines[1]["t_start"], lines[1]["t_wait"], lines[1]["t_end"]) == pytest.approx(
+        (anchor_host + 1.25, anchor_host + 2.25, anchor_host + 3.25))
+    sink.close()
+    assert all(isinstance(e[k], float) for e in led.events for k in ("t_start", "t_end"))

@@ -28,8 +28,11 @@ functional collectives are asynchronous (waited by ``wait_tensor``). Times: ``t_
 launch; ``t_wait``/``t_end`` around ``Work.wait`` when Python waits (the Work is held so that
 Python gets back the same object); for Works waited in C++ (DDP), ``t_end`` is the first time
 the recorder saw the Work completed (polled at the next launch and at the optimizer step: an
-upper bound) and ``t_wait`` equals it. On CUDA these are host times: a Work's wait returns
-when the stream is ordered, not when the kernel ran (events carry ``"clock": "host"`` there).
+upper bound) and ``t_wait`` equals it. On CUDA every stamp is a CUDA event on the current
+stream from the program's first CUDA collective on (``Ledger.use_device_clock``): ``t_start``
+when the device reaches the launch, ``t_end`` when it reaches the point after the wait (a
+Work's wait orders the stream; the host returns earlier), resolved into seconds when the
+recorder rewrites its lines at a step boundary (waiting for those events only).
 """
 
 from __future__ import annotations

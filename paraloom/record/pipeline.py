@@ -92,7 +92,7 @@ def _wrap(orig, site: str, phase: str, ledger, recording):
         try:
             return orig(stage, chunk_id, *args, **kwargs)
         finally:
-            event["t_wait"] = event["t_end"] = ledger.now()
+            event["t_wait"] = event["t_end"] = ledger.stamp()
     return run
 
 

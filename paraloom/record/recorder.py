@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ..device import timing_event_type
 from ..heartbeat import Heartbeat
 from ..ledger import Ledger
 from ..run_folder import rank_ledger
@@ -53,7 +54,7 @@ class Recorder:
                                on_setup_end=self._setup_ended, ledger=ledger)
         self._setup: list[tuple[dict, str]] = []  # setup events and their phase as seen
         self._groups: dict[str, tuple[list[int], str]] = {}
-        self.now = ledger.now
+        self.now = ledger.stamp  # a device event once the program communicates on CUDA
 
     def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool,
                fields: dict | None = None) -> dict:
@@ -83,7 +84,7 @@ class Recorder:
         if coalesced and len(tensors) != 1:
             extra["tensors"] = len(tensors)
         if tensors and tensors[0].is_cuda:
-            extra["clock"] = "host"
+            self._device_clock(tensors[0].device)
         event = self.ledger.record(
             op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
             module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
@@ -96,10 +97,17 @@ class Recorder:
         if tensors:
             event["shape"] = list(tensors[0].shape)
             event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
-        if self.path is not None:
-            self._open().write(json.dumps(event) + "\n")
+        if self.path is not None:  # provisional: host time for a stamp not resolved yet
+            self._open().write(json.dumps(event, default=lambda _: self.ledger.now()) + "\n")
             self._file.flush()
         return event
+
+    def _device_clock(self, device) -> None:
+        """At the program's first collective on a CUDA tensor: stamp with CUDA events on the
+        current stream from now on (when the device gets there, as ``paraloom train`` does),
+        resolved into seconds when the lines are rewritten (:meth:`flush`)."""
+        if self.ledger._event_type is None:
+            self.ledger.use_device_clock(timing_event_type(device))
 
     def completed(self, event: dict) -> None:
         """An operation of this rank completed (a wait returned, or its Work was seen done)."""
@@ -138,6 +146,7 @@ class Recorder:
         f.seek(self._final)
         f.truncate()
         end = len(self.ledger.events)
+        self.ledger.resolve(self.flushed)  # CUDA: waits for these events only
         for event in self.ledger.events[self.flushed:end]:
             f.write(json.dumps(event) + "\n")
         f.flush()
@@ -145,6 +154,7 @@ class Recorder:
 
     def close(self) -> None:
         self.flush()
+        self.ledger.resolve()  # the events a caller reads back: seconds, not CUDA events
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -231,7 +231,7 @@ class Tracker:
             path = self._stack.pop()
             if self._spans and self._spans[-1]["module"] == path and not module._modules:
                 span = self._spans.pop()
-                span["t_wait"] = span["t_end"] = self._ledger.now()
+                span["t_wait"] = span["t_end"] = self._ledger.stamp()
             for out in output if isinstance(output, (tuple, list)) else (output,):
                 fn = getattr(out, "grad_fn", None)
                 if fn is not None:  # the node's own metadata: it lives and dies with the node
@@ -250,7 +250,7 @@ class Tracker:
         for event in reversed(self._ledger.events):
             if event["op"] == "compute" and event["module"] == path \
                     and event["site"].endswith(".backward"):
-                event["t_wait"] = event["t_end"] = self._ledger.now()
+                event["t_wait"] = event["t_end"] = self._ledger.stamp()
                 break
 
     def _opt_pre(self, optimizer, args, kwargs) -> None:
