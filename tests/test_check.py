@@ -262,8 +262,8 @@ def test_table_snapshot_data_parallel_zh(runs):
     rows = table_rows(load(runs["tp-dp"] / "ledger.jsonl"), rank=0, lang="zh")
     dp = [_cells(r) for r in rows if r["parallel_type"] == "dp"]
     assert dp == [("dp", "梯度桶（各副本相同）", "all_reduce",
-                   "优化器 · DistributedDataParallel bucket grads", "否"),
-                  ("dp", "损失之和与 token 数", "all_reduce", "优化器 · train_step loss", "否")]
+                   "优化器 · DistributedDataParallel 梯度桶", "否"),
+                  ("dp", "损失之和与 token 数", "all_reduce", "优化器 · train_step 损失", "否")]
     assert not any(r["parallel_type"] == "pp" for r in rows)
     zero = load(runs["zero"] / "ledger.jsonl")
     head = render_table(zero, rank=3, lang="zh").splitlines()[0]
