@@ -7,7 +7,7 @@
 For each layout, ``examples/megatron_gpt_step.py`` (megatron-core's own GPTModel, DDP,
 optimizer and schedules, driven as Megatron-LM's ``train_step``) runs under ``paraloom record
 --megatron-on-cpu``, ``paraloom train`` runs the same model and layout (blocking p2p batches, as
-Megatron-Core), and ``paraloom diff --ignore-names`` compares step 1 (the steady state) and step 0
+Megatron-Core), and ``paraloom diff --ignore-names`` compares step 2 (the steady state) and step 1
 (the first iteration). One line per layout, then the total; exit 1 if any layout differs. The
 run folders go to ``--out`` (a temporary folder by default, removed afterwards) and every rank
 runs in its own process group, killed as a tree on time-out.
@@ -149,13 +149,13 @@ def one(name: str, out: Path, timeout: float) -> tuple[str, str, float]:
     if code:
         return name, f"paraloom train failed (exit {code}, {name}.train.log)", time.time() - tic
     verdicts = []
-    for step in ("1", "0"):
+    for step in ("2", "1"):
         code, text = _diff(meg, mine, step)
         (out / f"{name}.diff{step}.txt").write_text(text)
         if code:
             first = next((ln.strip() for ln in text.splitlines() if "different (" in ln), "")
             verdicts.append(f"step {step} DIFFERENT ({first})")
-    return name, "; ".join(verdicts) or "equal (steps 1 and 0)", time.time() - tic
+    return name, "; ".join(verdicts) or "equal (steps 2 and 1)", time.time() - tic
 
 
 def main(argv=None) -> int:

@@ -208,7 +208,7 @@ def main(argv=None) -> None:
     for step in range(args.steps):
         loss, norm, ok = train_step(step_fn, iterators, model, optimizer, args)
         if dist.get_rank() == dist.get_world_size() - 1:
-            print(f"step {step}: loss {loss:.4f}  grad_norm {norm:.3f}"
+            print(f"step {step + 1}: loss {loss:.4f}  grad_norm {norm:.3f}"
                   + ("" if ok else "  (skipped)"), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()

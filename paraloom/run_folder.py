@@ -16,6 +16,11 @@ its end: the writer was killed mid-line) is dropped silently, as it is what a cr
 other line that is not JSON is an error naming the file and the line (``strict``), or is skipped
 (``strict=False``, for files a run rewrites as it goes). Every problem is a
 :class:`RunFolderError` (a ``ValueError``) whose message names the file.
+
+Steps are Megatron's iteration numbers, counted from 1, in every file and every command (the
+ledger's ``setup`` events carry step 0: before the first iteration). Folders written before
+that convention numbered the first iteration 0; :func:`read_ledger` and :func:`read_metrics`
+renumber them as they read, so an old folder reads as a new one.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from .ledger import merge
 __all__ = ["files_by_rank", "element_bytes", "RunFolderError", "CONFIG", "METRICS", "LEDGER",
            "LEDGER_DIR", "SUMMARY",
            "rank_ledger", "rank_status", "rank_live", "rank_tail", "rank_ledgers",
-           "read_json_lines", "write_json_lines", "read_json", "load_events",
+           "read_json_lines", "write_json_lines", "read_json", "load_events", "read_ledger",
+           "read_metrics", "from_one",
            "write_events", "check_out", "written"]
 
 CONFIG, METRICS, LEDGER, LEDGER_DIR, SUMMARY = ("config.json", "metrics.jsonl", "ledger.jsonl",
@@ -148,6 +154,29 @@ def _check_events(path: Path, events: list[dict]) -> list[dict]:
     return events
 
 
+def from_one(rows: list[dict], *, ledger: bool) -> list[dict]:
+    """``rows`` (ledger events, or metrics lines with ``ledger=False``) with steps counted from 1:
+    unchanged unless they come from a folder that counted from 0 (a metrics line of step 0, or an
+    event of step 0 outside ``setup``), whose steps are then moved up by one (the ``setup``
+    events keep step 0)."""
+    old = any(r.get("step") == 0 and (not ledger or r.get("phase") != "setup") for r in rows)
+    if not old:
+        return rows
+    return [{**r, "step": r["step"] + 1} if isinstance(r.get("step"), int)
+            and (not ledger or r.get("phase") != "setup") else r for r in rows]
+
+
+def read_ledger(path: str | Path, *, strict: bool = True,
+                notes: list[str] | None = None) -> list[dict]:
+    """The events of one ledger file (:func:`read_json_lines`), steps counted from 1."""
+    return from_one(read_json_lines(path, strict=strict, notes=notes), ledger=True)
+
+
+def read_metrics(path: str | Path, *, strict: bool = True) -> list[dict]:
+    """The lines of a ``metrics.jsonl`` (:func:`read_json_lines`), steps counted from 1."""
+    return from_one(read_json_lines(path, strict=strict), ledger=False)
+
+
 def load_events(path: str | Path, notes: list[str] | None = None) -> list[dict]:
     """Every rank's events of a run or record folder (its ``ledger.jsonl``, else the per-rank
     files a run left while it ran) or of a ledger file, ordered by ``(rank, seq)``; a file's
@@ -162,12 +191,12 @@ def load_events(path: str | Path, notes: list[str] | None = None) -> list[dict]:
                 raise RunFolderError(f"{str(path)!r} is a folder without {LEDGER} or "
                                      f"{LEDGER_DIR}/rank_*.jsonl (give a run or record folder, "
                                      f"or a ledger file)")
-            return merge(_check_events(f, read_json_lines(f, notes=notes))
+            return merge(_check_events(f, read_ledger(f, notes=notes))
                          for f in files.values())
     elif not p.is_file():
         raise RunFolderError(f"{str(path)!r} does not exist (give a run or record folder, or a "
                              f"ledger file)")
-    return merge([_check_events(p, read_json_lines(p, notes=notes))])
+    return merge([_check_events(p, read_ledger(p, notes=notes))])
 
 
 def write_events(out: str | Path, events: list[dict]) -> Path:

@@ -70,11 +70,11 @@ def test_check_agrees_exactly_on_real_runs(runs, name, capsys):
     assert kinds == LAYOUTS[name][1]  # the check is not vacuous: every kind is there
     assert check_main([str(runs[name])]) == 0
     out = capsys.readouterr().out
-    assert "## step 0" in out and "rows agree" in out and "DIFF" not in out
+    assert "## step 1" in out and "rows agree" in out and "DIFF" not in out
 
 
 def test_check_through_cli_and_bucket_layout(runs, capsys):
-    assert main(["check", str(runs["tp-dp"]), "--step", "0"]) == 0
+    assert main(["check", str(runs["tp-dp"]), "--step", "1"]) == 0
     assert "DIFF" not in capsys.readouterr().out
     # Megatron's buckets: without overlap one bucket, reduced synchronously at finish
     def buckets(name, rank=0):
@@ -198,7 +198,7 @@ def test_check_skipped_step_expects_no_parameter_all_gather(runs, tmp_path, caps
     _altered(runs["zero"], run, skip)
     assert check_main([str(run)]) == 1  # not marked skipped: the all-gathers are missing
     assert "dp all_gather optimizer: expected 2 ops" in capsys.readouterr().out
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": float("nan"),
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": float("nan"),
                                                    "skipped": True}) + "\n")
     assert check_main([str(run)]) == 0
     capsys.readouterr()
@@ -320,10 +320,10 @@ def test_a_resumed_runs_earlier_part_ends_with_its_own_last_step():
     config = replace(CommConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256,
                                 micro_batch=1, num_microbatches=1, tp=1, pp=1, dp=1),
                      megatron_lm_loop=True, total_steps=5, log_interval=100)
-    metrics = {0: {"first_of_process": True}, 1: {}, 2: {"first_of_process": True}, 3: {},
-               4: {}}
-    lasts = [step_config(config, s, metrics).last_step for s in range(5)]
-    firsts = [step_config(config, s, metrics).first_step for s in range(5)]
+    metrics = {1: {"first_of_process": True}, 2: {}, 3: {"first_of_process": True}, 4: {},
+               5: {}}
+    lasts = [step_config(config, s, metrics).last_step for s in range(1, 6)]
+    firsts = [step_config(config, s, metrics).first_step for s in range(1, 6)]
     assert lasts == [False, True, False, False, True] and firsts == [True, False, True, False,
                                                                      False]
 

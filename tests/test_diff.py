@@ -22,7 +22,7 @@ S, B, H = 8, 2, 16
 
 
 def ev(rank, seq, op="all_reduce", phase="forward", kind="tp", nbytes=1024, **extra):
-    e = {"rank": rank, "seq": seq, "step": 0, "microbatch": 0, "phase": phase, "kind": kind,
+    e = {"rank": rank, "seq": seq, "step": 1, "microbatch": 0, "phase": phase, "kind": kind,
          "op": op, "site": f"s{seq}", "module": None, "split": None, "async": False,
          "bytes": nbytes, "shape": [nbytes // 4], "dtype": "float32", "group": [0, 1],
          "t_start": 0.0, "t_wait": 0.0, "t_end": 0.0}
@@ -116,21 +116,23 @@ def test_kinds_sp_is_tp_and_unnamed_groups_take_the_kind_of_their_ranks(tmp_path
 
 def test_steps_setup_one_rank_groups_phases_and_numel(tmp_path, capsys):
     a = base() + [ev(r, 10, phase="setup") for r in (0, 1)]  # setup: left out by default
-    b = base() + [ev(r, 11, step=1) for r in (0, 1)]          # a second step
-    b += [ev(r, 12, step=1, group=[r], kind="dp") for r in (0, 1)]  # a one-rank no-op
+    b = base() + [ev(r, 11, step=2) for r in (0, 1)]          # a second step
+    b += [ev(r, 12, step=2, group=[r], kind="dp") for r in (0, 1)]  # a one-rank no-op
     pa, pb = write(tmp_path / "a.jsonl", a), write(tmp_path / "b.jsonl", b)
-    assert run_diff(capsys, pa, pb, "--step", "0")[0] == 0
-    code, out, _ = run_diff(capsys, pa, pb)  # every step: B's step 1 is only in B
+    assert run_diff(capsys, pa, pb, "--step", "1")[0] == 0
+    code, out, _ = run_diff(capsys, pa, pb)  # every step: B's step 2 is only in B
     assert code == 1 and "1 only in B" in out
-    code, out, _ = run_diff(capsys, pb, pb, "--step", "1", "--one-rank-groups")
+    code, out, _ = run_diff(capsys, pb, pb, "--step", "2", "--one-rank-groups")
     assert code == 0 and "equal (2 communications)" in out
     code, _, err = run_diff(capsys, pa, pb, "--step", "setup")  # B has none: named, not diffed
     assert code == 2 and "B" in err and "has no setup" in err
     code, _, err = run_diff(capsys, pa, pb, "--step", "7")
-    assert code == 2 and "--step 7" in err and "setup, 0" in err and "0, 1" in err
+    assert code == 2 and "--step 7" in err and "setup, 1" in err and "1, 2" in err
     code, _, err = run_diff(capsys, pa, pb, "--step", "x-1")
     assert code == 2 and "'x-1'" in err
-    assert run_diff(capsys, pa, pb, "--step", "0-1")[0] == 1
+    assert run_diff(capsys, pa, pb, "--step", "1-2")[0] == 1
+    code, _, err = run_diff(capsys, pa, pb, "--step", "0")  # steps count from 1
+    assert code == 2 and "steps count from 1" in err
     c = base()  # a recorded program's "other" is paraloom's "optimizer"; same numel, other dims
     c[0]["phase"], c[0]["shape"] = "other", [2, 128]
     d = base()
@@ -193,7 +195,7 @@ def test_a_field_set_that_compares_nothing_is_refused(tmp_path, capsys):
     events = base()
     events[0]["op"] = "broadcast"
     a, b = write(tmp_path / "a.jsonl", base()), write(tmp_path / "b.jsonl", events)
-    code, _, err = run_diff(capsys, a, b, "--step", "0", "--fields", "site,module",
+    code, _, err = run_diff(capsys, a, b, "--step", "1", "--fields", "site,module",
                             "--ignore-names")
     assert code == 2 and "leaves no field to compare" in err and "'site,module'" in err
 
@@ -213,19 +215,19 @@ def test_context_rows_are_only_equal_pairs(tmp_path, capsys):
 
 
 def test_a_side_without_the_chosen_step_is_named(tmp_path, capsys):
-    two = [dict(e, step=s, seq=e["seq"] + 4 * s) for s in (0, 1) for e in base()]
-    one = write(tmp_path / "one.jsonl", base())  # step 0 only
+    two = [dict(e, step=s, seq=e["seq"] + 4 * (s - 1)) for s in (1, 2) for e in base()]
+    one = write(tmp_path / "one.jsonl", base())  # step 1 only
     both = write(tmp_path / "two.jsonl", two)
-    code, _, err = run_diff(capsys, both, one, "--step", "1")
-    assert code == 2 and "B" in err and "has no step 1" in err and "its steps: 0" in err
+    code, _, err = run_diff(capsys, both, one, "--step", "2")
+    assert code == 2 and "B" in err and "has no step 2" in err and "its steps: 1" in err
     code, _, err = run_diff(capsys, both, one, "--step", "setup")
     assert code == 2 and "no communication in either run" in err
     setup = [dict(e, phase="setup") for e in base()[:1]] + [dict(e, seq=e["seq"] + 1)
                                                            for e in base()]
     code, _, err = run_diff(capsys, write(tmp_path / "s.jsonl", setup), one, "--step", "setup")
-    assert code == 2 and "has no setup" in err and "its steps: 0" in err
-    code, out, _ = run_diff(capsys, both, one, "--step", "0-1")
-    assert code == 1 and "note: B has no 1 of --step 0-1 (its steps: 0)" in out
+    assert code == 2 and "has no setup" in err and "its steps: 1" in err
+    code, out, _ = run_diff(capsys, both, one, "--step", "1-2")
+    assert code == 1 and "note: B has no 2 of --step 1-2 (its steps: 1)" in out
     (tmp_path / "empty.jsonl").write_text("")
     code, _, err = run_diff(capsys, both, tmp_path / "empty.jsonl")
     assert code == 2 and "holds no communication event" in err

@@ -181,7 +181,7 @@ def test_import_turns_dumps_into_a_run_folder(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["import", str(dumps), "--out", str(out)]) == 0
     assert "8 communications from 4 ranks" in capsys.readouterr().out
-    assert main(["table", str(out), "--rank", "0", "--step", "0"]) == 0
+    assert main(["table", str(out), "--rank", "0", "--step", "1"]) == 0
     assert "train.py:88 step" in capsys.readouterr().out
     assert main(["diagnose", str(out), "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["culprits"] == [3]

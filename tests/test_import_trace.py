@@ -47,7 +47,7 @@ def test_import_gives_the_record_of_the_same_program(profiled, capsys):
     out = profiled / "imported"
     assert main(["import", str(profiled / "traces"), "--out", str(out)]) == 0
     assert "14 communications from 2 ranks" in capsys.readouterr().out
-    assert main(["diff", str(profiled / "rec"), str(out), "--step", "setup,0",
+    assert main(["diff", str(profiled / "rec"), str(out), "--step", "setup,1",
                  "--fields", "op,dtype,shape,peer,group"]) == 0, capsys.readouterr().out
     capsys.readouterr()
     ops = [(e["op"], e["dtype"], e["shape"]) for e in load_events(out) if e["rank"] == 1]
@@ -56,7 +56,7 @@ def test_import_gives_the_record_of_the_same_program(profiled, capsys):
                    ("reduce_scatter", "float32", [8]), ("all_reduce", "int64", [2, 3]),
                    ("barrier", None, None)]
     assert main(["diagnose", str(out)]) == 0  # the same folder serves diagnose
-    assert main(["table", str(out), "--rank", "0", "--step", "0"]) == 0
+    assert main(["table", str(out), "--rank", "0", "--step", "1"]) == 0
     assert "float64 [5]" in capsys.readouterr().out
 
 

@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
     return out
 
 
-def _step(events, rank, step=1):
+def _step(events, rank, step=2):
     return [e for e in events if e["rank"] == rank and e["op"] != "compute"
             and e["phase"] != "setup" and e["step"] == step]
 
@@ -88,7 +88,7 @@ def test_megatron_lm_loop_runs_on_cpu_ranks(runs, name):
     assert {"tp", "mp", "world"} <= kinds  # model parallelism was initialised (not skipped)
     assert ("pp" in kinds) == ("pp" in name) and ("dp" in kinds)
     steps = {e["step"] for e in events if e["phase"] != "setup"}
-    assert steps == {0, 1, 2}
+    assert steps == {1, 2, 3}  # Megatron-LM's iterations 1/3 .. 3/3
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -135,7 +135,7 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
     Megatron-LM's whole run (names aside; interleaving with Megatron-LM's overlapped p2p): its
     set-up (``diff --step setup``: the start-up
     barriers, clocks and timers, the tied embeddings, the parameter groups, the data
-    builders' barriers and flags) and every iteration (``--step 0-2``: the model step, the
+    builders' barriers and flags) and every iteration (``--step 1-3``: the model step, the
     batch broadcast over tp, the rerun vote, the log's learning rate, the timers' barriers and
     the last one after training). Without the loop's extras (``--no-megatron-lm-loop``)
     exactly those are missing."""
@@ -154,7 +154,7 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
     megatron_dir.mkdir()
     (megatron_dir / "ledger.jsonl").write_text(
         "".join(__import__("json").dumps(e) + "\n" for e in runs[name][2]))
-    for steps in ("setup", "0-2"):
+    for steps in ("setup", "1-3"):
         assert main(["diff", str(megatron_dir), str(out), "--step", steps,
                      "--ignore-names"]) == 0, capsys.readouterr().out[-4000:]
         capsys.readouterr()
@@ -163,7 +163,7 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
     bare = tmp_path / "bare"
     assert main([*common, "--no-megatron-lm-loop", "--out", str(bare)]) == 0
     options = Options(fields=("phase", "kind", "op", "async", "dtype", "bytes", "shape", "peer",
-                              "group"), steps={1})
+                              "group"), steps={2})
     megatron = sequences(runs[name][2], options)
     ours = sequences(load_events(bare), options)
     extras = set()
@@ -178,9 +178,9 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
 
 def test_logged_iterations_are_megatron_lms():
     """training_log's interval timer: the process's first iteration (also after a resume) and
-    every --log-interval-th (iteration = step + 1)."""
+    every --log-interval-th (iterations counted from 1)."""
     from paraloom.training.megatron_lm_loop import logged_iteration
 
-    assert [s for s in range(7) if logged_iteration(s, 3, s == 0)] == [0, 2, 5]
-    assert [s for s in range(4, 9) if logged_iteration(s, 3, s == 4)] == [4, 5, 8]
-    assert [s for s in range(250) if logged_iteration(s, 100, s == 0)] == [0, 99, 199]
+    assert [i for i in range(1, 8) if logged_iteration(i, 3, i == 1)] == [1, 3, 6]
+    assert [i for i in range(5, 10) if logged_iteration(i, 3, i == 5)] == [5, 6, 9]
+    assert [i for i in range(1, 251) if logged_iteration(i, 100, i == 1)] == [1, 100, 200]

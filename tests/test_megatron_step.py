@@ -10,7 +10,7 @@ tp2 x dp2 with sequence parallelism, pp2 x dp2 with the distributed optimizer, i
 (vpp 2, 8 layers), tp2 x pp2 with full recomputation, tp2 x dp2 with sp in bf16, and three that
 once differed (plain 1F1B on 3 stages, dp4 with the distributed optimizer and 3000-element buckets,
 tp2 x dp2 with sp and full recomputation) — ``paraloom
-diff --step 1 --ignore-names`` exits 0 (the steady state), and so does ``--step 0`` (the first
+diff --step 2 --ignore-names`` exits 0 (the steady state), and so does ``--step 1`` (the first
 iteration, where Megatron's DDP launches no bucket from its hooks).
 The two programs share nothing but the configuration; any of the differences the Megatron
 whole-step issue listed (cross-entropy, sp embedding and output layer, grad norm, buckets,
@@ -82,7 +82,7 @@ def runs(tmp_path_factory):
         for name, proc in procs.items():
             text, _ = proc.communicate(timeout=420)
             assert proc.returncode == 0, f"{name}: {text[-3000:]}"
-            assert "step 1: loss" in text, text[-2000:]
+            assert "step 2: loss" in text, text[-2000:]
     for name, (_, flags) in LAYOUTS.items():
         ours = tmp / f"paraloom-{name}"
         assert main(["train", *MODEL, *flags.split(), "--steps", "2", "--ledger-steps", "2",
@@ -97,13 +97,13 @@ def runs(tmp_path_factory):
 def test_megatron_whole_step_equals_paraloom_train(runs, name, capsys):
     megatron, ours = runs[name]
     capsys.readouterr()
-    for step in ("1", "0"):
+    for step in ("2", "1"):
         code = main(["diff", str(megatron), str(ours), "--step", step, "--ignore-names"])
         text = capsys.readouterr().out
         assert code == 0, f"{name} step {step}:\n{text}"
         assert text.count(": equal (") == WORLD.get(name, 4), text
     # not vacuous: Megatron's own step, every part of it, is in the record
-    events = [e for e in load_events(megatron) if e["op"] != "compute" and e["step"] == 1
+    events = [e for e in load_events(megatron) if e["op"] != "compute" and e["step"] == 2
               and e["phase"] != "setup"]
     kinds = {e["kind"] for e in events}
     assert {"mp", "dp"} <= kinds and ({"pp", "emb"} <= kinds or "pp" not in name)
@@ -113,7 +113,7 @@ def test_megatron_whole_step_equals_paraloom_train(runs, name, capsys):
         assert {e["op"] for e in events if e["kind"] == "dp"} == \
             {"reduce_scatter", "all_gather", "all_reduce"}  # buckets, parameters, the loss
     # the names differ (two implementations): without --ignore-names they are compared
-    assert main(["diff", str(megatron), str(ours), "--step", "1"]) == 1
+    assert main(["diff", str(megatron), str(ours), "--step", "2"]) == 1
 
 
 def test_record_sections_and_labels_of_megatrons_step(runs):
@@ -123,7 +123,7 @@ def test_record_sections_and_labels_of_megatrons_step(runs):
     assert setup and {r["phase"] for r in setup} == {"setup"}
     assert setup[0]["parallel_type"] == "emb" and setup[0]["split_object"].startswith(
         "set-up values")  # the tied embedding's init all-reduce: not a gradient
-    step = table_rows(events, rank=3, step=1)
+    step = table_rows(events, rank=3, step=2)
     assert all(r["phase"] != "setup" for r in step)
     split = {r["site"].rpartition(" ")[2]: r["split_object"] for r in step}
     assert split["get_grad_norm_fp32"] == "gradient norm, float32 [1]"

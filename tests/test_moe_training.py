@@ -52,13 +52,13 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     assert check_main([str(forged), "--only-diff"]) == 1
     assert "splits" in capsys.readouterr().out
     # resume the step-2 checkpoint under another expert layout (experts and their Adam moments
-    # resharded from ep 2 to ep 4, ZeRO on): steps 2 and 3 again, the same numbers
+    # resharded from ep 2 to ep 4, ZeRO on): steps 3 and 4 again, the same numbers
     again = tmp_path / "again"
     assert main(["train", "--resume", str(run / "checkpoints" / "step_2"), "--tp", "1",
                  "--dp", "4", "--ep", "4", "--distributed-optimizer", "--steps", "4",
                  "--out", str(again)]) == 0
     resumed = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in resumed] == [2, 3]
+    assert [m["step"] for m in resumed] == [3, 4]
     for got, want in zip(resumed, metrics[2:], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5)

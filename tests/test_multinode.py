@@ -91,13 +91,13 @@ def test_shared_folder_complete_then_resumed_on_one_node(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_2", "step_4"]
     assert not list(run.glob(".paraloom-folder-token*"))
     two_nodes = _metrics(run)
-    assert sorted(two_nodes) == list(range(4))
+    assert sorted(two_nodes) == [1, 2, 3, 4]
 
     resumed = tmp_path / "resumed"  # one node (4 local ranks) from the step-2 checkpoint
     assert main(["train", *FLAGS, "--steps", "4", "--save-every", "0",
                  "--resume", str(run / "checkpoints" / "step_2"), "--out", str(resumed)]) == 0
     again = _metrics(resumed)
-    for step in (2, 3):
+    for step in (3, 4):
         assert again[step]["loss"] == pytest.approx(two_nodes[step]["loss"], rel=1e-6, abs=0)
         assert again[step]["grad_norm"] == pytest.approx(two_nodes[step]["grad_norm"], rel=1e-6)
 
@@ -109,7 +109,7 @@ def test_node_local_folders(tmp_path):
     assert (rc0, rc1) == (0, 0), log0[-3000:] + log1[-3000:]
     assert "note: no checkpoints: not every node sees the run folder" in log0, log0[-3000:]
     assert not (out0 / "checkpoints").exists() and not (out1 / "checkpoints").exists()
-    assert sorted(_metrics(out0)) == [0, 1]
+    assert sorted(_metrics(out0)) == [1, 2]
     events = [json.loads(x) for x in (out0 / "ledger.jsonl").read_text().splitlines()]
     assert {e["rank"] for e in events} == {0, 1, 2, 3}  # gathered over the network
     assert "ranks 2, 3 on" in log0 and "do not see this run folder" in log0

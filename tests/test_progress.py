@@ -20,7 +20,7 @@ class _Stream(io.StringIO):
 
 def _run(total: int, tty: bool) -> str:
     out = _Stream(tty)
-    for step in range(total):
+    for step in range(1, total + 1):
         show_progress(step, total, METRICS, 1000.0, stream=out)
     return out.getvalue()
 
@@ -41,4 +41,4 @@ def test_short_run_off_terminal_prints_every_step():
 def test_terminal_redraws_in_place_and_ends_with_a_newline():
     text = _run(50, tty=True)
     assert text.count("\r") == 49 and text.count("\n") == 1 and text.endswith("\n")
-    assert text.rsplit("\r", 1)[-1] == progress_line(49, 50, METRICS, 1000.0) + "\n"
+    assert text.rsplit("\r", 1)[-1] == progress_line(50, 50, METRICS, 1000.0) + "\n"

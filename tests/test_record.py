@@ -230,7 +230,7 @@ def test_ddp_bucket_all_reduces_in_backward(run):
     events, facts, _ = run
     part = _part(events, "ddp_part")
     assert part, "no DDP event recorded"
-    second = [e for e in part if e["step"] == 1 and e["phase"] == "backward"]
+    second = [e for e in part if e["step"] == 2 and e["phase"] == "backward"]
     buckets = facts["ddp_buckets"]
     assert len(buckets) >= 2
     assert [e["op"] for e in second] == ["all_reduce"] * len(buckets)
@@ -239,7 +239,7 @@ def test_ddp_bucket_all_reduces_in_backward(run):
     assert buckets == [sum(sizes) for sizes in facts["ddp_params"]]  # last layer first
     assert all(e["group"] == [0, 1] and e["kind"] == "world" for e in second)  # the default
     assert all(e.get("param_grad") for e in second)  # fired by the gradients' hooks
-    first = [e for e in part if e["step"] == 0 and e["phase"] == "backward"]
+    first = [e for e in part if e["step"] == 1 and e["phase"] == "backward"]
     assert [e["bytes"] for e in first] == [sum(buckets)]  # DDP's first step: one bucket
     assert all(e["t_start"] <= e["t_end"] for e in part)
 
@@ -340,17 +340,18 @@ def test_steps_stops_recording_and_torchrun_join(runs):
     events = load(out / "ledger.jsonl")
     # an iteration runs from a forward to the next forward: what the loop communicates before
     # its first forward is setup, and later the collective before each forward belongs to the
-    # step before it (the rule of paraloom.record.tracking); step 2 begins: no more recording
+    # step before it (the rule of paraloom.record.tracking); steps count from 1 (set-up is step
+    # 0), and --steps 2 stops recording when step 3 begins
     assert [(e["op"], e["step"], e["phase"]) for e in events if e["op"] != "compute"] == \
-        [("all_reduce", 0, "setup")] * 2 + [("all_reduce", 0, "other"),
-                                            ("all_reduce", 1, "other")]
+        [("all_reduce", 0, "setup")] * 2 + [("all_reduce", 1, "other"),
+                                            ("all_reduce", 2, "other")]
     # the same loop marking its iterations (paraloom.record.mark_step): each its own step
     code, err, marked = runs["marked"]
     assert code == 3, err
     assert [(e["step"], e["phase"]) for e in load(marked / "ledger.jsonl")] == \
-        [(0, "setup"), (0, "other"), (1, "other")]
-    spans = [e for e in events if e["op"] == "compute"]  # --compute: none from step 2 on
-    assert spans and {e["step"] for e in spans} == {0, 1}, spans
+        [(0, "setup"), (1, "other"), (2, "other")]
+    spans = [e for e in events if e["op"] == "compute"]  # --compute: none from step 3 on
+    assert spans and {e["step"] for e in spans} == {1, 2}, spans
     code, err, out = runs["torchrun"]
     assert code == 0, err  # not the older record's rank 1 status (exit 5)
     events = load(out / "ledger.jsonl")  # merged by rank 0 from both ranks' files, only

@@ -96,7 +96,7 @@ def test_a_failing_rank_ends_the_world_and_is_named(tmp_path, layout, kind):
     else:
         assert message.startswith("rank 1 died") and "SIGKILL" in message
     assert _no_rank_left()
-    assert len(_metrics(cfg)) == 1  # step 0 was written and flushed before the fault
+    assert len(_metrics(cfg)) == 1  # step 1 was written and flushed before the fault
 
 
 def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
@@ -110,9 +110,9 @@ def test_kill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     assert ckpts == ["step_2", "step_4.tmp"]
     resumed = crashed.replace(resume=str(tmp_path / "crashed"))
     _spawn(resumed)
-    got = [m for m in _metrics(resumed) if m["step"] >= 2]
-    want = [m for m in _metrics(straight) if m["step"] >= 2]
-    assert [m["step"] for m in got][-4:] == [2, 3, 4, 5]
+    got = [m for m in _metrics(resumed) if m["step"] >= 3]
+    want = [m for m in _metrics(straight) if m["step"] >= 3]
+    assert [m["step"] for m in got][-4:] == [3, 4, 5, 6]
     for a, b in zip(got[-4:], want, strict=True):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
 
@@ -128,12 +128,12 @@ def test_same_command_twice_gives_identical_losses(tmp_path):
 
 def test_nan_steps_are_skipped_then_the_run_stops(tmp_path):
     cfg = _config(tmp_path, "once", tp=2, pp=2)
-    _spawn(cfg, ("nan", 3, {1}))  # rank 3 (last stage) sees a NaN gradient at step 1
+    _spawn(cfg, ("nan", 3, {1}))  # rank 3 (last stage) sees a NaN gradient at step 2
     metrics = _metrics(cfg)
     assert [bool(m.get("skipped")) for m in metrics] == [False, True, False, False]
     assert all(m["loss"] == m["loss"] for m in metrics)  # the loss itself stayed finite
     cfg = _config(tmp_path, "always", tp=2, steps=8, max_bad_steps=3)
-    with pytest.raises(RuntimeError, match="stopping at step 3: 3 consecutive steps"):
+    with pytest.raises(RuntimeError, match="stopping at step 4: 3 consecutive steps"):
         _spawn(cfg, ("nan", 0, set(range(1, 8))))
 
 

@@ -57,10 +57,12 @@ def runs(tmp_path_factory):
                                     "--out", str(tmp / "record"), "--", str(tmp / "ddp.py")],
                                    env=env, cwd=tmp, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)}
+    logs = {}
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=240)
-        assert proc.returncode == 0, f"{name}: {out}"
-    return {"train": tmp / "train", "tb": tmp / "tb", "record": tmp / "record", "tmp": tmp}
+        logs[name], _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"{name}: {logs[name]}"
+    return {"train": tmp / "train", "tb": tmp / "tb", "record": tmp / "record", "tmp": tmp,
+            "train_log": logs["train"]}
 
 
 def _chromium() -> str:
@@ -89,7 +91,7 @@ def _expected_rows(run: Path) -> int:
     """Communications of rank 0 in its first step (the table's), by the formulas (stage 0)."""
     from paraloom.analysis.check import config_from_run, step_config
     from paraloom.analysis.formulas import expected_comm
-    config = step_config(config_from_run(json.loads((run / "config.json").read_text())), 0, {})
+    config = step_config(config_from_run(json.loads((run / "config.json").read_text())), 1, {})
     return sum(v["count"] for (kind, op, phase), v in expected_comm(config, 0).items()
                if phase != "setup")
 
@@ -159,7 +161,7 @@ def test_report_of_a_recorded_torch_ddp_run(runs):
     en = _table(dom, "en")
     from paraloom.run_folder import read_json_lines as load
     events = [e for e in load(runs["record"] / "ledger.jsonl") if e["rank"] == 0
-              and e["step"] == 0 and e["op"] != "compute" and e["phase"] != "setup"]
+              and e["step"] == 1 and e["op"] != "compute" and e["phase"] != "setup"]
     assert events and en.count('<tr class="row"') == len(events)
     assert "<td>all_reduce</td>" in en and "ddp.py:" in en  # the program's own file:line
     assert "no formula check" in dom
@@ -185,16 +187,17 @@ def test_tensorboard_scalars_read_back(runs):
                 out[kind] = out.get(kind, 0) + v["bytes"]
         return out
     tags = set(acc.Tags()["scalars"])
-    assert tags == set(TAGS) | {f"comm-bytes/{k}" for k in per_kind(0)}
+    assert tags == set(TAGS) | {f"comm-bytes/{k}" for k in per_kind(1)}
     for tag, key in zip(TAGS[:3], ("loss", "lr", "grad_norm"), strict=True):
         got = acc.Scalars(tag)  # float32 values
-        assert [s.step for s in got] == [m["step"] + 1 for m in metrics]
+        # one step number everywhere: TensorBoard's is metrics.jsonl's, from 1
+        assert [s.step for s in got] == [m["step"] for m in metrics] == [1, 2]
         assert [s.value for s in got] == pytest.approx([m[key] for m in metrics], rel=1e-6)
     assert all(s.value > 0 for s in acc.Scalars(TAGS[3]))
-    for kind in per_kind(0):
+    for kind in per_kind(1):
         assert [(s.step, s.value) for s in acc.Scalars(f"comm-bytes/{kind}")] == [
-            (1, per_kind(0)[kind]), (2, per_kind(1)[kind])]
-    assert per_kind(0)["mp"] == per_kind(1)["mp"] + 4  # the first step's one-off flag
+            (1, per_kind(1)[kind]), (2, per_kind(2)[kind])]
+    assert per_kind(1)["mp"] == per_kind(2)["mp"] + 4  # the first step's one-off flag
 
 
 def test_cli_errors_and_options(runs, tmp_path, monkeypatch, capsys):
@@ -245,6 +248,50 @@ def test_source_sites_and_expert_load(runs, tmp_path):
     from paraloom.report.sections import timeline_data
     from paraloom.run_folder import read_json_lines as load
     events = load(runs["train"] / "ledger.jsonl")
-    one = timeline_data(events, max_steps=1)  # a long ledger: the first steps are drawn
-    assert (one["steps"], one["of"]) == ([0], 2)
-    assert len(one["ev"]) == sum(e["step"] == 0 for e in events) and len(one["ev"]) > 0
+    one = timeline_data(events, max_steps=1)  # a long ledger: set-up and the first steps drawn
+    assert (one["steps"], one["of"]) == ([1], 2)
+    assert len(one["ev"]) == sum(e["step"] in (0, 1) for e in events) and len(one["ev"]) > 0
+
+
+def _steps(events: list[dict]) -> list[int]:
+    return sorted({e["step"] for e in events if e["phase"] != "setup"})
+
+
+def test_steps_count_from_one_everywhere(runs, tmp_path, capsys):
+    """One step number in every output, Megatron's (iterations from 1): the progress line,
+    metrics.jsonl, the ledger (set-up is step 0), a recorded program's ledger, and the readers'
+    ``--step``; a folder written when the first step was 0 reads as a new one."""
+    from paraloom.commands import main
+    from paraloom.run_folder import read_json_lines as load
+    train, record = runs["train"], runs["record"]
+    assert re.findall(r"\] step (\d+)/2 ", runs["train_log"]) == ["1", "2"]
+    assert [m["step"] for m in load(train / "metrics.jsonl")] == [1, 2]
+    events = load(train / "ledger.jsonl")
+    assert _steps(events) == [1, 2]
+    assert {e["step"] for e in events if e["phase"] == "setup"} == {0}
+    assert "step 2 (steady-state" in runs["train_log"]
+    assert _steps(load(record / "ledger.jsonl")) == [1, 2]  # the DDP program's two iterations
+    assert {e["step"] for e in load(record / "ledger.jsonl") if e["phase"] == "setup"} == {0}
+    capsys.readouterr()
+    assert main(["check", str(train)]) == 0
+    assert re.findall(r"^## step (\d+)", capsys.readouterr().out, re.M) == ["1", "2"]
+    assert main(["table", str(train), "--step", "0"]) == 2
+    assert "steps count from 1" in capsys.readouterr().err
+    assert main(["diff", str(train), str(train), "--step", "0"]) == 2
+    assert "steps count from 1" in capsys.readouterr().err
+    # a folder of the old convention: first step 0 in metrics.jsonl and the ledger
+    old = tmp_path / "old"
+    shutil.copytree(train, old)
+    for name in ("metrics.jsonl", "ledger.jsonl"):
+        rows = load(old / name)
+        rows = [{**r, "step": r["step"] - 1} if r.get("phase") != "setup" else r for r in rows]
+        (old / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert _steps(load(old / "ledger.jsonl")) == [0, 1]
+    capsys.readouterr()
+    assert main(["table", str(old), "--step", "2"]) == 0
+    old_table = capsys.readouterr().out
+    assert main(["table", str(train), "--step", "2"]) == 0
+    assert capsys.readouterr().out == old_table
+    assert main(["check", str(old)]) == 0
+    assert re.findall(r"^## step (\d+)", capsys.readouterr().out, re.M) == ["1", "2"]
+    assert main(["diff", str(old), str(train)]) == 0

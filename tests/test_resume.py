@@ -89,15 +89,15 @@ def test_killed_run_resumed_with_no_other_flag_equals_the_uninterrupted_run(runs
     assert ckpts and ckpts[-1] < STEPS
     assert main(["train", "--resume", str(crashed)]) == 0
     notes = capsys.readouterr().err
-    assert f"resuming {str(crashed)!r} at step {ckpts[-1]} of {STEPS}" in notes, notes
+    assert f"resuming {str(crashed)!r} after step {ckpts[-1]} of {STEPS}" in notes, notes
     assert "no setting changed from the checkpoint" in notes
     got, want = _metrics(crashed), _metrics(root / "straight")
-    assert [m["step"] for m in got] == list(range(STEPS))  # replaced, not duplicated
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))  # replaced, not duplicated
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"], a["lr"]) == (b["loss"], b["grad_norm"], b["lr"]), a
     # the ledger kept the step the uninterrupted run recorded, and only that
     ledger = [json.loads(x) for x in (crashed / "ledger.jsonl").read_text().splitlines()]
-    assert {e["step"] for e in ledger} == {0} and {e["rank"] for e in ledger} == {0, 1}
+    assert {e["step"] for e in ledger} == {0, 1} and {e["rank"] for e in ledger} == {0, 1}
     config = json.loads((crashed / "config.json").read_text())
     assert config["steps"] == STEPS and config["model"]["num_layers"] == 2
 
@@ -110,18 +110,18 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
             "--tp", "2", "--dp", "1", "--out", str(branch)]
     assert main(["train", *argv]) == 0
     notes = capsys.readouterr().err
-    assert f"branching: {str(branch)!r} starts from" in notes and "at step 12" in notes, notes
+    assert f"branching: {str(branch)!r} starts from" in notes and "after step 12" in notes, notes
     assert f"steps {STEPS} -> {STEPS + 2}" in notes
     assert "parallel.tp 1 -> 2, parallel.dp 2 -> 1" in notes
     assert "re-seeded from (seed, step)" in notes  # dropout streams cannot change layout
-    assert [m["step"] for m in _metrics(branch)] == list(range(12, STEPS + 2))
+    assert [m["step"] for m in _metrics(branch)] == list(range(13, STEPS + 3))
     assert len(_metrics(straight)) == STEPS  # the branch copied and changed nothing there
     # a model flag contradicting the checkpoint is still refused before ranks start
     assert main(["train", "--resume", str(straight / "checkpoints" / "step_12"), "--hidden",
                  "64"]) == 2
     assert "hidden_size = 32 in the checkpoint, 64 here" in capsys.readouterr().err
     assert main(["train", "--resume", str(straight)]) == 2  # its last checkpoint is its end
-    assert f"is at step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
+    assert f"is after step {STEPS} and the run has --steps {STEPS}" in capsys.readouterr().err
     # a dtype change is refused before ranks start (the optimizer state does not convert)
     assert main(["train", "--resume", str(straight), "--dtype", "bf16", "--steps",
                  str(STEPS + 2)]) == 2
@@ -139,11 +139,11 @@ def test_flags_with_resume_override_and_are_named(runs, capsys):
     ledger = [json.loads(x) for x in (straight / "ledger.jsonl").read_text().splitlines()]
     for rank in (0, 1):
         mine = [e for e in ledger if e["rank"] == rank]
-        assert sorted({e["step"] for e in mine}) == [0, 12, 13, 14, 15]
+        assert sorted({e["step"] for e in mine}) == [0, 1, 13, 14, 15, 16]
         assert [e["seq"] for e in mine] == list(range(len(mine)))
         assert [e["step"] for e in mine] == sorted(e["step"] for e in mine)
-        first_run = max(e["t_end"] for e in mine if e["step"] == 0)
-        assert min(e["t_start"] for e in mine if e["step"] > 0) >= first_run
+        first_run = max(e["t_end"] for e in mine if e["step"] <= 1)
+        assert min(e["t_start"] for e in mine if e["step"] > 1) >= first_run
 
 
 def test_explicit_flags_are_told_from_defaults():
@@ -162,7 +162,7 @@ def test_dropout_resume_is_bitwise_with_tensor_parallel_streams(tmp_path):
     want = run_training(BASE.replace(out=str(tmp_path / "straight")))[3:]
     step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
     got = run_training(BASE.replace(out=str(tmp_path / "resumed"), resume=step3))
-    assert [m["step"] for m in got] == [3, 4, 5]
+    assert [m["step"] for m in got] == [4, 5, 6]
     for a, b in zip(got, want, strict=True):
         assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
 
@@ -231,11 +231,11 @@ def _train(tmp_path, name, **layout) -> list[dict]:
 
 def test_resume_continues_exactly_and_reshards(tmp_path):
     """Same layout: bitwise; another (dp, tp, ZeRO-1): the same losses to float tolerance."""
-    # the straight run saves at step 3 on its way; resuming from that checkpoint must replay 3..5
+    # the straight run saves after step 3 on its way; resuming from it must replay steps 4..6
     straight = _train(tmp_path, "straight", tp=2, pp=2, steps=6, save_every=3)
     step3 = str(tmp_path / "straight" / "checkpoints" / "step_3")
     resumed = _train(tmp_path, "second", tp=2, pp=2, steps=6, resume=step3)
-    assert [m["step"] for m in resumed] == [3, 4, 5]
+    assert [m["step"] for m in resumed] == [4, 5, 6]
     for a, b in zip(resumed, straight[3:], strict=True):  # same layout: bitwise on fp32 CPU
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
     for layout in (dict(dp=2), dict(tp=4), dict(dp=2, distributed_optimizer=True)):

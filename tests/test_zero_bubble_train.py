@@ -50,7 +50,7 @@ def test_zb_h1_trains_the_same_model(world4, tmp_path, reference, layout, m):
     events = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     p = layout["pp"]
     for rank in range(4):
-        mine = [e for e in events if e["rank"] == rank and e["step"] == 0
+        mine = [e for e in events if e["rank"] == rank and e["step"] == 1
                 and e["op"] == "compute"]
         steps = [e for e in mine if e["site"].startswith("pipeline.")]
         stage = steps[0]["stage"]

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..config.train import migrate
-from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
+from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_metrics
 from ..training.megatron_lm_loop import logged_iteration
 from .formulas import expected_comm
 from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
@@ -164,13 +164,13 @@ def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> Comm
     """``config`` for one recorded step: the optimizer step skipped or not (metrics.jsonl
     ``skipped``), and whether it was the first step its process ran (``first_of_process``; the
     first step communicates differently, as Megatron's: see :class:`CommConfig`). Without a
-    metrics line, step 0 is a first step. The step before a process's first is the
+    metrics line, step 1 is a first step. The step before a process's first is the
     last of the one before (which ended with its own barrier)."""
     line = metrics.get(step, {})
-    first = bool(line.get("first_of_process", step == 0))
+    first = bool(line.get("first_of_process", step == 1))
     # the last step of a process (its run's end, or a resumed run's earlier part) ends with
     # Megatron-LM's "after training is done" barrier
-    last = step + 1 == config.total_steps \
+    last = step == config.total_steps \
         or bool(metrics.get(step + 1, {}).get("first_of_process", False))
     return replace(config, optimizer_step=not line.get("skipped", False), first_step=first,
                    timer_barriers=logged_iteration(step, config.log_interval, first),
@@ -189,9 +189,9 @@ def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:
         if not (root / name).is_file():
             raise ValueError(f"no {name} in {run_dir!r} (a run folder written by paraloom "
                              f"train holds config.json and ledger.jsonl)")
-    metrics = {m["step"]: m for m in read_json_lines(root / METRICS)} \
+    metrics = {m["step"]: m for m in read_metrics(root / METRICS)} \
         if (root / METRICS).is_file() else {}
-    return read_json(root / CONFIG, "a run configuration"), read_json_lines(root / LEDGER), \
+    return read_json(root / CONFIG, "a run configuration"), read_ledger(root / LEDGER), \
         metrics
 
 

@@ -25,9 +25,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, events, metrics = load_run(args.run_dir)
         config = config_from_run(cfg)
-        steps = sorted({e["step"] for e in events if e["op"] != "compute"})
+        steps = sorted({e["step"] for e in events
+                        if e["op"] != "compute" and e.get("phase") != "setup"})
         if args.step is not None and args.step not in steps:
-            raise ValueError(f"step {args.step} is not in the ledger; recorded steps: {steps}")
+            raise ValueError(f"step {args.step} is not in the ledger; recorded steps: {steps}"
+                             + (" (steps count from 1, as Megatron's iterations)"
+                                if args.step == 0 else ""))
         if not steps:
             raise ValueError(f"the ledger of {args.run_dir!r} holds no communication")
     except (ValueError, KeyError, TypeError) as err:

@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("a", metavar="A", help="run/record folder or ledger.jsonl")
     ap.add_argument("b", metavar="B", help="run/record folder or ledger.jsonl")
     ap.add_argument("--step", metavar="STEPS",
-                    help="steps to compare: 1, 0-2, setup, or a comma list (default: every "
-                         "step, setup excluded)")
+                    help="steps to compare (counted from 1): 2, 1-3, setup, or a comma list "
+                         "(default: every step, setup excluded)")
     ap.add_argument("--ignore-names", action="store_true",
                     help="do not compare site and module (different implementations)")
     ap.add_argument("--rank", type=int, help="compare only this rank")

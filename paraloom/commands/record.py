@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                                               "of torchrun's environment)")
     ap.add_argument("--out", default="record", help="output folder (default: record)")
     ap.add_argument("--steps", type=int, help="record K whole training-loop iterations (steps "
-                                              "0..K-1; see paraloom.record.tracking)")
+                                              "1..K; see paraloom.record.tracking)")
     ap.add_argument("--megatron-on-cpu", action="store_true",
                     help="run a megatron-core program on CPU ranks (gloo): opt-in run-time "
                          "patches for what megatron-core asks of CUDA (paraloom.record."

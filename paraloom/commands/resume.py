@@ -95,11 +95,11 @@ def resume_notes(cfg: TrainConfig, resumed: Resumed) -> list[str]:
                if key not in _NOT_SETTINGS and key in before and before[key] != value]
     where, home, step = Path(cfg.run.out), resumed.home, resumed.step
     if home is not None and where.resolve() == home.resolve():
-        notes = [f"resuming {str(home)!r} at step {step} of {cfg.steps}, in the same folder "
+        notes = [f"resuming {str(home)!r} after step {step} of {cfg.steps}, in the same folder "
                  f"(settings from {str(resumed.ckpt)!r}; metrics after step {step} are replaced)"]
     else:
-        notes = [f"branching: {str(where)!r} starts from {str(resumed.ckpt)!r} at step {step} of "
-                 f"{cfg.steps} (nothing is copied there; its metrics begin at step {step})"]
+        notes = [f"branching: {str(where)!r} starts from {str(resumed.ckpt)!r} after step {step} "
+                 f"of {cfg.steps} (nothing is copied there; its metrics begin at step {step + 1})"]
     notes.append("changed from the checkpoint: " + ", ".join(changed) if changed
                  else "no setting changed from the checkpoint")
     if not same_layout({"config": resumed.saved}, cfg) and cfg.model.dropout > 0:

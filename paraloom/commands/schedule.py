@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import default_schedule
 from ..pipeline_parallel import timetable as tt
 from ..report import plots
-from ..run_folder import read_json_lines
+from ..run_folder import read_ledger
 
 __all__ = ["main"]
 
@@ -56,7 +56,7 @@ def _schedule(args) -> int:
         if not path.is_file():
             raise ValueError(f"{args.run_dir!r} is neither a run folder with a ledger.jsonl nor "
                              f"a ledger file")
-        blocks, rows = plots.ledger_blocks(read_json_lines(path), args.step)
+        blocks, rows = plots.ledger_blocks(read_ledger(path), args.step)
         bubble = plots.bubble_of(blocks, len(rows))
         title = f"recorded pipeline schedule ({path}), bubble {bubble:.3f}"
         unit = "seconds"

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..report.table import HEADINGS, render_table
-from ..run_folder import LEDGER, read_json_lines
+from ..run_folder import LEDGER, read_ledger
 
 __all__ = ["main"]
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             raise ValueError(f"no ledger at {path} (RUN_DIR {args.run_dir!r} must hold "
                              f"ledger.jsonl, written by paraloom train or paraloom record)")
-        text = render_table(read_json_lines(path), rank=args.rank, step=args.step,
+        text = render_table(read_ledger(path), rank=args.rank, step=args.step,
                             lang=args.lang, fmt=args.fmt, group=args.group)
     except (ValueError, KeyError) as err:
         print(f"paraloom table: error: {err}", file=sys.stderr)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..report.trace import write_trace
-from ..run_folder import LEDGER, read_json_lines
+from ..run_folder import LEDGER, read_ledger
 
 __all__ = ["main"]
 
@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         if not ledger.is_file():
             raise ValueError(f"no ledger at {ledger} (RUN_DIR {args.run_dir!r} must hold "
                              f"ledger.jsonl)")
-        events = read_json_lines(ledger)
+        events = read_ledger(ledger)
         if not events:
             raise ValueError(f"{ledger} holds no events")
         path = write_trace(events, run / "trace.json")

@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, cfg: TrainConfig, t0: float) -> None:
     for problem in write_reports(out, events):
         print(problem, file=sys.stderr)
     if events:
-        steps = sorted({e["step"] for e in events if e["rank"] == 0})
+        steps = sorted({e["step"] for e in events if e["rank"] == 0 and e["phase"] != "setup"})
         # the steady state when it was recorded: a run's first step is Megatron's first
         # iteration (buckets launched at the end, a one-off flag), in comm_table.md
         step = steps[1] if len(steps) > 1 else steps[0]

@@ -18,11 +18,13 @@ from ..run_folder import (
     LEDGER,
     LEDGER_DIR,
     RunFolderError,
+    from_one,
     rank_ledgers,
     rank_status,
     rank_tail,
     read_json,
     read_json_lines,
+    read_ledger,
 )
 
 __all__ = ["RankEvidence", "Evidence", "load", "number"]
@@ -93,7 +95,7 @@ def _rank_events(folder: Path, rank: int, path: Path) -> list[dict]:
     for e in read_json_lines(rank_tail(folder, rank), strict=False):
         events[e.get("seq")] = e
     ordered = [events[k] for k in sorted(events, key=lambda k: (k is None, k or 0))]
-    return settled(ordered)
+    return settled(from_one(ordered, ledger=True))
 
 
 def settled(events: list[dict]) -> list[dict]:
@@ -123,7 +125,7 @@ def load(folder: str | Path) -> Evidence:
         for rank, path in files.items():
             ranks[rank] = RankEvidence(rank, _rank_events(folder, rank, path))
     else:
-        for e in _checked(folder / LEDGER, read_json_lines(folder / LEDGER)):
+        for e in _checked(folder / LEDGER, read_ledger(folder / LEDGER)):
             ranks.setdefault(e["rank"], RankEvidence(e["rank"])).events.append(e)
     source = "record" if any((folder / LEDGER_DIR).glob("rank_*.status.json")) else "train"
     for rank, ev in ranks.items():

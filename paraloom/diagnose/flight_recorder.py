@@ -113,7 +113,7 @@ def event_of(rank: int, index: int, entry: dict, config: dict, status: dict
     dtype = _DTYPES.get(dtypes[0], str(dtypes[0]).lower()) if dtypes else None
     nbytes = math.prod(shape) * element_bytes(dtype) if shape is not None else 0
     group = _ranks(config, str(pg_name)) or []
-    e = {"rank": rank, "seq": index, "step": 0, "microbatch": 0, "phase": None,
+    e = {"rank": rank, "seq": index, "step": 1, "microbatch": 0, "phase": None,
          "kind": "world" if desc == "default_pg" else
          (desc if desc not in ("", "undefined") else f"pg {pg_name}"), "op": op,
          "site": _site(entry.get("frames")), "module": None, "split": None, "async": False,

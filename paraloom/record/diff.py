@@ -1,6 +1,6 @@
 """``paraloom diff A B``: do two runs communicate identically, rank by rank?
 
-    paraloom diff RUN_A RUN_B [--step 1 | 0-2 | setup,0] [--ignore-names] [--rank R]
+    paraloom diff RUN_A RUN_B [--step 2 | 1-3 | setup,1] [--ignore-names] [--rank R]
                   [--fields phase,op,bytes] [--kinds exact] [--phases exact]
                   [--shapes numel] [--one-rank-groups] [--context N]
 
@@ -81,8 +81,9 @@ class Options:
 
 
 def parse_steps(text: str | None) -> set | None:
-    """``--step``: ``1``, ``0-2``, ``setup``, or a comma list of those; ``None`` (all steps but
-    setup) when not given. The result holds step numbers and possibly ``"setup"``."""
+    """``--step``: ``2``, ``1-3``, ``setup``, or a comma list of those (steps count from 1, as
+    Megatron's iterations); ``None`` (all steps but setup) when not given. The result holds
+    step numbers and possibly ``"setup"``."""
     if text is None:
         return None
     chosen: set = set()
@@ -93,16 +94,17 @@ def parse_steps(text: str | None) -> set | None:
                 chosen.add("setup")
             elif dash:
                 a, b = int(lo), int(hi)
-                if a < 0 or b < a:
+                if a < 1 or b < a:
                     raise ValueError
                 chosen.update(range(a, b + 1))
             else:
-                if int(part) < 0:
+                if int(part) < 1:
                     raise ValueError
                 chosen.add(int(part))
         except ValueError:
-            raise DiffError(f"--step {text!r}: give a step (1), a range (0-2), 'setup', or a "
-                            f"comma list of them; {part!r} is none of these") from None
+            raise DiffError(f"--step {text!r}: give a step (2; steps count from 1), a range "
+                            f"(1-3), 'setup', or a comma list of them; {part!r} is none of "
+                            f"these") from None
     return chosen
 
 

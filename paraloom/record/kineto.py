@@ -95,7 +95,7 @@ def _event(rank, op, shape, dtype, group, phase, site, span, t0, **extra) -> dic
     nbytes = math.prod(shape) * element_bytes(dtype) if shape is not None else 0
     start, end = (span["ts"] - t0) / 1e6, (span["ts"] + span.get("dur", 0) - t0) / 1e6
     split = f"{dtype or 'tensor'} {shape}" if shape is not None else None
-    return {"rank": rank, "seq": 0, "step": 0, "microbatch": 0, "phase": phase,
+    return {"rank": rank, "seq": 0, "step": 1, "microbatch": 0, "phase": phase,
             "kind": "world", "op": op, "site": f"profiler:{site}", "module": None, "split": split,
             "async": False, "bytes": nbytes, "shape": shape, "dtype": dtype, "group": group,
             "t_start": start, "t_wait": start, "t_end": end, **extra}

@@ -121,15 +121,15 @@ class Recorder:
 
     def _setup_ended(self, by_forward: bool) -> None:
         """The first iteration began; a setup that ended at an optimizer step without any
-        forward was step 0 after all: its events get back the phase they were seen in."""
+        forward was step 1 after all: its events get back the phase they were seen in."""
         if not by_forward:
             for event, phase in self._setup:
-                event["phase"] = phase
+                event["phase"], event["step"] = phase, 1
         self._setup = []
 
     def _stepped(self, step: int) -> None:
         self.ledger.step = step
-        if self.steps is not None and step >= self.steps:
+        if self.steps is not None and step > self.steps:
             self.on = False
             self.tracker.stop_compute()  # no compute spans past the last recorded step either
         self.flush()
@@ -192,7 +192,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     """Record every communication of this process while the block runs; yields the Ledger.
 
     ``out``: a folder; this rank's events go to ``out/ledger/rank_R.jsonl``. ``steps``: stop
-    recording when iteration ``steps`` begins, so steps ``0 .. steps-1`` are whole (the program
+    recording when iteration ``steps + 1`` begins, so steps ``1 .. steps`` are whole (the program
     runs on; :mod:`.tracking` says where an iteration begins). ``compute``: also record
     leaf modules' forward/backward compute spans (op ``compute``). ``rank`` defaults to the
     process group's rank, else ``$RANK``, else 0; ``t0`` is the clock origin (default: now).

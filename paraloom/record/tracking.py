@@ -9,8 +9,9 @@
   during activation recomputation); ``forward`` while an ``nn.Module``'s forward runs; else
   ``other`` (pipeline schedules' sends and receives get the role of the schedule code that made
   them, see :mod:`.pipeline`). Nothing is guessed from names.
-* step — the training-loop iteration. An iteration is everything the loop does from its first
-  forward to the first forward after its optimizer step, so what runs after torch's inner
+* step — the training-loop iteration, counted from 1 (Megatron's iteration numbers). An
+  iteration is everything the loop does from its first forward to the first forward after its
+  optimizer step, so what runs after torch's inner
   ``step()`` (an optimizer wrapper's parameter all-gathers, the loop's agreement on the update
   and its loss reduction) belongs to the step it follows. It begins at the first module forward
   after an optimizer step (or at the entry into Megatron-Core's schedule, which calls the data
@@ -82,7 +83,7 @@ class Tracker:
 
     def __init__(self, *, compute: bool = False, on_step=None, on_optimizer=None,
                  on_optimizer_done=None, on_setup_end=None, ledger=None) -> None:
-        self.step = 0
+        self.step = 0  # setup; the first iteration is step 1
         self.setup = True  # before the first iteration
         self._optimizer = 0
         self._regions: list[str] = []  # phases of framework regions (Megatron's optimizer)
@@ -172,9 +173,7 @@ class Tracker:
         elif self._explicit:
             return
         if self.setup:
-            self.setup = False
-            if self._on_setup_end is not None:
-                self._on_setup_end(True)
+            self._end_setup(True)
         elif self._stepped or explicit:
             self._stepped = False
             self.step += 1
@@ -182,14 +181,22 @@ class Tracker:
                 self._on_step(self.step)
         self._forwarded = True
 
+    def _end_setup(self, by_forward: bool) -> None:
+        """Setup is over: step 1 begins (``by_forward``) or, at an optimizer step without any
+        forward, it was step 1 all along."""
+        self.setup = False
+        self.step = 1
+        if self._on_setup_end is not None:
+            self._on_setup_end(by_forward)
+        if self._on_step is not None:
+            self._on_step(1)
+
     def _optimizer_stepped(self) -> None:
         if self._explicit or self._stepped:  # a second optimizer of the same iteration
             return
         if not self._forwarded:  # no forward in this iteration: the step ends right here
-            if self.setup:
-                self.setup = False
-                if self._on_setup_end is not None:
-                    self._on_setup_end(False)
+            if self.setup:  # what looked like setup was step 1
+                self._end_setup(False)
             self.step += 1
             if self._on_step is not None:
                 self._on_step(self.step)

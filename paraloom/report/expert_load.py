@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..run_folder import read_json_lines
+from ..run_folder import read_metrics
 
 __all__ = ["plot_expert_load"]
 
 
 def plot_expert_load(metrics_path: str | Path, out: str | Path) -> Path | None:
     """Write the picture; ``None`` (nothing written) when the run has no MoE metrics."""
-    rows = read_json_lines(metrics_path)
+    rows = read_metrics(metrics_path)
     rows = [r for r in rows if r.get("tokens_per_expert")]
     if not rows:
         return None

@@ -22,7 +22,7 @@ from html import escape
 from importlib.resources import files
 from pathlib import Path
 
-from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_json_lines
+from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_metrics
 from .plots import bubble_of, ledger_blocks
 from .sections import check_verdict, config_rows, metric_charts, table_html, timeline_data
 from .svg import schedule_svg
@@ -71,10 +71,10 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     if not ledger.is_file():
         raise ValueError(f"no ledger at {ledger} (RUN {str(run)!r} must be a run folder written "
                          f"by paraloom train or paraloom record)")
-    events = read_json_lines(ledger)
+    events = read_ledger(ledger)
     comms = [e for e in events if e["op"] != "compute"]
     cfg = read_json(run / CONFIG, "a run configuration")
-    metrics = read_json_lines(run / METRICS)
+    metrics = read_metrics(run / METRICS)
     ranks = sorted({e["rank"] for e in events})
     parts = [f"<h1>paraloom run report: {escape(str(run.resolve()))}</h1>",
              '<div class="langs"><button id="lang-en">English</button>'
@@ -86,7 +86,7 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     else:
         parts.append("<p class='note'>no config.json: a program recorded with "
                      "<code>paraloom record</code></p>")
-    steps = sorted({e["step"] for e in comms})
+    steps = sorted({e["step"] for e in comms if e.get("phase") != "setup"})
     parts.append(f"<p>{len(ranks)} ranks, {len(events)} ledger events ({len(comms)} "
                  f"communications) in recorded steps {steps}</p>")
     parts.append(_h2("check"))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..pipeline_parallel.timetable import idle_share
-from ..run_folder import read_json_lines
+from ..run_folder import read_metrics
 
 __all__ = ["Block", "timetable_blocks", "ledger_blocks", "bubble_of", "draw_schedule", "plot_loss"]
 
@@ -140,7 +140,7 @@ def plot_loss(metrics_path: str | Path, out: str | Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    rows = read_json_lines(metrics_path)
+    rows = read_metrics(metrics_path)
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     ax.plot(steps, [r["loss"] for r in rows], color="tab:blue", marker=".", label="loss")

@@ -44,7 +44,8 @@ def check_verdict(cfg: dict, events: list[dict],
     step (``None`` when the check cannot run, the text saying why)."""
     try:
         config = config_from_run(cfg)
-        steps = sorted({e["step"] for e in events if e["op"] != "compute"})
+        steps = sorted({e["step"] for e in events
+                        if e["op"] != "compute" and e.get("phase") != "setup"})
         if not steps:
             return None, "the ledger holds no communication"
         rows = []
@@ -66,7 +67,7 @@ def metric_charts(metrics: list[dict], tokens_per_step: int | None) -> list[str]
     """SVG charts of the per-step metrics; tokens/s from the tokens counted between lines."""
     if not metrics:
         return []
-    steps = [m["step"] + 1 for m in metrics]
+    steps = [m["step"] for m in metrics]
     tok_s, before = [], None
     for m in metrics:
         done = m.get("tokens")
@@ -141,10 +142,11 @@ TIMELINE_STEPS = 4
 def timeline_data(events: list[dict], max_steps: int = TIMELINE_STEPS) -> dict:
     """Spans per rank for the timeline: ``ev`` rows are ``[rank, lane, start_us, end_us, name,
     async, step]`` (``lane`` and ``name`` index ``lanes`` and ``names``); lane 0 is compute.
-    Only the first ``max_steps`` recorded steps; ``steps`` lists them, ``of`` counts all."""
-    recorded = sorted({e["step"] for e in events})
+    Only the set-up and the first ``max_steps`` recorded steps; ``steps`` lists them, ``of``
+    counts all."""
+    recorded = sorted({e["step"] for e in events if e.get("phase") != "setup"})
     shown = set(recorded[:max_steps])
-    events = [e for e in events if e["step"] in shown]
+    events = [e for e in events if e.get("phase") == "setup" or e["step"] in shown]
     kinds = sorted({e["kind"] for e in events if e["op"] != "compute"},
                    key=lambda k: (KIND_ORDER.index(k) if k in KIND_ORDER else 99, k))
     lanes = ["compute", *kinds]

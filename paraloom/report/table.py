@@ -143,6 +143,10 @@ def _phase(event: dict) -> str:
     return "backward (recompute)" if event.get("recompute") else event["phase"]
 
 
+FROM_ONE = " (steps count from 1, as Megatron's iterations; what came before step 1 is 'setup')"
+"""What an error about step 0 adds."""
+
+
 def steps_of(events: list[dict]) -> list:
     """The sections a ledger has: ``"setup"`` (communication before the first iteration) if
     any, then its step numbers."""
@@ -163,7 +167,7 @@ def _select(events: list[dict], rank: int, step) -> list[dict]:
         step = next((s for s in sections if s != "setup"), sections[0])
     if step not in sections:
         raise ValueError(f"step {step} has no events on rank {rank}; steps present: "
-                         f"{', '.join(map(str, sections))}")
+                         f"{', '.join(map(str, sections))}{FROM_ONE if step == 0 else ''}")
     chosen = [e for e in mine if e.get("phase") == "setup"] if step == "setup" else \
         [e for e in mine if e["step"] == step and e.get("phase") != "setup"]
     return sorted(chosen, key=lambda e: (e["t_start"], e["seq"]))

@@ -139,12 +139,13 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
         scalars = ScalarLog(r.tensorboard_dir, r.tensorboard_log_interval, cfg.steps)
     beat = Heartbeat(ledger, out, unflushed=lambda: ledger.events).start() \
         if r.hang_after > 0 else None
-    for step in range(start, cfg.steps):
+    for step in range(start, cfg.steps):  # ``step`` optimizer steps done; iteration step + 1
+        iteration = step + 1  # what every output calls the step: Megatron's numbers, from 1
         record = r.ledger_steps < 0 or step - first_recorded < r.ledger_steps
         ledger.events.clear()
         tic = time.time()
         try:
-            with recording(ledger) if record else nullcontext(), ledger.at(step=step):
+            with recording(ledger) if record else nullcontext(), ledger.at(step=iteration):
                 metrics = train_step(run, step)
         except BaseException:
             if record:  # what the failed step launched, for paraloom diagnose
@@ -154,28 +155,28 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
         if record:
             ledger.dump(ledger_file, mode="a")
         if writer:
-            line = {"step": step, **metrics, "tokens": run.tokens, "time_s": elapsed}
+            line = {"step": iteration, **metrics, "tokens": run.tokens, "time_s": elapsed}
             if step == start:  # Megatron's first iteration communicates differently
                 line["first_of_process"] = True
             with open(out / METRICS, "a") as f:
                 f.write(json.dumps(line) + "\n")
             written.append(line)
             tokens = cfg.tokens_per_step
-            show_progress(step, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+            show_progress(iteration, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
             if scalars is not None:
-                scalars.step(step, metrics, tokens / max(elapsed, 1e-9),
+                scalars.step(iteration, metrics, tokens / max(elapsed, 1e-9),
                              ledger.events if record else None)
             if metrics.get("skipped"):
-                print(f"step {step}: non-finite gradient norm ({metrics['grad_norm']}; loss "
+                print(f"step {iteration}: non-finite gradient norm ({metrics['grad_norm']}; loss "
                       f"{metrics['loss']}): update skipped", file=sys.stderr, flush=True)
         bad = bad + 1 if metrics.get("skipped") else 0
         if bad >= r.max_bad_steps:
             raise FloatingPointError(
-                f"stopping at step {step}: {bad} consecutive steps with a non-finite loss or "
+                f"stopping at step {iteration}: {bad} consecutive steps with a non-finite loss or "
                 f"gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
-        if save_every and ((step + 1) % save_every == 0 or step + 1 == cfg.steps):
-            _save(run, out, step + 1)
+        if save_every and (iteration % save_every == 0 or iteration == cfg.steps):
+            _save(run, out, iteration)
     if beat is not None:
         beat.stop()
     if scalars is not None:

@@ -88,10 +88,10 @@ def learning_rate_max(mesh: ParallelMesh, lr: float, device: torch.device) -> No
                     site="training_log:learning_rate", split="the learning rate, for the log")
 
 
-def logged_iteration(step: int, log_interval: int, first: bool) -> bool:
-    """Whether Megatron-LM logs iteration ``step + 1``: the ``first`` of the process (also after
-    a resume), and every ``log_interval``-th."""
-    return first or (step + 1) % log_interval == 0
+def logged_iteration(iteration: int, log_interval: int, first: bool) -> bool:
+    """Whether Megatron-LM logs ``iteration`` (counted from 1): the ``first`` of the process
+    (also after a resume), and every ``log_interval``-th."""
+    return first or iteration % log_interval == 0
 
 
 def timer_barriers(mesh: ParallelMesh) -> None:

@@ -39,7 +39,7 @@ def check_resumable(cfg: TrainConfig) -> None:
             f"given here: its optimizer state does not convert (bf16 keeps fp32 master weights, "
             f"fp32 has none); resume with --dtype {dtype}")
     if int(meta["step"]) >= cfg.steps:
-        raise ValueError(f"--resume {str(ckpt)!r} is at step {meta['step']} and the run has "
+        raise ValueError(f"--resume {str(ckpt)!r} is after step {meta['step']} and the run has "
                          f"--steps {cfg.steps}: nothing left to train; give --steps larger "
                          f"than {meta['step']} to extend it")
 

@@ -16,20 +16,21 @@ WIDTH = 24
 
 
 def progress_line(step: int, total: int, metrics: dict, tok_s: float) -> str:
-    """``[#####.....] step 3/10  loss ...`` for 0-based ``step`` of ``total``."""
-    done = int(WIDTH * (step + 1) / total)
-    return (f"[{'#' * done}{'.' * (WIDTH - done)}] step {step + 1}/{total}  "
+    """``[#####.....] step 3/10  loss ...`` for ``step`` (counted from 1) of ``total``."""
+    done = int(WIDTH * step / total)
+    return (f"[{'#' * done}{'.' * (WIDTH - done)}] step {step}/{total}  "
             f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
             f"lr {metrics['lr']:.2e}  {tok_s:,.0f} tok/s")
 
 
 def show_progress(step: int, total: int, metrics: dict, tok_s: float, *, stream=None) -> None:
-    """Print the progress of 0-based ``step``: in place on a terminal, else every tenth."""
+    """Print the progress of ``step`` (counted from 1): in place on a terminal, else every
+    tenth."""
     stream = sys.stdout if stream is None else stream
-    last = step + 1 >= total
+    last = step >= total
     if stream.isatty():
         stream.write(progress_line(step, total, metrics, tok_s) + ("\n" if last else "\r"))
-    elif step == 0 or last or (step + 1) % max(1, total // 10) == 0:
+    elif step == 1 or last or step % max(1, total // 10) == 0:
         stream.write(progress_line(step, total, metrics, tok_s) + "\n")
     else:
         return

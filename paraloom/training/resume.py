@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from ..config import ParallelConfig
-from ..run_folder import METRICS, rank_ledgers, read_json_lines, write_json_lines
+from ..run_folder import METRICS, rank_ledgers, read_ledger, read_metrics, write_json_lines
 from ..tensor_parallel.random import load_rng_state_dict, reseed_for_step
 from .checkpoint import read_rank_state, run_folder
 
@@ -49,13 +49,13 @@ def same_run(out: Path, ckpt: Path) -> bool:
 
 
 def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world: int) -> None:
-    """Rank 0, before the ranks write: keep the metrics of steps before ``start`` (none in a
+    """Rank 0, before the ranks write: keep the metrics of steps ``1 .. start`` (none in a
     branch), remove the ledger files that the continuation does not extend, and move aside the
     run's checkpoints after ``start`` (when resuming from an earlier one than its newest), or all
     of them when this is not a continuation of the folder's run (a new run, or a branch)."""
     metrics = out / METRICS
-    kept = [line for line in read_json_lines(metrics, strict=False)
-            if same and line.get("step", start) < start]
+    kept = [line for line in read_metrics(metrics, strict=False)
+            if same and line.get("step", start + 1) <= start]
     write_json_lines(metrics, kept)
     for rank, stale in rank_ledgers(out).items():
         if not keep_ledger or rank >= world:
@@ -78,11 +78,12 @@ def continue_folder(out: Path, start: int, same: bool, keep_ledger: bool, world:
 
 
 def continue_ledger(ledger_file: Path, start: int, keep_ledger: bool) -> tuple[int, float]:
-    """Every rank, its own ledger file: the events of steps before ``start`` when the ledger is
-    kept, else nothing. Returns the next ``seq`` and the last ``t_end`` of the kept events, so
-    the continuation's events follow them in order and in time."""
-    kept = read_json_lines(ledger_file, strict=False) if keep_ledger else []
-    events = [e for e in kept if e.get("step", 0) < start]
+    """Every rank, its own ledger file: the events of steps ``0 .. start`` (setup, then the
+    steps the checkpoint holds) when the ledger is kept, else nothing. Returns the next ``seq``
+    and the last ``t_end`` of the kept events, so the continuation's events follow them in
+    order and in time."""
+    kept = read_ledger(ledger_file, strict=False) if keep_ledger else []
+    events = [e for e in kept if e.get("step", 0) <= start]
     write_json_lines(ledger_file, events)
     return (max((e["seq"] for e in events), default=-1) + 1,
             max((e["t_end"] for e in events), default=0.0))

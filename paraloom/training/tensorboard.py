@@ -41,20 +41,19 @@ class ScalarLog:
 
     def step(self, step: int, metrics: dict, tokens_per_s: float,
              events: list[dict] | None) -> None:
-        """Write 0-based ``step``'s scalars; ``events``: this rank's ledger of the step, when
-        it was recorded."""
-        it = step + 1
-        if it % self.interval == 0 or it == self.total:
+        """Write ``step``'s scalars (counted from 1); ``events``: this rank's ledger of the
+        step, when it was recorded."""
+        if step % self.interval == 0 or step == self.total:
             values = (metrics["loss"], metrics["lr"], metrics["grad_norm"], tokens_per_s)
             for tag, value in zip(TAGS, values, strict=True):
-                self.writer.add_scalar(tag, float(value), it)
+                self.writer.add_scalar(tag, float(value), step)
         if events:
             per_kind: dict[str, int] = {}
             for e in events:
                 if e["op"] != "compute" and e["phase"] != "setup":
                     per_kind[e["kind"]] = per_kind.get(e["kind"], 0) + e["bytes"]
             for kind, nbytes in sorted(per_kind.items()):
-                self.writer.add_scalar(f"comm-bytes/{kind}", nbytes, it)
+                self.writer.add_scalar(f"comm-bytes/{kind}", nbytes, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -175,7 +175,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
 
 
 def train_step(run: Run, step: int) -> dict:
-    """One optimizer step, as Megatron-LM's ``train_step`` drives Megatron-Core; returns
+    """One optimizer step after ``step`` done (iteration ``step + 1``, the number every output
+    gives it), as Megatron-LM's ``train_step`` drives Megatron-Core; returns
     ``{"loss", "grad_norm", "lr"}`` (``"loss"`` only on the last pipeline stage, ``None``
     elsewhere: Megatron reports it from the last rank).
 
@@ -215,7 +216,7 @@ def train_step(run: Run, step: int) -> dict:
     out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
     if loop:  # Megatron-LM's training_log
         learning_rate_max(mesh, lr, run.device)
-        if logged_iteration(step, cfg.run.log_interval, step == run.first_step):
+        if logged_iteration(step + 1, cfg.run.log_interval, step == run.first_step):
             timer_barriers(mesh)
         if step + 1 == cfg.steps:
             training_done_barrier(mesh)
