@@ -104,6 +104,30 @@ class World:
         self.procs, self.conns = [], []
 
 
+# ------------------------------------------------------------------------------- test tiers
+SLOW = {
+    "test_megatron_step.py": "megatron-core's own step on 4 CPU ranks, nine layouts (~75 s)",
+    "test_diagnose.py": "every hang class diagnosed live on 4 ranks, waiting out timeouts (~60 s)",
+    "test_megatron_lm.py": "Megatron-LM's pretrain_gpt on CPU ranks (~15 s a rank to import)",
+    "test_training.py": "a fresh world per 3D layout, each trained and compared (~35 s)",
+    "test_record.py": "recorded programs started as real processes, failures waited out (~35 s)",
+    "test_multinode.py": "two torchrun agents on loopback (~30 s)",
+    "test_resume.py": "runs killed with SIGKILL and resumed (~25 s)",
+    "test_training_bf16.py": "the 3D layouts again in bf16 (~15 s)",
+    "test_flight_recorder.py": "hung programs run until torch's Flight Recorder dumps (~15 s)",
+    "test_reliability.py": "faults injected into fresh worlds, ranks killed (~13 s)",
+    "test_moe_training.py": "MoE runs trained, checked and resumed under other layouts (~9 s)",
+}
+"""Test modules in the full tier only (``-m slow``), with why: ``pytest -m "not slow"`` is the
+quick tier for the inner loop (about 2.5 minutes on 2 cores); ``pytest`` runs both, as CI does."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.path.name in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def world4():
     world = World(4)
