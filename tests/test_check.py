@@ -359,3 +359,29 @@ def test_damaged_run_folders_are_named_by_every_reader(runs, tmp_path, capfd):
         for command in ("check", "report"):
             assert main([command, str(bad)]) == 2
             assert message in capfd.readouterr().err
+
+
+def test_check_reads_config_json_through_the_train_config(runs, tmp_path, capsys):
+    """One description of a run: ``check`` reads config.json as ``--resume`` does
+    (``TrainConfig.from_dict``), so the derived settings are the configuration's own (SwiGLU's
+    MLP width, the padded vocabulary, microbatches), an older folder is migrated, and a
+    setting this version does not know is named (exit 2), not silently defaulted."""
+    from paraloom.analysis.view import comm_view
+    from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+    cfg = TrainConfig(model=ModelConfig(vocab_size=300, hidden_size=96, num_layers=2,
+                                        num_attention_heads=4, seq_length=16, swiglu=True),
+                      parallel=ParallelConfig(tp=2, dp=2), global_batch_size=8,
+                      micro_batch_size=1)
+    view = config_from_run(json.loads(json.dumps(cfg.to_dict())))
+    assert view == comm_view(cfg)
+    assert (view.ffn, view.vocab, view.num_microbatches) == (256, 384, 4)  # int(4h 2/3/64)*64
+    saved = json.loads((runs["tp-dp"] / "config.json").read_text())
+    assert config_from_run(saved).megatron_lm_loop  # this run's loop, as it ran
+    older = {k: v for k, v in saved.items() if k != "megatron_lm_loop"}
+    older.update(older.pop("optim"))  # an earlier version's flat layout: lr, ... at the top
+    assert not config_from_run(older).megatron_lm_loop  # written before the loop existed
+    run = tmp_path / "newer"
+    shutil.copytree(runs["tp-dp"], run)
+    (run / "config.json").write_text(json.dumps({**saved, "wormholes": 2}))
+    assert check_main([str(run)]) == 2
+    assert "'wormholes'" in capsys.readouterr().err

@@ -9,11 +9,11 @@ of its own pipeline stage. :func:`render_diff` prints the rows as a Markdown tab
     paraloom check RUN_DIR [--step N] [--only-diff]
 
 reads ``RUN_DIR/config.json`` (the run's ``TrainConfig``), derives the :class:`CommConfig`
-(:func:`config_from_run`; the bucket layout is derived from the model's parameters, see
-:mod:`paraloom.analysis.layout`; :func:`step_config` reads metrics.jsonl for the steps that
-skipped their update or were their process's first), compares every rank of every recorded
-step (or ``--step N``) and exits 0 only if every row agrees; 1 naming the differences; 2 on an
-unreadable run folder.
+(:func:`config_from_run`, through :mod:`.view`; the bucket layout is derived from the model's
+parameters, see :mod:`paraloom.analysis.layout`; :func:`step_config` reads metrics.jsonl for
+the steps that skipped their update or were their process's first), compares every rank of
+every recorded step (or ``--step N``) and exits 0 only if every row agrees; 1 naming the
+differences; 2 on an unreadable run folder.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
-from ..config.train import migrate
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_metrics
 from ..training.megatron_lm_loop import logged_iteration
 from .formulas import expected_comm
-from .moe_formulas import check_all_to_all, moe_from_run, split_bytes
-from .spec import Architecture, CommConfig
+from .moe_formulas import check_all_to_all, split_bytes
+from .spec import CommConfig
+from .view import view_of_saved
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
            "load_run", "step_config"]
@@ -113,51 +113,10 @@ def render_diff(rows: list[dict], *, only_diff: bool = False) -> str:
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
-def _padded(model: dict) -> int:
-    """The embedding table's rows: the vocabulary rounded up as ``ModelConfig`` pads it."""
-    multiple = model.get("make_vocab_size_divisible_by", 128)
-    return -(-model["vocab_size"] // multiple) * multiple
-
-
 def config_from_run(cfg: dict) -> CommConfig:
-    """The :class:`CommConfig` of a run from its ``config.json`` (``asdict(TrainConfig)``):
-    a train step (gradient sync, loss reduction) with the run's layout, switches and dtypes
-    (bf16 activations and parameters: 2 bytes; fp32 main grads: 4 bytes)."""
-    m, p = cfg["model"], cfg["parallel"]
-    dp = p["dp"]
-    return CommConfig(
-        layers=m["num_layers"], hidden=m["hidden_size"], heads=m["num_attention_heads"],
-        seq_len=m["seq_length"], vocab=_padded(m), ffn=_ffn(m),
-        micro_batch=cfg["micro_batch_size"],
-        num_microbatches=cfg["global_batch_size"] // (cfg["micro_batch_size"] * dp),
-        tp=p["tp"], pp=p["pp"], dp=dp, vpp=p.get("vpp"),
-        sequence_parallel=p.get("sequence_parallel", False),
-        recompute=cfg.get("recompute", "none"),
-        distributed_optimizer=cfg.get("distributed_optimizer", False),
-        overlap_grad_reduce=cfg.get("overlap_grad_reduce", True),
-        align_grad_reduce=cfg.get("align_grad_reduce", True),
-        bucket_size=cfg.get("bucket_size"), bucket_tail_splits=cfg.get("bucket_tail_splits", 0),
-        schedule=cfg.get("schedule"),
-        dtype_bytes=2 if cfg.get("dtype") == "bf16" else 4, grad_bytes=4,
-        arch=Architecture.from_model(m),
-        cp=p.get("cp", 1), cp_comm_type=p.get("cp_comm_type", "p2p"),
-        moe=moe_from_run(m, p, cfg["micro_batch_size"]),
-        megatron_lm_loop=cfg.get("megatron_lm_loop", False),
-        rerun_vote=cfg.get("rerun_mode", "validate_results") != "disabled",
-        total_steps=cfg.get("steps"), log_interval=_log_interval(cfg.get("run", {})))
-
-
-def _log_interval(run: dict) -> int:
-    """Megatron-LM's ``--log-interval`` of a run (its saved ``run`` part read as the current
-    version reads it: :func:`~paraloom.config.train.migrate`; 100 where it was not saved)."""
-    return migrate({"run": dict(run)})["run"].get("log_interval", 100)
-
-
-def _ffn(model: dict) -> int | None:
-    """The MLP width the model used (SwiGLU's default differs from 4h: see ``ModelConfig``)."""
-    if model.get("ffn_hidden_size") or not model.get("swiglu"):
-        return model.get("ffn_hidden_size")
-    return int(4 * model["hidden_size"] * 2 / 3 / 64) * 64
+    """The :class:`CommConfig` of a run from its ``config.json`` (read as
+    :meth:`TrainConfig.from_dict` reads it; :func:`~paraloom.analysis.view.comm_view`)."""
+    return view_of_saved(cfg)
 
 
 def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> CommConfig:

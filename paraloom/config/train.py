@@ -226,6 +226,8 @@ def migrate(saved: dict) -> dict:
             raise ValueError(f"the saved configuration has a setting {key!r} this paraloom does "
                              f"not know (written by a newer version?)")
         out.setdefault(_LEAVES[key], {})[key] = out.pop(key)
+    if "megatron_lm_loop" not in out and "parallel" in out:  # written before the loop existed
+        out["megatron_lm_loop"] = False
     run = out.get("run")
     if isinstance(run, dict) and "log_interval" in run and "tensorboard_log_interval" not in run:
         # earlier versions: log_interval was TensorBoard's interval (now Megatron-LM's meaning)
