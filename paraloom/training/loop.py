@@ -31,7 +31,15 @@ from ..device import get_device, timing_event_type, tune_allocator
 from ..heartbeat import Heartbeat
 from ..ledger import Ledger, merge, recording
 from ..mesh import ParallelMesh
-from ..run_folder import CONFIG, METRICS, SUMMARY, rank_ledger, read_json_lines, write_events
+from ..run_folder import (
+    CONFIG,
+    METRICS,
+    SUMMARY,
+    rank_ledger,
+    read_json_lines,
+    write_events,
+    write_json_lines,
+)
 from ..tensor_parallel.random import rng_state_dict
 from . import megatron_lm_setup
 from .checkpoint import FORMAT, find_checkpoint, load_checkpoint, save_checkpoint
@@ -117,23 +125,44 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     held_out = eval_batches(corpus, cfg.global_batch_size, EVAL_BATCHES)
     val_before = evaluate(run, held_out)
     ledger_file = rank_ledger(out, rank)
+    ledger = _step_ledger(run, setup, ledger_file, start, keep_ledger, t0)
+    written = _train_steps(run, ledger, ledger_file, start, 0 if keep_ledger else start,
+                           save_every)
+    val_after = evaluate(run, held_out)
+    summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
+               "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
+    return _finish(run, folder, ledger_file, written, summary)
+
+
+def _step_ledger(run, setup: Ledger, ledger_file: Path, start: int, keep_ledger: bool,
+                 t0: float) -> Ledger:
+    """The ledger the steps record into: the set-up's, written out first; or, continuing a
+    kept ledger (which has its set-up section: the continuation records none), a new one whose
+    events follow the kept ones in ``seq`` and, on the trace, in time."""
+    rank = dist.get_rank()
     next_seq, kept_until = continue_ledger(ledger_file, start, keep_ledger)
-    if keep_ledger:  # the kept ledger has its set-up section: the continuation records none;
-        # its times follow the kept events' on the trace
-        last = torch.tensor([kept_until], dtype=torch.float64, device=run.device)
-        comm.all_reduce(last, mesh.world, phase="setup", kind="world", op="max",
-                        site="run_rank:resumed_ledger_time")
-        t0 -= float(last.item())
-        ledger = Ledger(rank=rank, t0=t0, event_type=timing_event_type(run.device))
-        ledger.next_seq = next_seq
-    else:
-        ledger = setup
-        ledger.dump(ledger_file, mode="a")
-        ledger.events.clear()
-    first_recorded = 0 if keep_ledger else start
+    if not keep_ledger:
+        setup.dump(ledger_file, mode="a")
+        setup.events.clear()
+        return setup
+    last = torch.tensor([kept_until], dtype=torch.float64, device=run.device)
+    comm.all_reduce(last, run.mesh.world, phase="setup", kind="world", op="max",
+                    site="run_rank:resumed_ledger_time")
+    ledger = Ledger(rank=rank, t0=t0 - float(last.item()),
+                    event_type=timing_event_type(run.device))
+    ledger.next_seq = next_seq
+    return ledger
+
+
+def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recorded: int,
+                 save_every: int) -> list[dict]:
+    """Steps ``start + 1 .. cfg.steps``: each trained, recorded when ``--ledger-steps`` says so,
+    its metrics line written by the last rank (returned: the lines this rank wrote), a
+    checkpoint every ``save_every`` steps and at the end."""
+    cfg, r, out = run.cfg, run.cfg.run, Path(run.cfg.run.out)
     bad = 0
     scalars = None
-    writer = rank == mesh.world.size - 1  # it holds the loss: the last pipeline stage
+    writer = dist.get_rank() == run.mesh.world.size - 1  # it holds the loss: the last stage
     written: list[dict] = []  # the metric lines, for rank 0 if this node is not its folder's
     if writer and r.tensorboard_dir:
         scalars = ScalarLog(r.tensorboard_dir, r.tensorboard_log_interval, cfg.steps)
@@ -158,22 +187,20 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
             line = {"step": iteration, **metrics, "tokens": run.tokens, "time_s": elapsed}
             if step == start:  # Megatron's first iteration communicates differently
                 line["first_of_process"] = True
-            with open(out / METRICS, "a") as f:
-                f.write(json.dumps(line) + "\n")
+            write_json_lines(out / METRICS, [line], mode="a")
             written.append(line)
-            tokens = cfg.tokens_per_step
-            show_progress(iteration, cfg.steps, metrics, tokens / max(elapsed, 1e-9))
+            tok_s = cfg.tokens_per_step / max(elapsed, 1e-9)
+            show_progress(iteration, cfg.steps, metrics, tok_s)
             if scalars is not None:
-                scalars.step(iteration, metrics, tokens / max(elapsed, 1e-9),
-                             ledger.events if record else None)
+                scalars.step(iteration, metrics, tok_s, ledger.events if record else None)
             if metrics.get("skipped"):
                 print(f"step {iteration}: non-finite gradient norm ({metrics['grad_norm']}; loss "
                       f"{metrics['loss']}): update skipped", file=sys.stderr, flush=True)
         bad = bad + 1 if metrics.get("skipped") else 0
         if bad >= r.max_bad_steps:
             raise FloatingPointError(
-                f"stopping at step {iteration}: {bad} consecutive steps with a non-finite loss or "
-                f"gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
+                f"stopping at step {iteration}: {bad} consecutive steps with a non-finite loss "
+                f"or gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
         if save_every and (iteration % save_every == 0 or iteration == cfg.steps):
             _save(run, out, iteration)
@@ -181,19 +208,23 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
         beat.stop()
     if scalars is not None:
         scalars.close()
-    val_after = evaluate(run, held_out)
-    summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
-               "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
-    elsewhere = writer and not folder.sees_rank0[rank]
+    return written
+
+
+def _finish(run, folder, ledger_file: Path, written: list[dict], summary: dict) -> dict | None:
+    """Every rank's ledger (and the last rank's metrics, when its node does not see rank 0's
+    folder) gathered to rank 0, which merges them into ``ledger.jsonl`` and writes
+    ``summary.json``; rank 0 returns the summary with the merged events."""
+    rank, out = dist.get_rank(), Path(run.cfg.run.out)
+    elsewhere = bool(written) and not folder.sees_rank0[rank]
     gathered = comm.gather_objects((read_json_lines(ledger_file), written if elsewhere else None),
-                                   mesh.world)
+                                   run.mesh.world)
     if rank != 0:
         return None
     events = [ledger for ledger, _ in gathered]
     lines = gathered[-1][1]
     if lines is not None:  # the last rank wrote them on its own node: rank 0's copy
-        with open(out / METRICS, "a") as f:
-            f.writelines(json.dumps(line) + "\n" for line in lines)
+        write_json_lines(out / METRICS, lines, mode="a")
     if not folder.shared:
         summary["ranks_elsewhere"] = folder.elsewhere()
         print(f"note: {folder.describe()}", file=sys.stderr, flush=True)
