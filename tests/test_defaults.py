@@ -172,7 +172,7 @@ def test_an_earlier_run_folders_log_interval_was_tensorboards():
     """Before --tensorboard-log-interval, run.log_interval was TensorBoard's: a saved config of
     then resumes with that TensorBoard interval and Megatron-LM's log interval (100); check
     reads its timers' barriers the same way."""
-    from paraloom.analysis.check import _log_interval
+    from paraloom.analysis.check import config_from_run
     from paraloom.config.train import migrate
 
     old = TrainConfig().to_dict()
@@ -180,7 +180,8 @@ def test_an_earlier_run_folders_log_interval_was_tensorboards():
     old["run"]["log_interval"] = 5
     cfg = TrainConfig.from_dict(migrate(old))
     assert (cfg.run.tensorboard_log_interval, cfg.run.log_interval) == (5, 100)
-    assert _log_interval(old["run"]) == 100
+    assert config_from_run(old).log_interval == 100
     new = TrainConfig().to_dict()
     new["run"]["log_interval"] = 7
-    assert TrainConfig.from_dict(migrate(new)).run.log_interval == 7 == _log_interval(new["run"])
+    assert TrainConfig.from_dict(migrate(new)).run.log_interval == 7 \
+        == config_from_run(new).log_interval

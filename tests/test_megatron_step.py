@@ -141,15 +141,16 @@ def test_megatron_on_cpu_names_what_does_not_apply(monkeypatch):
     import importlib.metadata
     import types
 
-    from paraloom.record import megatron_cpu
+    from paraloom.record import megatron_core_cpu
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.20.1")
     with pytest.warns(UserWarning, match=r"tested on megatron-core 0\.19\.x, found 0\.20\.1"):
-        megatron_cpu._check_version()
+        megatron_core_cpu._check_version()
     for name, patch in (("megatron.core.tensor_parallel.random", "inference RNG tracker"),
                         ("megatron.core.transformer.torch_norm", "sequence-parallel torch norm"),
                         ("megatron.core.optimizer.clip_grads", "torch on CPU")):
         with pytest.warns(UserWarning, match=f"patch '{patch}' did not apply"):
-            megatron_cpu._patch_module(types.ModuleType(name))
-    assert set(megatron_cpu.PATCHES) >= {"inference RNG tracker", "sequence-parallel torch norm",
-                                          "torch on CPU", "recomputation RNG state"}
+            megatron_core_cpu._patch_module(types.ModuleType(name))
+    assert set(megatron_core_cpu.PATCHES) >= {"inference RNG tracker",
+                                               "sequence-parallel torch norm", "torch on CPU",
+                                               "recomputation RNG state"}

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
-from .layout import rank_buckets, sp_elems, stage_layers
+from .layout import layers_per_stage, rank_buckets, sp_elems
 from .moe_formulas import moe_comm
 from .spec import F32, CommConfig
 
@@ -53,7 +53,7 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
     first, last = pp_rank == 0, pp_rank == c.pp - 1
     act = local_seq(c) * c.micro_batch * c.hidden * c.dtype_bytes  # one [s(/cp), b, h] tensor
     shard = act // t                                              # one [s/t, b, h] tensor
-    ml = m * stage_layers(c)                                       # layer passes per step
+    ml = m * layers_per_stage(c)                                   # layer passes per step
     if t > 1:
         if sp:  # per layer: QKV and fc1 gather the input, proj and fc2 reduce-scatter the output
             add("sp", "all_gather", "forward", 2 * ml, shard)

@@ -29,7 +29,7 @@ from .moe_formulas import moe_layer_params
 from .spec import Bucket, CommConfig, Param
 
 __all__ = ["Param", "Bucket", "chunk_params", "chunk_buckets", "rank_buckets", "sp_elems",
-           "bucket_size_of", "stage_layers", "params_per_rank", "param_count",
+           "bucket_size_of", "layers_per_stage", "params_per_rank", "param_count",
            "arch_params_per_rank", "arch_param_count", "default_buckets"]
 
 
@@ -109,7 +109,7 @@ def sp_elems(c: CommConfig, pp_rank: int) -> int:
     return sum(p.numel for chunk in range(c.v) for p in chunk_params(c, pp_rank, chunk) if p.sp)
 
 
-def stage_layers(c: CommConfig) -> int:
+def layers_per_stage(c: CommConfig) -> int:
     """Transformer layers held by one pipeline rank (all of its virtual chunks)."""
     return c.layers // c.pp
 
@@ -128,7 +128,7 @@ def params_per_rank(c: CommConfig, pp_rank: int = 0) -> int:
     if not c.arch.is_gpt2:
         return arch_params_per_rank(c, pp_rank)
     split, replicated = _layer_params(c)
-    n = stage_layers(c) * (split // c.tp + replicated)
+    n = layers_per_stage(c) * (split // c.tp + replicated)
     if pp_rank == 0:
         n += c.vocab * c.hidden // c.tp + c.seq_len * c.hidden
     if pp_rank == c.pp - 1:

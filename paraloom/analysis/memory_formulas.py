@@ -14,7 +14,7 @@ microbatches 1F1B keeps in flight on the first stage (``min(p, m)``), times
 from __future__ import annotations
 
 from .cp_formulas import cp_activation_factor
-from .layout import params_per_rank, stage_layers
+from .layout import layers_per_stage, params_per_rank
 from .moe_formulas import moe_plan
 from .spec import CommConfig
 
@@ -59,7 +59,7 @@ def memory_per_gpu(c: CommConfig) -> dict[str, float]:
                                            sequence_parallel=c.sp, recompute=c.recompute,
                                            attention=c.arch.attention)
     interleave = 1 + (c.pp - 1) / (c.pp * c.v) if c.v > 1 else 1.0
-    activations = ((layer_act * c.dtype_bytes / 2 * stage_layers(c)
+    activations = ((layer_act * c.dtype_bytes / 2 * layers_per_stage(c)
                     + max(e["activation_bytes"] for e in extra.values()))
                    * min(c.pp, c.num_microbatches) * interleave
                    * cp_activation_factor(c.cp))  # cp: each rank holds s/cp tokens

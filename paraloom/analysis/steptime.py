@@ -48,7 +48,7 @@ from __future__ import annotations
 from .costs import Options, collective_time, gemm_time, layer_time, spans_nodes
 from .flops import hardware_flops, model_flops
 from .hardware import Hardware
-from .layout import bucket_size_of, params_per_rank, stage_layers
+from .layout import bucket_size_of, layers_per_stage, params_per_rank
 from .moe_formulas import moe_layers_on_rank, moe_plan
 from .spec import CommConfig
 
@@ -61,7 +61,7 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     dp, cp = c.dp, c.cp
     gpus = t * cp * dp * p
     per_node = min(hw.gpus_per_node, gpus)
-    n_layers = stage_layers(c)
+    n_layers = layers_per_stage(c)
     n_moe = moe_layers_on_rank(c, 0) if c.moe is not None else 0
     dense, moe = layer_time(c, hw, o, per_node), layer_time(c, hw, o, per_node, moe_layer=True) \
         if n_moe else {}

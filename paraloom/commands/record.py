@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--megatron-on-cpu", action="store_true",
                     help="run a megatron-core program on CPU ranks (gloo): opt-in run-time "
                          "patches for what megatron-core asks of CUDA (paraloom.record."
-                         "megatron_cpu; README, 'Record Megatron-Core itself')")
+                         "megatron_core_cpu; README, 'Record Megatron-Core itself')")
     ap.add_argument("--compute", action="store_true",
                     help="also record leaf modules' forward/backward compute spans")
     ap.add_argument("--hang-after", type=float, default=60.0, metavar="S",

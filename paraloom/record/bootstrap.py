@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..run_folder import rank_status
-from . import megatron_cpu, megatron_lm_cpu
+from . import megatron_core_cpu, megatron_lm_cpu
 from .recorder import record_comms
 
 MEGATRON_ON_CPU = "PARALOOM_MEGATRON_ON_CPU"
@@ -124,7 +124,7 @@ def run_program(out: str, steps: int | None, compute: bool, target: list[str],
     seen = {"init": False, "children": False}
     _watch(seen)
     if megatron_on_cpu:
-        megatron_cpu.install()
+        megatron_core_cpu.install()
         megatron_lm_cpu.install()
     code, error = 0, None
     with record_comms(out=out, steps=steps, compute=compute, rank=rank, t0=t0,

@@ -1,6 +1,6 @@
 """CUDA as Megatron-Core asks for it, answered on a CPU (``record --megatron-on-cpu``).
 
-A ``torch`` stand-in for the modules of :data:`paraloom.record.megatron_cpu.CUDA_MODULES`: its
+A ``torch`` stand-in for the modules of :data:`paraloom.record.megatron_core_cpu.CUDA_MODULES`: its
 tensor factories put ``device="cuda"`` tensors on the CPU, its ``torch.cuda.current_device()``
 is the CPU, ``synchronize`` does nothing, and its streams and events do nothing either (work on
 a CPU is synchronous: an event is reached when it is recorded). Every other name is torch's.

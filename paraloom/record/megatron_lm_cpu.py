@@ -1,6 +1,6 @@
 """Megatron-LM's training loop on CPU ranks: the patches ``--megatron-on-cpu`` adds for
 ``megatron.training`` (Megatron-LM's ``pretrain``), next to megatron-core's
-(:mod:`.megatron_cpu`).
+(:mod:`.megatron_core_cpu`).
 
 ``megatron.training`` is Megatron-LM's driver: arguments, ``initialize_megatron``, ``pretrain``,
 ``train_step``, ``training_log``, timers, the rerun state machine. It assumes one CUDA device
@@ -9,7 +9,7 @@ communicated (the recorder sees exactly Megatron-LM's collectives):
 
 * ``typing.override`` on Python < 3.12 (``training/models/gpt.py``, ``hybrid.py`` import it):
   the identity decorator of PEP 698.
-* CUDA as one device: for :data:`CUDA_MODULES` ``torch`` is megatron_cpu's CPU stand-in, whose
+* CUDA as one device: for :data:`CUDA_MODULES` ``torch`` is megatron_core_cpu's CPU stand-in, whose
   ``torch.cuda`` here also says one device is there (``is_available``, ``device_count`` = 1,
   ``set_device``, ``get_device_properties`` with compute capability 9.0, ``empty_cache``,
   memory statistics 0, the RNG state the CPU's). ``initialize.py`` skips
@@ -31,7 +31,7 @@ import typing
 
 import torch
 
-from . import megatron_cpu, on_import
+from . import megatron_core_cpu, on_import
 
 __all__ = ["install", "PATCHES", "CUDA_MODULES"]
 
@@ -105,7 +105,7 @@ def _skip_compile_helpers(module) -> None:
 
 
 def patch_module(module, torch_on_cpu) -> None:
-    """What a just-executed module of Megatron-LM's loop gets (``torch_on_cpu``: megatron_cpu's
+    """What a just-executed module of Megatron-LM's loop gets (``torch_on_cpu``: megatron_core_cpu's
     stand-in ``torch``, extended with one device)."""
     name = module.__name__
     if name in CUDA_MODULES and getattr(module, "torch", None) is torch:
@@ -120,8 +120,8 @@ def patch_module(module, torch_on_cpu) -> None:
 
 
 def _one_device_torch() -> types.ModuleType:
-    """megatron_cpu's ``torch`` stand-in whose ``torch.cuda`` is one device."""
-    stand_in = megatron_cpu.torch_on_cpu()
+    """megatron_core_cpu's ``torch`` stand-in whose ``torch.cuda`` is one device."""
+    stand_in = megatron_core_cpu.torch_on_cpu()
     stand_in.cuda.__dict__.update(_ONE_DEVICE)
     return stand_in
 
@@ -130,7 +130,7 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Apply the patches in this process (a recorded rank), after :func:`megatron_cpu.install`
+    """Apply the patches in this process (a recorded rank), after :func:`megatron_core_cpu.install`
     and before the program imports Megatron-LM's loop."""
     global _INSTALLED
     if _INSTALLED or torch.cuda.is_available():

@@ -9,7 +9,7 @@
   (:func:`p2p_phase`). The stage module is patched when it is imported (:mod:`.on_import`:
   importing pipelining up front would cost every record a second), or at once if the program
   imported it already. Megatron-Core's schedules tag theirs the same way
-  (:mod:`.megatron_core`). The shape exchange at a stage's first step has no role: ``other``.
+  (:mod:`.megatron_step`). The shape exchange at a stage's first step has no role: ``other``.
 * **Compute spans** (with ``--compute``): each stage's ``forward_one_chunk`` /
   ``backward_one_chunk`` is one span with paraloom's pipeline sites (``pipeline.forward`` /
   ``pipeline.backward``), its ``stage`` and its ``microbatch`` (the chunk id), so ``paraloom

@@ -27,7 +27,7 @@ from ..device import timing_event_type
 from ..heartbeat import Heartbeat
 from ..ledger import Ledger
 from ..run_folder import rank_ledger
-from . import intercept, megatron_core, pipeline
+from . import intercept, megatron_step, pipeline
 from .kinds import KindResolver
 from .ops import nbytes
 from .tracking import Tracker, site
@@ -213,7 +213,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     rec.kinds.install()
     rec.tracker.install()
     pipeline.install_phases()
-    megatron_core.install(rec.tracker)
+    megatron_step.install(rec.tracker)
     if compute:
         pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
@@ -237,7 +237,7 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
             beat.stop()
         pipeline.uninstall()
         pipeline.uninstall_phases()
-        megatron_core.uninstall()
+        megatron_step.uninstall()
         rec.tracker.uninstall()
         rec.kinds.uninstall()
         intercept.uninstall()

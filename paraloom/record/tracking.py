@@ -3,7 +3,7 @@
 * phase — ``setup`` before the program's first iteration (see step); ``optimizer`` between a
   ``torch.optim.Optimizer``'s step pre- and post-hooks (global hooks, so every optimizer is
   seen) or inside a region a framework adapter marks (:meth:`Tracker.enter`: Megatron-Core's
-  optimizer ``step()`` and ``finalize_model_grads``, see :mod:`.megatron_core`); ``backward``
+  optimizer ``step()`` and ``finalize_model_grads``, see :mod:`.megatron_step`); ``backward``
   while the autograd engine runs a graph task on this thread
   (``torch._C._current_graph_task_id() != -1``; true on autograd's device threads too, and
   during activation recomputation); ``forward`` while an ``nn.Module``'s forward runs; else
