@@ -18,6 +18,7 @@ from ..record.diff import (
     sequences,
 )
 from ..record.diff_report import report
+from ..report.table import steps_of
 from ..run_folder import load_events
 
 __all__ = ["main"]
@@ -86,14 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if same else 1
 
 
-def _steps(events: list[dict]) -> list:
-    """The steps that hold communication: ``"setup"`` first, then the step numbers."""
-    found = {e.get("step") for e in events if e["op"] != "compute"
-             and e.get("phase") != "setup"}
-    setup = any(e.get("phase") == "setup" and e["op"] != "compute" for e in events)
-    return (["setup"] if setup else []) + sorted(s for s in found if isinstance(s, int))
-
-
 def _ranks_differ(events_a: list[dict], events_b: list[dict]) -> list[str]:
     """A note when the two runs did not have the same ranks (other world sizes)."""
     ranks_a, ranks_b = ({e["rank"] for e in ev} for ev in (events_a, events_b))
@@ -126,7 +119,7 @@ def _lacking(args, options, events_a, events_b, has_a: bool, has_b: bool) -> lis
     notes = []
     for name, path, events, has, other in (("A", args.a, events_a, has_a, has_b),
                                            ("B", args.b, events_b, has_b, has_a)):
-        steps = _steps(events)
+        steps = steps_of(events)
         if options.steps is None:
             if not has and other:
                 raise DiffError(f"{name} ({path!r}) holds no communication event outside "
@@ -148,5 +141,5 @@ def _nothing(args, events_a: list[dict], events_b: list[dict]) -> str:
     """Why nothing was chosen: the steps each side has."""
     if args.step is None:
         return f"neither {args.a!r} nor {args.b!r} holds any communication event"
-    a, b = _label(_steps(events_a)), _label(_steps(events_b))
+    a, b = _label(steps_of(events_a)), _label(steps_of(events_b))
     return f"--step {args.step}: no communication in either run (A has steps {a}; B has {b})"

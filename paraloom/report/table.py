@@ -148,11 +148,12 @@ FROM_ONE = " (steps count from 1, as Megatron's iterations; what came before ste
 
 
 def steps_of(events: list[dict]) -> list:
-    """The sections a ledger has: ``"setup"`` (communication before the first iteration) if
-    any, then its step numbers."""
-    setup = any(e.get("phase") == "setup" and e["op"] != "compute" for e in events)
-    steps = sorted({e["step"] for e in events if e.get("phase") != "setup"})
-    return (["setup"] if setup else []) + steps
+    """The sections of a ledger that hold communication: ``"setup"`` (before the first
+    iteration) if any, then its step numbers (an event without one is in none)."""
+    comms = [e for e in events if e["op"] != "compute"]
+    setup = any(e.get("phase") == "setup" for e in comms)
+    steps = {e.get("step") for e in comms if e.get("phase") != "setup"}
+    return (["setup"] if setup else []) + sorted(s for s in steps if isinstance(s, int))
 
 
 def _select(events: list[dict], rank: int, step) -> list[dict]:
