@@ -27,7 +27,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
         seq_len=m.seq_length, vocab=m.padded_vocab_size, ffn=m.ffn,
         micro_batch=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
-        tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, sequence_parallel=p.sequence_parallel,
+        tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, sequence_parallel=p.uses_sequence_parallel,
         recompute=cfg.recompute, distributed_optimizer=cfg.distributed_optimizer,
         overlap_grad_reduce=cfg.overlap_grad_reduce, align_grad_reduce=cfg.align_grad_reduce,
         bucket_size=cfg.bucket_size, bucket_tail_splits=cfg.bucket_tail_splits,

@@ -111,6 +111,12 @@ class ParallelConfig:
             raise ValueError(f"cp_comm_type must be p2p or all_gather, got {self.cp_comm_type!r}")
 
     @property
+    def uses_sequence_parallel(self) -> bool:
+        """Whether sequence parallelism is in effect: asked for, and tp > 1 (with one tensor
+        rank nothing is split; Megatron-LM turns the flag off there)."""
+        return self.sequence_parallel and self.tp > 1
+
+    @property
     def uses_async_grad_allreduce(self) -> bool:
         """Whether the column layers overlap their input-gradient all-reduce: the explicit
         setting, or Megatron-Core's rule ``tp > 1 and not sequence_parallel``."""

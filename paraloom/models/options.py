@@ -56,7 +56,7 @@ class ParallelOptions:
     def of(cls, cfg: TrainConfig) -> ParallelOptions:
         """The options of a training run."""
         p = cfg.parallel
-        return cls(sequence_parallel=p.sequence_parallel,
+        return cls(sequence_parallel=p.uses_sequence_parallel,
                    async_grad_allreduce=p.uses_async_grad_allreduce,
                    gradient_accumulation_fusion=p.gradient_accumulation_fusion,
                    recompute=cfg.recompute, split_backward=cfg.schedule == "zb-h1",

@@ -164,6 +164,8 @@ def _select(events: list[dict], rank: int, step) -> list[dict]:
         ranks = sorted({e["rank"] for e in events})
         raise ValueError(f"rank {rank} has no events in this ledger; ranks present: {ranks}")
     sections = steps_of(mine)
+    if step is None and not sections:  # this rank communicated nothing: an empty table
+        return []
     if step is None:
         step = next((s for s in sections if s != "setup"), sections[0])
     if step not in sections:

@@ -57,7 +57,7 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
             raise ValueError(f"--tensorboard-dir {cfg.run.tensorboard_dir!r} is a file: give a "
                              f"folder (created if it does not exist)")
         check_tensorboard()
-    if cfg.parallel.sequence_parallel and cfg.parallel.tp == 1:
+    if cfg.parallel.sequence_parallel and not cfg.parallel.uses_sequence_parallel:
         notes.append("--sequence-parallel has no effect with tp = 1 (nothing is split); running "
                      "without it")
     if cfg.parallel.cp == 1 and cfg.parallel.cp_comm_type != "p2p":

@@ -157,7 +157,7 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
     schedule = _SCHEDULES[cfg.schedule]
     interleaved = cfg.schedule == "interleaved"
     kw = dict(mesh=mesh, hidden_size=cfg.model.hidden_size, dtype=run.dtype,
-              sequence_parallel=cfg.parallel.sequence_parallel and mesh.tp.size > 1,
+              sequence_parallel=cfg.parallel.uses_sequence_parallel,
               overlap_p2p_comm=cfg.overlap_p2p_comm)
     if not forward_only:
         kw.update(no_sync_func=[d.no_sync for d in run.ddps],
