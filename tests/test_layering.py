@@ -38,8 +38,6 @@ LONG_FUNCTIONS = {
                                             "be split into one function per kind",
     "analysis/steptime.py:step_time": "the step-time model written as one sum; to be split "
                                       "into named parts with named constants",
-    "commands/plan_search.py:main": "plan --search's own flag set; goes when plan parses "
-                                    "train's flags",
 }
 """Functions longer than :data:`MAX_FUNCTION_LINES`, each with why it is still long."""
 BUILDERS = {

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .fields import option
 from .parallel import ParallelConfig, positive_int
 
-__all__ = ["ModelConfig", "check_layout", "LLAMA"]
+__all__ = ["ModelConfig", "check_layout", "LLAMA", "mlp_width"]
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
@@ -158,9 +158,7 @@ class ModelConfig:
     def ffn(self) -> int:
         """The MLP width actually used (with ``swiglu`` Megatron's default is
         ``int(4h * 2/3 / 64) * 64``, keeping the parameter count of a ``4h`` GeLU MLP)."""
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return int(4 * self.hidden_size * 2 / 3 / 64) * 64 if self.swiglu else 4 * self.hidden_size
+        return mlp_width(self.hidden_size, self.swiglu, self.ffn_hidden_size)
 
     @property
     def head_dim(self) -> int:
@@ -197,6 +195,14 @@ def _check_moe(m: ModelConfig) -> None:
     if m.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got "
                          f"{m.moe_token_drop_policy!r}")
+
+
+def mlp_width(hidden: int, swiglu: bool, ffn_hidden_size: int | None = None) -> int:
+    """The MLP width a model uses: ``ffn_hidden_size`` when given, else Megatron's default,
+    ``4h`` (GeLU) or ``int(4h * 2/3 / 64) * 64`` (SwiGLU: the parameters of a ``4h`` GeLU MLP)."""
+    if ffn_hidden_size:
+        return ffn_hidden_size
+    return int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
 
 
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
