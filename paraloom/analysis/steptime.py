@@ -26,8 +26,9 @@ activation element):
   counted with the embedding's.
   The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
   pass ``bubble_scale``).
-* **Optimizer**: Adam over this rank's parameters (divided by dp under ZeRO) at ~38 bytes per
-  parameter through HBM (fp32 param, grad, m, v in and out; 16-bit param out; grad norm).
+* **Optimizer**: Adam over this rank's parameters (divided by dp under ZeRO) at
+  :data:`ADAM_BYTES_PER_PARAM` (38) bytes per parameter through HBM (fp32 param, grad, m, v in
+  and out; 16-bit param out; grad norm) and :data:`OPTIMIZER_KERNELS` launches.
 
 Context parallelism (``c.cp``) shortens every rank's sequence to ``s/cp`` (its queries still
 attend to all ``s`` keys) and adds the K/V exchange of :mod:`~paraloom.analysis.cp_formulas` over
@@ -54,98 +55,46 @@ from .spec import CommConfig
 
 __all__ = ["Options", "step_time", "render_step_time"]
 
+ADAM_BYTES_PER_PARAM = 38
+"""HBM traffic of the Adam update per parameter: fp32 parameter, gradient and both moments read
+and written, the 16-bit parameter written, the gradient norm's read."""
+OPTIMIZER_KERNELS = 60
+"""Kernel launches of one optimizer step (each costs ``op_overhead``)."""
+
+
 def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     """Predicted seconds per step, its breakdown, tokens/s, TFLOP/s per GPU, MFU and HFU."""
     o = o or Options()
-    p, m, v, t = c.pp, c.num_microbatches, c.v, c.tp
-    dp, cp = c.dp, c.cp
-    gpus = t * cp * dp * p
+    p, m, v = c.pp, c.num_microbatches, c.v
+    gpus = c.tp * c.cp * c.dp * p
     per_node = min(hw.gpus_per_node, gpus)
-    n_layers = layers_per_stage(c)
-    n_moe = moe_layers_on_rank(c, 0) if c.moe is not None else 0
-    dense, moe = layer_time(c, hw, o, per_node), layer_time(c, hw, o, per_node, moe_layer=True) \
-        if n_moe else {}
-    tokens = c.seq_len // cp * c.micro_batch
-    e = c.dtype_bytes
     scale = min(1.0, hw.cores / per_node) if hw.cores else 1.0
-    # the last stage adds the logits (tied output layer) and the cross-entropy
-    vt = -(-c.vocab // t)
-    logits = 3 * gemm_time(hw, tokens, vt, c.hidden) / scale
-    logits += 6 * tokens * vt * 4 / (hw.hbm_bw * hw.mem_efficiency) / scale
-    parts = {k: (n_layers - n_moe) * val + n_moe * moe.get(k, 0.0) for k, val in dense.items()}
-    parts["gemm"] += logits if p == 1 else 0.0
-    # tp communication outside the layers: the vocabulary-parallel embedding's sum (first
-    # stage), the output layer's input (gather under sp, grad sum without) and the
-    # cross-entropy's max and sums (last stage)
-    head = 0.0
-    if t > 1:
-        inter, act = spans_nodes(1, t, hw.gpus_per_node), tokens * c.hidden * e
-        gather = 2 * collective_time("reduce_scatter", t, act, hw, inter) if c.sp else \
-            collective_time("all_reduce", t, act, hw, inter)
-        loss = 3 * collective_time("all_reduce", t, tokens * 4, hw, inter)  # max, 2 sums
-        head = gather * (2 if p == 1 else 1) + loss
-    parts["tp_comm"] += head if p == 1 else 0.0
-    stage = {k: val for k, val in parts.items()}
-    busiest = sum(stage.values()) + (logits + head if p > 1 else 0.0)
-    # pipeline p2p per microbatch: activations forward, gradients backward, v times
-    p2p = 0.0
-    if p > 1:
-        inter = spans_nodes(t * cp * dp, p, hw.gpus_per_node)
-        nbytes = tokens * c.hidden * e / (t if c.sp or (o.p2p_scatter_gather and inter) else 1)
-        p2p = 2 * v * collective_time("p2p", 2, nbytes, hw, inter)
-        p2p *= 1 - hw.overlap_efficiency if o.overlap_p2p else 1.0
-    extra = {r: moe_plan(c, r) if c.moe is not None else {"params": 0, "expert_params": 0}
-             for r in {0, p - 1}}
-    params = max(params_per_rank(c, r) + extra[r]["params"] for r in {0, p - 1})
-    experts = max(x["expert_params"] for x in extra.values())
+    tokens = c.seq_len // c.cp * c.micro_batch  # on a rank, per microbatch
+    parts = _layers(c, hw, o, per_node)
+    logits = _output_layer(c, hw, tokens, scale)
+    head = _head_tp_comm(c, hw, tokens)
+    if p == 1:  # the one stage holds the output layer and the loss
+        parts["gemm"] += logits
+        parts["tp_comm"] += head
+    params, experts = _busiest_params(c)
     accum = 0.0
     if not o.grad_accum_fusion:  # .grad written, then main_grad read and written
-        accum = params * (e + 2 * c.grad_bytes) / (hw.hbm_bw * hw.mem_efficiency) / scale
-    busiest += accum
-    micro = busiest + p2p
-    bubble = o.bubble_scale * (p - 1) / v * micro
-    # data parallelism: the busiest stage's gradient buckets, over dp x cp ranks (Megatron's
-    # data-parallel group with cp); the experts' over their edp = dp / ep ranks
-    reduce = gather = 0.0
-    edp = dp // c.moe.ep if c.moe is not None else dp
-    for n_par, n, stride in ((params - experts, dp * cp, t), (experts, edp, t * cp * dp // edp)):
-        inter = spans_nodes(stride, n, hw.gpus_per_node)
-        if c.distributed_optimizer:
-            reduce += collective_time("reduce_scatter", n, n_par * c.grad_bytes, hw, inter)
-            gather += collective_time("all_gather", n, n_par * e, hw, inter)
-        else:
-            reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter)
-    if c.overlap_grad_reduce and dp > 1:
-        # buckets launch as the last microbatch's backward fills them; the last one is exposed
-        buckets = -(-params // bucket_size_of(c))
-        reduce = max(reduce / buckets, reduce - hw.overlap_efficiency * parts["gemm"] * 2 / 3)
-    emb = 0.0
-    if p > 1 and c.arch.tied:
-        emb = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
-                              spans_nodes(t * cp * dp * (p - 1), 2, hw.gpus_per_node))
-    mp = t * p  # the grad norm and the update/norm agreements over tp x pp, the loss over dp
-    if c.distributed_optimizer and gpus > 1:
-        emb += collective_time("all_reduce", gpus, 4, hw, gpus > hw.gpus_per_node)
-    elif mp > 1:
-        emb += collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
-    if mp > 1:
-        emb += 2 * collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
-    if dp * cp > 1:
-        emb += collective_time("all_reduce", dp * cp, 8, hw, gpus > hw.gpus_per_node)
-    opt_params = (params - experts) / (dp * cp) + experts / edp if c.distributed_optimizer \
-        else params
-    optimizer = opt_params * 38 / (hw.hbm_bw * hw.mem_efficiency) / scale \
-        + 60 * hw.op_overhead
-    out = {"compute": m * (stage["gemm"] + stage["elementwise"] + accum
+        accum = params * (c.dtype_bytes + 2 * c.grad_bytes) / _hbm(hw) / scale
+    busiest = sum(parts.values()) + (logits + head if p > 1 else 0.0) + accum
+    p2p = _p2p(c, hw, o, tokens)
+    bubble = o.bubble_scale * (p - 1) / v * (busiest + p2p)
+    reduce, gather = _dp_comm(c, hw, params, experts, parts["gemm"])
+    out = {"compute": m * (parts["gemm"] + parts["elementwise"] + accum
                            + (logits if p > 1 else 0.0)),
-           "recompute": m * stage["recompute"],
-           "tp_comm": m * (stage["tp_comm"] + (head if p > 1 else 0.0)),
-           "cp_comm": m * stage["cp_comm"],
-           "ep_comm": m * stage["ep_comm"],
+           "recompute": m * parts["recompute"],
+           "tp_comm": m * (parts["tp_comm"] + (head if p > 1 else 0.0)),
+           "cp_comm": m * parts["cp_comm"],
+           "ep_comm": m * parts["ep_comm"],
            "pp_comm": m * p2p, "bubble": bubble, "dp_comm": reduce + gather,
-           "emb_comm": emb, "optimizer": optimizer}
+           "emb_comm": _step_reductions(c, hw),
+           "optimizer": _optimizer(c, hw, params, experts, scale)}
     total = sum(out.values())
-    gbs = c.micro_batch * m * dp
+    gbs = c.micro_batch * m * c.dp
     model, hardware = model_flops(c), hardware_flops(c, early_stop=o.early_stop)
     return {"step_time_s": total, "breakdown_s": out, "gpus": gpus,
             "tokens_per_s": gbs * c.seq_len / total,
@@ -154,6 +103,118 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
             "mfu": model / total / gpus / hw.peak_flops,
             "hfu": hardware / total / gpus / hw.peak_flops,
             "hardware": hw.name}
+
+
+def _hbm(hw: Hardware) -> float:
+    """Achievable HBM bytes per second."""
+    return hw.hbm_bw * hw.mem_efficiency
+
+
+def _layers(c: CommConfig, hw: Hardware, o: Options, per_node: int) -> dict:
+    """One microbatch through this stage's transformer layers, per part (dense and MoE layers
+    each at their own cost)."""
+    n_layers = layers_per_stage(c)
+    n_moe = moe_layers_on_rank(c, 0) if c.moe is not None else 0
+    dense = layer_time(c, hw, o, per_node)
+    moe = layer_time(c, hw, o, per_node, moe_layer=True) if n_moe else {}
+    return {k: (n_layers - n_moe) * val + n_moe * moe.get(k, 0.0) for k, val in dense.items()}
+
+
+def _output_layer(c: CommConfig, hw: Hardware, tokens: int, scale: float) -> float:
+    """The last stage's logits GEMMs (tied output layer, forward and backward) and the
+    cross-entropy's passes over the fp32 logits, per microbatch."""
+    vt = -(-c.vocab // c.tp)
+    gemms = 3 * gemm_time(hw, tokens, vt, c.hidden) / scale
+    return gemms + 6 * tokens * vt * 4 / _hbm(hw) / scale
+
+
+def _head_tp_comm(c: CommConfig, hw: Hardware, tokens: int) -> float:
+    """tp communication outside the layers, per microbatch: the vocabulary-parallel
+    embedding's sum (first stage), the output layer's input (gathered under sp, its gradient
+    summed without) and the cross-entropy's max and two sums (last stage)."""
+    t = c.tp
+    if t == 1:
+        return 0.0
+    inter, act = spans_nodes(1, t, hw.gpus_per_node), tokens * c.hidden * c.dtype_bytes
+    gather = 2 * collective_time("reduce_scatter", t, act, hw, inter) if c.sp else \
+        collective_time("all_reduce", t, act, hw, inter)
+    loss = 3 * collective_time("all_reduce", t, tokens * 4, hw, inter)
+    return gather * (2 if c.pp == 1 else 1) + loss
+
+
+def _p2p(c: CommConfig, hw: Hardware, o: Options, tokens: int) -> float:
+    """Pipeline p2p per microbatch: activations forward, gradients backward, ``v`` times."""
+    if c.pp == 1:
+        return 0.0
+    inter = spans_nodes(c.tp * c.cp * c.dp, c.pp, hw.gpus_per_node)
+    nbytes = tokens * c.hidden * c.dtype_bytes / (
+        c.tp if c.sp or (o.p2p_scatter_gather and inter) else 1)
+    p2p = 2 * c.v * collective_time("p2p", 2, nbytes, hw, inter)
+    return p2p * (1 - hw.overlap_efficiency) if o.overlap_p2p else p2p
+
+
+def _busiest_params(c: CommConfig) -> tuple[int, int]:
+    """Parameters of the busiest stage (first or last) and, of them, expert parameters."""
+    extra = {r: moe_plan(c, r) if c.moe is not None else {"params": 0, "expert_params": 0}
+             for r in {0, c.pp - 1}}
+    params = max(params_per_rank(c, r) + extra[r]["params"] for r in {0, c.pp - 1})
+    return params, max(x["expert_params"] for x in extra.values())
+
+
+def _dp_comm(c: CommConfig, hw: Hardware, params: int, experts: int,
+             gemm: float) -> tuple[float, float]:
+    """Exposed data-parallel time: the gradient reduction (all-reduce, or ZeRO's
+    reduce-scatter) over dp x cp ranks (Megatron's data-parallel group with cp), the experts'
+    over their ``edp = dp / ep`` ranks, and ZeRO's parameter all-gather. With
+    ``overlap_grad_reduce`` the buckets hide under the last microbatch's backward (``gemm``:
+    one microbatch's GEMM time on this stage) but the last."""
+    reduce = gather = 0.0
+    edp = c.dp // c.moe.ep if c.moe is not None else c.dp
+    for n_par, n, stride in ((params - experts, c.dp * c.cp, c.tp),
+                             (experts, edp, c.tp * c.cp * c.dp // edp)):
+        inter = spans_nodes(stride, n, hw.gpus_per_node)
+        if c.distributed_optimizer:
+            reduce += collective_time("reduce_scatter", n, n_par * c.grad_bytes, hw, inter)
+            gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter)
+        else:
+            reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter)
+    if c.overlap_grad_reduce and c.dp > 1:
+        buckets = -(-params // bucket_size_of(c))
+        reduce = max(reduce / buckets, reduce - hw.overlap_efficiency * gemm * 2 / 3)
+    return reduce, gather
+
+
+def _step_reductions(c: CommConfig, hw: Hardware) -> float:
+    """The step's small reductions, exposed: the tied embedding's gradient all-reduce between
+    the first and last stage, the gradient norm and the update/norm agreements over tp x pp
+    (the world under ZeRO), and the loss over dp x cp."""
+    t, p = c.tp, c.pp
+    gpus = t * c.cp * c.dp * p
+    out = 0.0
+    if p > 1 and c.arch.tied:
+        vt = -(-c.vocab // t)
+        out = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
+                              spans_nodes(t * c.cp * c.dp * (p - 1), 2, hw.gpus_per_node))
+    mp = t * p
+    if c.distributed_optimizer and gpus > 1:
+        out += collective_time("all_reduce", gpus, 4, hw, gpus > hw.gpus_per_node)
+    elif mp > 1:
+        out += collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
+    if mp > 1:
+        out += 2 * collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
+    if c.dp * c.cp > 1:
+        out += collective_time("all_reduce", c.dp * c.cp, 8, hw, gpus > hw.gpus_per_node)
+    return out
+
+
+def _optimizer(c: CommConfig, hw: Hardware, params: int, experts: int, scale: float) -> float:
+    """The Adam update over this rank's parameters (their ``1/(dp cp)`` shard under ZeRO, the
+    experts' ``1/edp``): :data:`ADAM_BYTES_PER_PARAM` through HBM and
+    :data:`OPTIMIZER_KERNELS` launches."""
+    if c.distributed_optimizer:
+        edp = c.dp // c.moe.ep if c.moe is not None else c.dp
+        params = (params - experts) / (c.dp * c.cp) + experts / edp
+    return params * ADAM_BYTES_PER_PARAM / _hbm(hw) / scale + OPTIMIZER_KERNELS * hw.op_overhead
 
 
 def render_step_time(r: dict) -> str:
