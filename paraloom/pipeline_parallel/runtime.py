@@ -104,16 +104,9 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
         if not hasattr(chunk, "set_input_tensor"):
             raise TypeError(f"the stage model {type(chunk).__name__} has no set_input_tensor(); "
                             f"the schedule passes each received activation through it")
-    shape = tensor_shape_of(seq_length, micro_batch_size, hidden_size, mesh, sequence_parallel)
-    stats = stats if stats is not None else PipelineStats()
     device = next((q.device for chunk in chunks for q in chunk.parameters()), None)
     overlap = _overlap(overlap_p2p_comm, device, variable_seq_lengths)
     plan = p2p_plan(schedule, p, m, rank, v, forward_only, overlap)
-    # gradient sync (e.g. a data-parallel all-reduce) only in each chunk's last backward (and,
-    # zero bubble, its last W: the deferred weight gradients become final there)
-    last = {(step[0], step[2]): i for i, step in enumerate(plan) if step[0] in ("B", "W")}
-    split = schedule == "zb-h1"
-    wgrads = {}  # (mb, chunk) -> runs the wgrad GEMMs a B step deferred
     no_sync = no_sync_func if isinstance(no_sync_func, (list, tuple)) else [no_sync_func] * v
     grad_sync = (grad_sync_func if isinstance(grad_sync_func, (list, tuple))
                  else [grad_sync_func] * v) if grad_sync_func is not None and not forward_only \
@@ -121,87 +114,168 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
     if grad_sync is not None and not (schedule == "interleaved"
                                       or (schedule == "1f1b" and rank > 0)):
         grad_sync = None  # no pipelining, the first 1F1B stage, ZB-H1: the hooks launch
-    backwards = [(step[1], step[2]) for step in plan if step[0] == "B"]  # (mb, chunk) in order
-    where = "pipeline" if p > 1 else "microbatch"  # the compute spans' site
-    synced: set[int] = set()
-    done_b = 0
-    last_vs = p * v - 1
-    received, outbox, saved, losses, handles = {}, {}, {}, [], {}
+    stage = _Stage(
+        mesh=mesh, schedule=schedule, plan=plan, chunks=chunks, data_iterators=data_iterators,
+        forward_step_func=forward_step_func, m=m, forward_only=forward_only,
+        shape=tensor_shape_of(seq_length, micro_batch_size, hidden_size, mesh,
+                              sequence_parallel),
+        dtype=dtype, device=device, variable_seq_lengths=variable_seq_lengths,
+        stats=stats if stats is not None else PipelineStats(), no_sync=no_sync,
+        grad_sync=grad_sync)
     for i, step in enumerate(plan):
-        if step[0] == "post":  # start without waiting; keep one handle per op
-            ops = [(what, side, outbox.pop(msg) if what == "send" else None,
-                    "forward" if msg[0] == "act" else "backward", msg[1])
-                   for what, side, msg in step[1]]
-            handles.update(zip(step[1], p2p.post(ops, mesh=mesh, tensor_shape=shape, dtype=dtype,
-                                                 device=device), strict=True))
-            continue
-        if step[0] == "wait":
-            for op in step[1]:
-                got = handles.pop(op).wait()[0]
-                if op[0] == "recv":  # received activations: the stage differentiates w.r.t. them
-                    received[op[2]] = got.requires_grad_() if op[2][0] == "act" else got
-            continue
-        if step[0] == "comm":
-            ops = [(what, side, outbox.pop(msg) if what == "send" else None,
-                    "forward" if msg[0] == "act" else "backward", msg[1])
-                   for what, side, msg in step[1]]
-            got = iter(p2p.communicate(ops, mesh=mesh, tensor_shape=shape, dtype=dtype,
-                                       variable_seq_lengths=variable_seq_lengths, device=device))
-            for what, _, msg in step[1]:
-                if what == "recv":
-                    received[msg] = next(got)
-            continue
-        kind, mb, c = step
-        vs = c * p + rank
-        span = dict(stage=rank, chunk=c, module=f"chunk{c}") if p > 1 else dict(stage=0, chunk=0)
-        if kind == "F":  # under ZB-H1 the layers (built with own_backward) can split backward
-            with _at(mb), _ledger.span(f"{where}.forward", phase="forward", **span):
-                inp = received.pop(("act", mb, vs - 1)) if vs > 0 else None  # [s, b, h]
-                chunks[c].set_input_tensor(inp)
-                out, loss_func = forward_step_func(data_iterators[c], chunks[c])
-                if vs == last_vs:
-                    loss, info = _loss_of(loss_func(out))
-                    losses.append(info)
-                    out = loss / m  # gradients of the mean over microbatches
-                else:
-                    outbox[("act", mb, vs)] = out  # [s, b, h]
-            if not forward_only:
-                saved[(mb, c)] = (inp, out)
-                stats._change(+1)
-        elif kind == "W":
-            skip = no_sync[c] is not None and i != last[("W", c)]
-            with (_at(mb), _ledger.span(f"{where}.weight_grad", phase="backward", **span),
-                  no_sync[c]() if skip else nullcontext()):
-                wgrads.pop((mb, c))()
-            stats._change(-1)
-        else:
-            skip = no_sync[c] is not None and (grad_sync is not None or i != last[("B", c)])
-            sync = no_sync[c]() if skip else nullcontext()
-            with (_at(mb), _ledger.span(f"{where}.backward", phase="backward", **span), sync,
-                  defer_weight_grads() if split else nullcontext() as run_w):
-                inp, out = saved.pop((mb, c))
-                grad = received.pop(("grad", mb, vs + 1)) if vs < last_vs else None
-                torch.autograd.backward(out, grad_tensors=grad)
-                if vs > 0:
-                    outbox[("grad", mb, vs)] = inp.grad  # [s, b, h]
-            if split:
-                wgrads[(mb, c)] = run_w
-            else:
-                stats._change(-1)
-            done_b += 1
-            g = done_b - 1 - rank  # Megatron's backward_step_helper_postprocess
-            if schedule == "interleaved" and grad_sync is not None and g >= 0 \
-                    and backwards[g][0] == m - 1 and backwards[g][1] not in synced:
-                synced.add(backwards[g][1])
-                grad_sync[backwards[g][1]]()
-    if grad_sync is not None:  # Megatron: "launch any remaining grad reductions"
-        for c in range(v):
-            if c not in synced:
-                grad_sync[c]()
-    if received or outbox or saved or handles or wgrads:  # a plan bug, never a user error
-        raise RuntimeError(f"pipeline plan left messages behind: received={list(received)}, "
-                           f"unsent={list(outbox)}, held={list(saved)}, "
-                           f"in flight={list(handles)}, weight grads left={list(wgrads)}")
+        _STEPS[step[0]](stage, i, step)
+    stage.finish()
     if finalize_model_grads_func is not None and not forward_only:
         finalize_model_grads_func(chunks)
-    return losses
+    return stage.losses
+
+
+@dataclass
+class _Stage:
+    """One call's state while :func:`execute` runs the plan: the messages received, to send and
+    in flight, the activations held for backward, the deferred weight gradients, the losses."""
+
+    mesh: ParallelMesh
+    schedule: str
+    plan: list
+    chunks: list
+    data_iterators: list
+    forward_step_func: object
+    m: int
+    forward_only: bool
+    shape: tuple
+    dtype: torch.dtype
+    device: object
+    variable_seq_lengths: bool
+    stats: PipelineStats
+    no_sync: list
+    grad_sync: list | None
+    received: dict = field(default_factory=dict)
+    outbox: dict = field(default_factory=dict)
+    saved: dict = field(default_factory=dict)
+    handles: dict = field(default_factory=dict)
+    wgrads: dict = field(default_factory=dict)
+    """``(mb, chunk)`` -> runs the wgrad GEMMs a ZB-H1 B step deferred."""
+    losses: list = field(default_factory=list)
+    synced: set = field(default_factory=set)
+    done_b: int = 0
+
+    def __post_init__(self) -> None:
+        p = self.mesh.pp.size
+        # gradient sync (e.g. a data-parallel all-reduce) only in each chunk's last backward
+        # (and, zero bubble, its last W: the deferred weight gradients become final there)
+        self.last = {(s[0], s[2]): i for i, s in enumerate(self.plan) if s[0] in ("B", "W")}
+        self.backwards = [(s[1], s[2]) for s in self.plan if s[0] == "B"]  # (mb, chunk)
+        self.split = self.schedule == "zb-h1"
+        self.where = "pipeline" if p > 1 else "microbatch"  # the compute spans' site
+        self.last_vs = p * len(self.chunks) - 1
+
+    def ops(self, step) -> list:
+        return [(what, side, self.outbox.pop(msg) if what == "send" else None,
+                 "forward" if msg[0] == "act" else "backward", msg[1])
+                for what, side, msg in step[1]]
+
+    def span(self, c: int) -> dict:
+        if self.mesh.pp.size > 1:
+            return dict(stage=self.mesh.pp.rank, chunk=c, module=f"chunk{c}")
+        return dict(stage=0, chunk=0)
+
+    def finish(self) -> None:
+        if self.grad_sync is not None:  # Megatron: "launch any remaining grad reductions"
+            for c in range(len(self.chunks)):
+                if c not in self.synced:
+                    self.grad_sync[c]()
+        if self.received or self.outbox or self.saved or self.handles or self.wgrads:
+            raise RuntimeError(  # a plan bug, never a user error
+                f"pipeline plan left messages behind: received={list(self.received)}, "
+                f"unsent={list(self.outbox)}, held={list(self.saved)}, "
+                f"in flight={list(self.handles)}, weight grads left={list(self.wgrads)}")
+
+
+def _post(st: _Stage, i: int, step) -> None:
+    """Start the step's p2p without waiting; one handle per op."""
+    handles = p2p.post(st.ops(step), mesh=st.mesh, tensor_shape=st.shape, dtype=st.dtype,
+                       device=st.device)
+    st.handles.update(zip(step[1], handles, strict=True))
+
+
+def _wait(st: _Stage, i: int, step) -> None:
+    """Wait for posted ops; received activations are what the stage differentiates against."""
+    for op in step[1]:
+        got = st.handles.pop(op).wait()[0]
+        if op[0] == "recv":
+            st.received[op[2]] = got.requires_grad_() if op[2][0] == "act" else got
+
+
+def _comm(st: _Stage, i: int, step) -> None:
+    """One blocking batch of sends and receives."""
+    got = iter(p2p.communicate(st.ops(step), mesh=st.mesh, tensor_shape=st.shape,
+                               dtype=st.dtype, variable_seq_lengths=st.variable_seq_lengths,
+                               device=st.device))
+    for what, _, msg in step[1]:
+        if what == "recv":
+            st.received[msg] = next(got)
+
+
+def _forward(st: _Stage, i: int, step) -> None:
+    """F: the chunk's forward on the received activation (the last virtual stage: the loss,
+    divided by m: gradients of the mean over microbatches). Under ZB-H1 the layers (built with
+    own_backward) can split their backward."""
+    _, mb, c = step
+    vs = c * st.mesh.pp.size + st.mesh.pp.rank
+    with _at(mb), _ledger.span(f"{st.where}.forward", phase="forward", **st.span(c)):
+        inp = st.received.pop(("act", mb, vs - 1)) if vs > 0 else None  # [s, b, h]
+        st.chunks[c].set_input_tensor(inp)
+        out, loss_func = st.forward_step_func(st.data_iterators[c], st.chunks[c])
+        if vs == st.last_vs:
+            loss, info = _loss_of(loss_func(out))
+            st.losses.append(info)
+            out = loss / st.m
+        else:
+            st.outbox[("act", mb, vs)] = out  # [s, b, h]
+    if not st.forward_only:
+        st.saved[(mb, c)] = (inp, out)
+        st.stats._change(+1)
+
+
+def _weight_grad(st: _Stage, i: int, step) -> None:
+    """W (ZB-H1): the weight gradients a B step deferred; gradients sync at the chunk's last."""
+    _, mb, c = step
+    skip = st.no_sync[c] is not None and i != st.last[("W", c)]
+    with (_at(mb), _ledger.span(f"{st.where}.weight_grad", phase="backward", **st.span(c)),
+          st.no_sync[c]() if skip else nullcontext()):
+        st.wgrads.pop((mb, c))()
+    st.stats._change(-1)
+
+
+def _backward(st: _Stage, i: int, step) -> None:
+    """B: backward from the received gradient (or the loss), the input's gradient to send;
+    gradients sync in the chunk's last backward unless the schedule launches them
+    (``grad_sync``: interleaved syncs chunk ``backwards[done - 1 - pp_rank]`` once its last
+    microbatch is done, Megatron's ``backward_step_helper_postprocess``)."""
+    _, mb, c = step
+    vs = c * st.mesh.pp.size + st.mesh.pp.rank
+    skip = st.no_sync[c] is not None and (st.grad_sync is not None or i != st.last[("B", c)])
+    sync = st.no_sync[c]() if skip else nullcontext()
+    with (_at(mb), _ledger.span(f"{st.where}.backward", phase="backward", **st.span(c)), sync,
+          defer_weight_grads() if st.split else nullcontext() as run_w):
+        inp, out = st.saved.pop((mb, c))
+        grad = st.received.pop(("grad", mb, vs + 1)) if vs < st.last_vs else None
+        torch.autograd.backward(out, grad_tensors=grad)
+        if vs > 0:
+            st.outbox[("grad", mb, vs)] = inp.grad  # [s, b, h]
+    if st.split:
+        st.wgrads[(mb, c)] = run_w
+    else:
+        st.stats._change(-1)
+    st.done_b += 1
+    g = st.done_b - 1 - st.mesh.pp.rank
+    if st.schedule == "interleaved" and st.grad_sync is not None and g >= 0 \
+            and st.backwards[g][0] == st.m - 1 and st.backwards[g][1] not in st.synced:
+        st.synced.add(st.backwards[g][1])
+        st.grad_sync[st.backwards[g][1]]()
+
+
+_STEPS = {"post": _post, "wait": _wait, "comm": _comm, "F": _forward, "W": _weight_grad,
+          "B": _backward}
+"""The plan's step kinds and the function that runs each."""
