@@ -385,3 +385,24 @@ def test_check_reads_config_json_through_the_train_config(runs, tmp_path, capsys
     (run / "config.json").write_text(json.dumps({**saved, "wormholes": 2}))
     assert check_main([str(run)]) == 2
     assert "'wormholes'" in capsys.readouterr().err
+
+
+def test_plan_of_a_run_folder_is_the_run_check_proves(runs, tmp_path, capsys):
+    """``paraloom plan RUN_FOLDER`` plans the run config.json describes, through the same view
+    ``check`` proves against the ledger (Megatron-LM's loop included: the rerun vote over the
+    world), not plan's flag defaults; model or layout flags beside it are refused."""
+    from paraloom.analysis.plan import plan
+
+    run = runs["tp-dp"]
+    capsys.readouterr()
+    assert main(["plan", str(run), "--json", "--gpu", "h100-sxm"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = plan(config_from_run(json.loads((run / "config.json").read_text())))
+    assert got["parameters"] == want["parameters"] and got["parameters"]["total"] > 0
+    assert got["comm_ops_per_step"] == want["comm_ops_per_step"]
+    assert got["comm_ops_per_step"].get("world", 0) >= 1  # the loop's rerun vote
+    assert got["gpus"] == 4 and got["hardware"]["name"] == "h100-sxm"
+    assert main(["plan", str(run), "--tp", "4"]) == 2
+    assert "with a run folder the model and the layout come from" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path)]) == 2
+    assert "has no config.json" in capsys.readouterr().err

@@ -6,6 +6,7 @@ ranks the layouts that fit (:mod:`.plan_search`), ``--calibrate`` measures this 
     paraloom plan --layers 96 --hidden 12288 --heads 96 --seq-len 2048 --vocab 51200 \\
         --global-batch-size 1536 --micro-batch-size 1 --tp 8 --pp 16 --dp 8 \\
         --sequence-parallel --recompute selective --distributed-optimizer
+    paraloom plan RUN_FOLDER --gpu h100-sxm     # the run a folder holds (:mod:`.plan_run`)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from ..analysis.search import memory_fit
 from ..analysis.spec import Architecture, CommConfig, MoECommConfig
 from ..analysis.steptime import render_step_time, step_time
 from ..config import ModelConfig, ParallelConfig, TrainConfig
-from . import plan_calibrate, plan_search
+from . import plan_calibrate, plan_run, plan_search
 from .arch_flags import add_architecture_flags, architecture_from_args
 from .hardware_flags import add_hardware_args, hardware_from_args
 
@@ -160,10 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         return plan_search.main(typed)
     if "--calibrate" in typed:
         return plan_calibrate.main(typed)
-    args = _parser().parse_args(argv)
     try:
-        config = _config(args)
-        hw = hardware_from_args(args)
+        if plan_run.is_run_folder(typed):
+            config, hw, args, note = plan_run.from_run_folder(typed)
+        else:
+            args = _parser().parse_args(argv)
+            config, hw = _config(args), hardware_from_args(args)
+            given = "given" if any(a.startswith("--vocab") for a in typed) else \
+                "default, GPT-2 BPE"
+            note = (f"vocabulary {args.vocab} ({given})"
+                    + (f", padded to {config.vocab} rows (multiple of "
+                       f"{args.make_vocab_size_divisible_by} x tp {args.tp})"
+                       if config.vocab != args.vocab else ""))
     except ValueError as err:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
@@ -175,10 +184,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return code
-    given = "given" if any(a.startswith("--vocab") for a in typed) else "default, GPT-2 BPE"
-    note = (f"vocabulary {args.vocab} ({given})"
-            + (f", padded to {config.vocab} rows (multiple of {args.make_vocab_size_divisible_by}"
-               f" x tp {args.tp})" if config.vocab != args.vocab else ""))
     print(render_plan(config, result) + "\n" + _verdict(fit, hw) + "\n" + note + "\n"
           + render_step_time(result["step_time"]))
     return code
