@@ -51,12 +51,14 @@ class World:
         self.size = size
         self.procs: list = []
         self.conns: list = []
+        self.store: str | None = None
 
     def _start(self) -> None:
         ctx = mp.get_context("fork")
         fd, store = tempfile.mkstemp(prefix="paraloom-test-store-")
         os.close(fd)
         os.unlink(store)
+        self.store = store
         for rank in range(self.size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker, args=(rank, self.size, store, child), daemon=True)
@@ -102,6 +104,9 @@ class World:
                 proc.kill()
                 proc.join()
         self.procs, self.conns = [], []
+        if self.store is not None and os.path.exists(self.store):  # the file store's file
+            os.unlink(self.store)
+        self.store = None
 
 
 # ------------------------------------------------------------------------------- test tiers
