@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from ..analysis.check import all_ok, check_run, config_from_run, load_run, render_diff, step_config
+from ..report.table import FROM_ONE, numbered_steps
 
 __all__ = ["main"]
 
@@ -25,12 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, events, metrics = load_run(args.run_dir)
         config = config_from_run(cfg)
-        steps = sorted({e["step"] for e in events
-                        if e["op"] != "compute" and e.get("phase") != "setup"})
+        steps = numbered_steps(events)
         if args.step is not None and args.step not in steps:
             raise ValueError(f"step {args.step} is not in the ledger; recorded steps: {steps}"
-                             + (" (steps count from 1, as Megatron's iterations)"
-                                if args.step == 0 else ""))
+                             + (FROM_ONE if args.step == 0 else ""))
         if not steps:
             raise ValueError(f"the ledger of {args.run_dir!r} holds no communication")
     except (ValueError, KeyError, TypeError) as err:

@@ -27,7 +27,7 @@ from ..diagnose.render import render
 from ..diagnose.verdict import diagnose
 from ..diagnose.watch import HANG_EXIT, after_run, checker
 from ..report.run_reports import write_reports
-from ..report.table import render_table, steps_of
+from ..report.table import numbered_steps, render_table
 from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
@@ -70,7 +70,7 @@ def _rank(rank: int, world: int, cfg: TrainConfig, t0: float) -> None:
     events = summary.pop("events")
     for problem in write_reports(out, events):
         print(problem, file=sys.stderr)
-    steps = [s for s in steps_of([e for e in events if e["rank"] == 0]) if s != "setup"]
+    steps = numbered_steps([e for e in events if e["rank"] == 0])
     if steps:  # rank 0 communicated in a recorded step (one rank alone does not)
         # the steady state when it was recorded: a run's first step is Megatron's first
         # iteration (buckets launched at the end, a one-off flag), in comm_table.md

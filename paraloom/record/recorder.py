@@ -122,6 +122,7 @@ class Recorder:
     def _setup_ended(self, by_forward: bool) -> None:
         """The first iteration began; a setup that ended at an optimizer step without any
         forward was step 1 after all: its events get back the phase they were seen in."""
+        self.ledger.step = 1
         if not by_forward:
             for event, phase in self._setup:
                 event["phase"], event["step"] = phase, 1

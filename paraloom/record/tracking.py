@@ -183,13 +183,11 @@ class Tracker:
 
     def _end_setup(self, by_forward: bool) -> None:
         """Setup is over: step 1 begins (``by_forward``) or, at an optimizer step without any
-        forward, it was step 1 all along."""
+        forward, it was step 1 all along (``on_setup_end`` is told which)."""
         self.setup = False
         self.step = 1
         if self._on_setup_end is not None:
             self._on_setup_end(by_forward)
-        if self._on_step is not None:
-            self._on_step(1)
 
     def _optimizer_stepped(self) -> None:
         if self._explicit or self._stepped:  # a second optimizer of the same iteration

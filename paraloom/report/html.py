@@ -26,6 +26,7 @@ from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_m
 from .plots import bubble_of, ledger_blocks
 from .sections import check_verdict, config_rows, metric_charts, table_html, timeline_data
 from .svg import schedule_svg
+from .table import numbered_steps
 
 __all__ = ["render_report", "write_report", "TITLES"]
 
@@ -86,7 +87,7 @@ def render_report(run: str | Path, lang: str = "en") -> str:
     else:
         parts.append("<p class='note'>no config.json: a program recorded with "
                      "<code>paraloom record</code></p>")
-    steps = sorted({e["step"] for e in comms if e.get("phase") != "setup"})
+    steps = numbered_steps(comms)
     parts.append(f"<p>{len(ranks)} ranks, {len(events)} ledger events ({len(comms)} "
                  f"communications) in recorded steps {steps}</p>")
     parts.append(_h2("check"))

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..analysis.check import all_ok, check_run, config_from_run, step_config
 from .sources import resolve_site, site_facts
 from .svg import line_chart
-from .table import HEADINGS, KEYS, group_rows, table_rows
+from .table import HEADINGS, KEYS, group_rows, numbered_steps, table_rows
 from .trace import KIND_ORDER
 
 __all__ = ["config_rows", "check_verdict", "metric_charts", "table_html", "timeline_data",
@@ -44,8 +44,7 @@ def check_verdict(cfg: dict, events: list[dict],
     step (``None`` when the check cannot run, the text saying why)."""
     try:
         config = config_from_run(cfg)
-        steps = sorted({e["step"] for e in events
-                        if e["op"] != "compute" and e.get("phase") != "setup"})
+        steps = numbered_steps(events)
         if not steps:
             return None, "the ledger holds no communication"
         rows = []

@@ -25,7 +25,8 @@ from . import zh
 from .fold import group_rows
 from .moe_rows import ep_split
 
-__all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows", "steps_of"]
+__all__ = ["HEADINGS", "KEYS", "table_rows", "render_table", "group_rows", "steps_of",
+           "numbered_steps", "FROM_ONE"]
 
 HEADINGS = {
     "en": ("#", "Parallel type", "Split object", "Primitive", "Trigger location", "Async"),
@@ -154,6 +155,11 @@ def steps_of(events: list[dict]) -> list:
     setup = any(e.get("phase") == "setup" for e in comms)
     steps = {e.get("step") for e in comms if e.get("phase") != "setup"}
     return (["setup"] if setup else []) + sorted(s for s in steps if isinstance(s, int))
+
+
+def numbered_steps(events: list[dict]) -> list[int]:
+    """The step numbers that hold communication (:func:`steps_of` without ``"setup"``)."""
+    return [s for s in steps_of(events) if s != "setup"]
 
 
 def _select(events: list[dict], rank: int, step) -> list[dict]:
