@@ -75,7 +75,7 @@ class Block(nn.Module):
 class PlainGPT(nn.Module):
     def __init__(self, m: ModelConfig) -> None:
         super().__init__()
-        h, v = m.hidden_size, m.padded_vocab_size
+        h, v = m.hidden_size, m.padded_vocab(1)
         self.wte, self.wpe = nn.Embedding(v, h), nn.Embedding(m.seq_length, h)
         self.blocks = nn.ModuleList(Block(h, m.num_attention_heads) for _ in range(m.num_layers))
         self.ln_f = nn.LayerNorm(h)

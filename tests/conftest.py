@@ -147,6 +147,17 @@ def world2():
     world.close()
 
 
+def real_rows(g, p):
+    """A gathered gradient of a vocabulary table (padded to a multiple of 128 * tp rows, so its
+    padding differs between layouts) cut to the real vocabulary, after checking that the
+    padding rows got no gradient; any other tensor unchanged."""
+    rows = getattr(p, "vocab_rows", None)
+    if rows is None:
+        return g
+    assert not g[rows:].any(), "a padding row of the vocabulary got a gradient"
+    return g[:rows]
+
+
 def checkpoint_folder(run, cfg, step: int = 1):
     """A run folder holding a checkpoint's metadata only (``meta.json`` and an empty DCP
     ``.metadata``): enough for everything that reads a checkpoint's settings before ranks start

@@ -27,10 +27,21 @@ def _stage_model(tp, pp, dp):
 
 def _entries(model):
     return {n: Entry(p.data, p.partition_dim if getattr(p, "tensor_model_parallel", False)
-                     else None) for n, p in model.named_parameters()}
+                     else None, getattr(p, "vocab_rows", None))
+            for n, p in model.named_parameters()}
+
+
+def _global(full, p, mesh):
+    """``full`` (a vocabulary table: its real rows) padded as this layout pads it."""
+    rows = getattr(p, "vocab_rows", None)
+    if rows is None:
+        return full
+    padding = torch.full((p.shape[0] * mesh.tp.size - rows, *full.shape[1:]), 7.0)
+    return torch.cat([full, padding])
 
 
 def _local(full, p, mesh):
+    full = _global(full, p, mesh)
     if getattr(p, "tensor_model_parallel", False):
         return full.chunk(mesh.tp.size, p.partition_dim)[mesh.tp.rank]
     return full
@@ -46,33 +57,51 @@ def save_layout(path, tp, pp, dp, full):
 
 def load_layout(path, tp, pp, dp):
     mesh, model = _stage_model(tp, pp, dp)
+    fresh = {n: p.detach().clone() for n, p in model.named_parameters()}
     meta = load_checkpoint(path, _entries(model), mesh)
     return meta, mesh.tp.rank, mesh.tp.size, {n: (p.detach().clone(), getattr(
-        p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None)
-        for n, p in model.named_parameters()}
+        p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None,
+        getattr(p, "vocab_rows", None), fresh[n]) for n, p in model.named_parameters()}
 
 
 @pytest.fixture(scope="module")
 def full_params():
     model = GPTModel(CFG, ParallelMesh())
     g = torch.Generator().manual_seed(5)
-    return {n: p.detach() + torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    return {n: (p.detach() + torch.randn(p.shape, generator=g))[
+        : getattr(p, "vocab_rows", None)] for n, p in model.named_parameters()}
 
 
 def test_save_under_one_layout_load_under_others(world4, tmp_path, full_params):
+    """Saved at tp 2 (the vocabulary of 32 padded to 256 rows, Megatron-LM's 128 * tp), loaded
+    at tp 1 (128 rows) and tp 4 (512 rows): the real rows come from the file, each layout's own
+    padding rows are left as it initialised them (at tp 2 the whole table is read back)."""
     path = tmp_path / "checkpoints" / "step_3"
     world4.run(save_layout, str(path), 2, 2, 1, full_params)
     assert latest_checkpoint(tmp_path) == path
     assert not (tmp_path / "checkpoints" / "step_3.tmp").exists()
+    padded = set()
     for layout in ((1, 1, 4), (4, 1, 1), (1, 4, 1), (2, 1, 2)):
         seen = set()
         for meta, tp_rank, tp, params in world4.run(load_layout, str(path), *layout):
             assert meta == {"step": 3}
-            for n, (value, dim) in params.items():
-                want = full_params[n] if dim is None else full_params[n].chunk(tp, dim)[tp_rank]
-                assert torch.equal(value, want), (layout, n)
+            for n, (value, dim, vocab, fresh) in params.items():
+                if vocab is not None:  # rows [tp_rank * local, ...) of the padded table
+                    local = value.shape[0]
+                    real = max(0, min(local, vocab - tp_rank * local))
+                    want = full_params[n][tp_rank * local: tp_rank * local + real]
+                    assert torch.equal(value[:real], want), (layout, n)
+                    kept = torch.full_like(value[real:], 7.0) if local * tp == 256 else \
+                        fresh[real:]  # same padding as the file: all of it read back
+                    assert torch.equal(value[real:], kept), (layout, n)
+                    padded.add((tp, local * tp))
+                else:
+                    want = full_params[n] if dim is None else \
+                        full_params[n].chunk(tp, dim)[tp_rank]
+                    assert torch.equal(value, want), (layout, n)
                 seen.add(n)
         assert seen == set(full_params), layout  # every parameter lives on some stage
+    assert padded == {(1, 128), (4, 512), (2, 256)}
 
 
 def test_latest_checkpoint_ignores_incomplete_saves(tmp_path):

@@ -33,7 +33,7 @@ def _counted(recompute: str, *, s=32, b=2, h=64, a=4, layers=2, vocab=256, ffn=N
     tokens = torch.randint(0, vocab, (b, s + 1), generator=torch.Generator().manual_seed(0))
     with FlopCounterMode(display=False) as counter:
         model.train()(tokens[:, :-1], tokens[:, 1:]).mean().backward()
-    return counter.get_total_flops(), cfg.padded_vocab_size
+    return counter.get_total_flops(), cfg.padded_vocab(1)
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(s=16, h=96, a=6, layers=3, ffn=160, b=1),
@@ -102,7 +102,7 @@ def _comm_config(cfg, recompute: str, b: int):
                         layer_freq=cfg.moe_layer_freq) if cfg.num_experts else None
     return CommConfig(layers=cfg.num_layers, hidden=cfg.hidden_size,
                       heads=cfg.num_attention_heads, seq_len=cfg.seq_length,
-                      vocab=cfg.padded_vocab_size, ffn=cfg.ffn, micro_batch=b,
+                      vocab=cfg.padded_vocab(1), ffn=cfg.ffn, micro_batch=b,
                       recompute=recompute, arch=arch, moe=moe)
 
 

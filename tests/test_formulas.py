@@ -223,7 +223,8 @@ def test_plan_gpt3_on_1024_gpus(capsys):
 
 
 def test_plan_vocab_defaults_to_gpt2_and_pads_like_megatron(capsys):
-    from paraloom.analysis.plan import GPT2_VOCAB, padded_vocab
+    from paraloom.analysis.plan import GPT2_VOCAB
+    from paraloom.config.model import padded_vocab_rows as padded_vocab
 
     assert GPT2_VOCAB == 50257
     assert padded_vocab(50257, 128, 1) == 50304 and padded_vocab(50257, 128, 8) == 51200

@@ -24,7 +24,7 @@ from .layout import arch_param_count, param_count, params_per_rank
 from .memory_formulas import memory_per_gpu, moe_extra
 from .spec import CommConfig
 
-__all__ = ["plan", "memory_per_gpu", "render_plan", "human_bytes", "human_count", "padded_vocab",
+__all__ = ["plan", "memory_per_gpu", "render_plan", "human_bytes", "human_count",
            "GPT2_VOCAB"]
 
 GPT2_VOCAB = 50257
@@ -111,12 +111,3 @@ def render_plan(c: CommConfig, p: dict) -> str:
     lines.append(f"hardware FLOPs       {p['hardware_flops_per_step']:.3e} "
                  f"(with recompute={c.recompute})")
     return "\n".join(lines)
-
-
-def padded_vocab(vocab: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's embedding rows: ``vocab`` rounded up to a multiple of ``divisible_by * tp``
-    (50257 -> 50304 for tp = 1, 50688 for tp = 8), so the vocabulary split divides by tp."""
-    m = divisible_by * tp
-    return -(-vocab // m) * m
-
-

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..config.model import padded_vocab_rows
 from ..utils import divisors
 from .costs import Options, spans_nodes
 from .hardware import Hardware
 from .memory_formulas import activation_bytes_per_layer, memory_per_gpu
-from .plan import GPT2_VOCAB, padded_vocab
+from .plan import GPT2_VOCAB
 from .spec import Architecture, CommConfig, MoECommConfig
 from .steptime import step_time
 
@@ -165,7 +166,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
                                 layer_freq=moe_layer_freq) if num_experts else None
             c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                           vocab=padded_vocab(vocab, 128, tp), ffn=ffn, micro_batch=b,
+                           vocab=padded_vocab_rows(vocab, 128, tp), ffn=ffn, micro_batch=b,
                            num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),

@@ -25,7 +25,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
     model = dataclasses.asdict(m)
     return CommConfig(
         layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads,
-        seq_len=m.seq_length, vocab=m.padded_vocab_size, ffn=m.ffn,
+        seq_len=m.seq_length, vocab=cfg.padded_vocab_size, ffn=m.ffn,
         micro_batch=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
         tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, sequence_parallel=p.uses_sequence_parallel,
         recompute=cfg.recompute, distributed_optimizer=cfg.distributed_optimizer,

@@ -15,11 +15,12 @@ import argparse
 import json
 import sys
 
-from ..analysis.plan import GPT2_VOCAB, human_bytes, padded_vocab, plan, render_plan
+from ..analysis.plan import GPT2_VOCAB, human_bytes, plan, render_plan
 from ..analysis.search import memory_fit
 from ..analysis.spec import Architecture, CommConfig, MoECommConfig
 from ..analysis.steptime import render_step_time, step_time
 from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..config.model import padded_vocab_rows
 from . import plan_calibrate, plan_run, plan_search
 from .arch_flags import add_architecture_flags, architecture_from_args
 from .hardware_flags import add_hardware_args, hardware_from_args
@@ -104,7 +105,7 @@ def _config(a: argparse.Namespace) -> CommConfig:
         num_experts=a.num_experts, topk=a.moe_router_topk, ep=a.ep, layer_freq=a.moe_layer_freq)
     ffn = train.model.ffn
     return CommConfig(layers=a.layers, hidden=a.hidden, heads=a.heads, seq_len=a.seq_len,
-                      vocab=padded_vocab(a.vocab, a.make_vocab_size_divisible_by, a.tp),
+                      vocab=padded_vocab_rows(a.vocab, a.make_vocab_size_divisible_by, a.tp),
                       ffn=ffn, micro_batch=a.micro_batch_size,
                       num_microbatches=a.global_batch_size // (a.micro_batch_size * a.dp),
                       tp=a.tp, pp=a.pp, dp=a.dp, vpp=a.vpp,

@@ -49,6 +49,7 @@ def from_run_folder(typed: list[str]) -> tuple[CommConfig, Hardware, argparse.Na
     cfg = TrainConfig.from_dict(saved)
     m = cfg.model
     note = (f"model and layout from {Path(args.run) / CONFIG}: vocabulary {m.vocab_size}"
-            + (f", padded to {m.padded_vocab_size} rows as paraloom train pads it"
-               if m.padded_vocab_size != m.vocab_size else ""))
+            + (f", padded to {cfg.padded_vocab_size} rows (a multiple of "
+               f"{m.make_vocab_size_divisible_by} x tp {cfg.parallel.tp}, as Megatron-LM pads it)"
+               if cfg.padded_vocab_size != m.vocab_size else ""))
     return comm_view(cfg), hardware_from_args(args), args, note

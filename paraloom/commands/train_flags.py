@@ -45,7 +45,7 @@ GROUPS = {
                         "recompute"),
     "model shape": ("model.seq_length", "model.num_layers", "model.hidden_size",
                     "model.num_attention_heads", "model.ffn_hidden_size", "model.vocab_size",
-                    "model.dropout"),
+                    "model.make_vocab_size_divisible_by", "model.dropout"),
     "optimizer": ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.weight_decay",
                   "optim.clip_grad", "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps"),
     "data": ("data.file", "data.data_path", "data.tokenizer"),

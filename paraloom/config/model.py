@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .fields import option
 from .parallel import ParallelConfig, positive_int
 
-__all__ = ["ModelConfig", "check_layout", "LLAMA", "mlp_width"]
+__all__ = ["ModelConfig", "check_layout", "LLAMA", "mlp_width", "padded_vocab_rows"]
 
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
              untie_embeddings_and_output_weights=True, add_bias_linear=False)
@@ -41,11 +41,15 @@ class ModelConfig:
     """Dropout probability for attention and residual dropout."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation."""
-    make_vocab_size_divisible_by: int = 128
-    """The embedding table has ``vocab_size`` rounded up to a multiple of this many rows, so its
-    vocabulary split divides by tp. A fixed multiple (not Megatron's ``128 * tp``) keeps the
-    table's shape, and so checkpoints, the same under every layout; padding rows are never a
-    token and their logits are excluded from the loss."""
+    make_vocab_size_divisible_by: int = option(
+        128, "--make-vocab-size-divisible-by",
+        help="the embedding rows are the vocabulary rounded up to a multiple of this times tp "
+             "(Megatron-LM's rule)")
+    """The embedding and output-layer tables have ``vocab_size`` rounded up to a multiple of
+    ``make_vocab_size_divisible_by * tp`` rows (Megatron-LM's rule, :meth:`padded_vocab`), so
+    the vocabulary split divides by tp and the shapes are Megatron's. The padding rows are never a
+    token and their logits are excluded from the loss, so every tp trains the same model; a
+    checkpoint keeps the real rows when a layout with another padding loads it."""
     normalization: str = option("LayerNorm", "--normalization", choices=("LayerNorm", "RMSNorm"),
                                 help="LayerNorm (GPT-2) or RMSNorm (Llama)")
     """``LayerNorm`` (GPT-2) or ``RMSNorm`` (Llama), Megatron's ``--normalization``."""
@@ -148,11 +152,10 @@ class ModelConfig:
             raise ValueError(f"with swiglu and hidden_size = {self.hidden_size} Megatron's "
                              f"default MLP width is 0: give ffn_hidden_size")
 
-    @property
-    def padded_vocab_size(self) -> int:
-        """``vocab_size`` rounded up to a multiple of ``make_vocab_size_divisible_by``."""
-        m = self.make_vocab_size_divisible_by
-        return -(-self.vocab_size // m) * m
+    def padded_vocab(self, tp: int) -> int:
+        """The embedding and output-layer rows under tensor parallelism ``tp``: Megatron-LM's
+        rule (:func:`padded_vocab_rows`)."""
+        return padded_vocab_rows(self.vocab_size, self.make_vocab_size_divisible_by, tp)
 
     @property
     def ffn(self) -> int:
@@ -205,6 +208,15 @@ def mlp_width(hidden: int, swiglu: bool, ffn_hidden_size: int | None = None) -> 
     return int(4 * hidden * 2 / 3 / 64) * 64 if swiglu else 4 * hidden
 
 
+def padded_vocab_rows(vocab: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's embedding rows: ``vocab`` rounded up to a multiple of ``divisible_by * tp``
+    (50257 -> 50304 at tp = 1, 51200 at tp = 8; 256 -> 512 at tp = 4 with the default 128), so
+    every tp rank holds the same number of rows. The rows past ``vocab`` are never a class: the
+    loss leaves them out, so every tp gives the same model."""
+    m = divisible_by * tp
+    return -(-vocab // m) * m
+
+
 def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Raise ``ValueError`` (every number named) if ``model`` cannot be split as ``parallel``
     says."""
@@ -217,10 +229,6 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     for name, value in sizes:
         if value % tp:
             problems.append(f"{name} = {value} is not divisible by tp = {tp}")
-    if model.padded_vocab_size % tp:
-        problems.append(f"the padded vocabulary ({model.vocab_size} rounded up to a multiple of "
-                        f"make_vocab_size_divisible_by = {model.make_vocab_size_divisible_by}: "
-                        f"{model.padded_vocab_size}) is not divisible by tp = {tp}")
     if model.num_layers % chunks:
         problems.append(f"num_layers = {model.num_layers} is not divisible by pp * vpp = {chunks}")
     if model.num_experts is not None and model.num_experts % parallel.ep:

@@ -166,6 +166,12 @@ class TrainConfig:
         return self.global_batch_size // (self.micro_batch_size * self.parallel.dp)
 
     @property
+    def padded_vocab_size(self) -> int:
+        """The embedding and output-layer rows of this run (Megatron-LM's padding under its tp:
+        :meth:`ModelConfig.padded_vocab`)."""
+        return self.model.padded_vocab(self.parallel.tp)
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens one optimizer step trains on (every data-parallel rank together)."""
         return self.global_batch_size * self.model.seq_length

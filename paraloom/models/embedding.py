@@ -38,9 +38,10 @@ class Embedding(nn.Module):
         self.sp = opt.sequence_parallel and mesh.tp.size > 1
         learned = cfg.position_embedding_type == "learned_absolute"
         self.word_embeddings = VocabParallelEmbedding(
-            cfg.padded_vocab_size, cfg.hidden_size, init_method=init,
+            cfg.padded_vocab(mesh.tp.size), cfg.hidden_size, init_method=init,
             reduce_scatter_embeddings=self.sp and not learned,
             mesh=mesh, name="embedding.word_embeddings", params_dtype=opt.params_dtype)
+        self.word_embeddings.weight.vocab_rows = cfg.vocab_size  # the rest is padding
         if mesh.pp.size > 1 and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings.weight.shared_embedding = True
         self.position_embeddings = None

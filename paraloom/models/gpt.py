@@ -204,11 +204,12 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(cfg, mesh, opt, positions=False)
         if post_process and not tied:                        # [Vp/tp, h], vocabulary split
             self.output_layer = nn.Module()
-            shape = (cfg.padded_vocab_size, cfg.hidden_size)
+            shape = (cfg.padded_vocab(mesh.tp.size), cfg.hidden_size)
             ranges = shard_range(shape, 0, mesh.tp.rank, mesh.tp.size)
             self.output_layer.weight = nn.Parameter(CounterInit(opt.seed, cfg.init_std)(
                 "output_layer.weight", shape, ranges, dtype=opt.params_dtype))
             set_tensor_model_parallel_attributes(self.output_layer.weight, True, 0)
+            self.output_layer.weight.vocab_rows = cfg.vocab_size  # the rest is padding
 
     def setup_embeddings_and_output_layer(self) -> None:
         """Megatron's start of word embeddings tied across pipeline stages: the last stage's
@@ -266,5 +267,6 @@ class GPTModel(nn.Module):
         logits = self.logits(self.final_layernorm(x))
         if labels is None:
             return logits
-        real = self.cfg.vocab_size if self.cfg.padded_vocab_size != self.cfg.vocab_size else None
+        padded = self.cfg.padded_vocab(self.mesh.tp.size)
+        real = self.cfg.vocab_size if padded != self.cfg.vocab_size else None
         return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh.tp, vocab_size=real).t()

@@ -53,6 +53,10 @@ class Entry:
     """Local data (the tp shard); on load it is overwritten in place."""
     partition_dim: int | None = None
     """Dimension split over the tp group, or ``None`` when every tp rank holds the full tensor."""
+    vocab_rows: int | None = None
+    """For a vocabulary table (rows = padded vocabulary, split on dim 0): the real vocabulary.
+    Its padding depends on tp (Megatron-LM's rule), so a checkpoint written under another tp may
+    hold more or fewer rows: the real rows are loaded, this layout's padding rows are kept."""
 
 
 _ALLOWED = {
@@ -162,16 +166,43 @@ def read_meta(directory: str | Path) -> dict:
 def load_checkpoint(directory: str | Path, entries: dict[str, Entry], mesh) -> dict:
     """Fill ``entries`` in place from ``directory``; returns its metadata.
 
-    Every name in ``entries`` must be in the checkpoint with the same global shape.
+    Every name in ``entries`` must be in the checkpoint with the same global shape, except a
+    vocabulary table (``Entry.vocab_rows``) padded to another number of rows: its real rows are
+    read whole on every rank and this rank's range copied (:func:`_load_rows`).
     """
     meta = read_meta(directory)
+    reader = SafeFileSystemReader(str(directory))
+    saved = reader.read_metadata().state_dict_metadata
     state = _dtensors(entries, mesh)
+    repadded = {name: e for name, e in entries.items()
+                if e.vocab_rows is not None and name in saved
+                and tuple(saved[name].size) != tuple(state[name].shape)}
+    for name in repadded:
+        state[name] = _replicated(saved[name].size, entries[name].tensor, mesh)
     dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
     for name, e in entries.items():  # DCP fills the DTensors' local shards: copy back if needed
         local = state[name].to_local()
-        if local.data_ptr() != e.tensor.data_ptr():
+        if name in repadded:
+            _load_rows(e, local, mesh)
+        elif local.data_ptr() != e.tensor.data_ptr():
             e.tensor.copy_(local)
     return meta
+
+
+def _replicated(size, like: torch.Tensor, mesh):
+    """An empty DTensor of the checkpoint's global ``size``, whole on every rank."""
+    from torch.distributed.tensor import DTensor, Replicate
+    full = torch.zeros(tuple(size), dtype=like.dtype, device=like.device)
+    return DTensor.from_local(full, _device_mesh(mesh), [Replicate()] * 3, run_check=False)
+
+
+def _load_rows(e: Entry, full: torch.Tensor, mesh) -> None:
+    """Copy the real vocabulary rows of this rank's range from the whole saved table."""
+    rows = e.tensor.shape[0]
+    start = _device_mesh(mesh).get_local_rank("tp") * rows
+    stop = min(start + rows, e.vocab_rows, full.shape[0])
+    if stop > start:
+        e.tensor[: stop - start].copy_(full[start:stop])
 
 
 def read_rank_state(directory: str | Path, rank: int) -> dict | None:

@@ -33,9 +33,14 @@ from .checkpoint import SafeFileSystemReader, find_checkpoint
 __all__ = ["load_full_params", "export_hf", "TOKENIZER_FILES"]
 
 
+VOCAB_TABLES = ("embedding.word_embeddings.weight", "output_layer.weight")
+"""The tensors whose rows are the padded vocabulary (the padding follows the writer's tp)."""
+
+
 def load_full_params(checkpoint: str | Path):
-    """``(ModelConfig, {global name: full tensor})`` of a run or checkpoint folder, read in this
-    process without a process group."""
+    """``(ModelConfig, {global name: full tensor}, checkpoint)`` of a run or checkpoint folder,
+    read in this process without a process group: the model one process holds, its vocabulary
+    tables padded as at tp = 1 (the writer's real rows, zero padding rows)."""
     ckpt, meta = find_checkpoint(checkpoint, "RUN_DIR")
     cfg = ModelConfig(**meta["config"]["model"])
     metadata = SafeFileSystemReader(str(ckpt)).read_metadata()
@@ -51,6 +56,11 @@ def load_full_params(checkpoint: str | Path):
         if key.startswith("model."):
             name = key.removeprefix("model.")
             params[name] = state.get(f"optim.{name}.master", tensor)
+    for name in VOCAB_TABLES:
+        if name in params:
+            table = params[name]
+            params[name] = table.new_zeros((cfg.padded_vocab(1), *table.shape[1:]))
+            params[name][: cfg.vocab_size] = table[: cfg.vocab_size]
     return cfg, params, ckpt
 
 

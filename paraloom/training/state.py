@@ -7,6 +7,9 @@ over tp like their parameter. The distributed optimizer keeps only a ``1/dp`` sh
 bucket, so its moments are all-gathered over dp before saving and re-sliced after loading: the
 file is the same whichever optimizer or layout wrote it.
 
+The vocabulary tables (word embeddings, an untied output layer) carry ``vocab_rows``: their
+padding follows tp, and a load under another tp keeps the real rows (:class:`Entry`).
+
 A parameter split with ``partition_stride = k > 1`` (SwiGLU's fc1: ``[gate_r; up_r]`` on rank
 ``r``) is saved as ``[k, n/k, ...]`` split on dim 1, so the file holds ``[gate; up]`` whatever tp
 wrote it.
@@ -31,7 +34,7 @@ def _entry(tensor: torch.Tensor, param) -> Entry:
     """``tensor`` (shaped like ``param``) as a checkpoint entry, strided splits unfolded."""
     stride, dim = getattr(param, "partition_stride", 1), _pdim(param)
     if dim is None or stride == 1:
-        return Entry(tensor, dim)
+        return Entry(tensor, dim, getattr(param, "vocab_rows", None))
     shape = tensor.shape
     return Entry(tensor.view(*shape[:dim], stride, shape[dim] // stride, *shape[dim + 1:]),
                  dim + 1)
