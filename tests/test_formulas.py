@@ -222,7 +222,7 @@ def test_plan_gpt3_on_1024_gpus(capsys):
     assert "hidden" in capsys.readouterr().err
 
 
-def test_plan_vocab_defaults_to_gpt2_and_pads_like_megatron(capsys):
+def test_plan_vocab_is_trains_and_pads_like_megatron(capsys):
     from paraloom.analysis.plan import GPT2_VOCAB
     from paraloom.config.model import padded_vocab_rows as padded_vocab
 
@@ -230,11 +230,16 @@ def test_plan_vocab_defaults_to_gpt2_and_pads_like_megatron(capsys):
     assert padded_vocab(50257, 128, 1) == 50304 and padded_vocab(50257, 128, 8) == 51200
     assert padded_vocab(51200, 128, 8) == 51200  # already a multiple: unchanged
     argv = ["--layers", "4", "--hidden", "256", "--heads", "8", "--seq-len", "128",
-            "--global-batch-size", "8", "--micro-batch-size", "1", "--tp", "8"]
-    assert plan_main(argv) == 0  # no --vocab: 50257 is not divisible by tp 8, and need not be
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--tp", "8", "--pp", "1",
+            "--dp", "1"]
+    assert plan_main(argv) == 0  # no --vocab: train's, 256 bytes, padded to 128 * tp
     out = capsys.readouterr().out
-    assert "vocabulary 50257 (default, GPT-2 BPE), padded to 51200 rows" in out
-    assert plan_main(argv + ["--json"]) == 0
+    assert "vocabulary 256 (paraloom train's default, bytes; --vocab-size 50257 is GPT-2's " \
+           "BPE), padded to 1024 rows" in out
+    assert plan_main(argv + ["--vocab-size", "50257"]) == 0
+    assert "vocabulary 50257 (given), padded to 51200 rows (a multiple of 128 x tp 8" \
+        in capsys.readouterr().out
+    assert plan_main(argv + ["--vocab-size", "50257", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     expected = param_count(4, 256, 51200, 128, None)
     assert p["parameters"]["total"] == expected

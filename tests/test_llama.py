@@ -302,7 +302,8 @@ def test_formulas_know_the_llama_parameters_and_sdpa_memory():
     from paraloom.analysis.layout import chunk_params
     from paraloom.analysis.memory import expected_saved_bytes, saved_bytes_per_layer
     from paraloom.analysis.plan import plan
-    from paraloom.commands.plan import _config, _parser
+    from paraloom.analysis.view import comm_view
+    from paraloom.commands.plan import config_of, parser
     arch = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                         num_query_groups=2, untie_embeddings_and_output_weights=True,
                         add_bias_linear=False)
@@ -314,11 +315,12 @@ def test_formulas_know_the_llama_parameters_and_sdpa_memory():
         assert [(p.name, p.numel) for p in chunk_params(c, pp_rank)] == \
             [(n, p.numel()) for n, p in model.named_parameters()]
     # Llama-3-8B's shape: 8,030,261,248 parameters
-    args = _parser().parse_args(
-        "--layers 32 --hidden 4096 --heads 32 --seq-len 8192 --global-batch-size 8 "
-        "--micro-batch-size 1 --tp 8 --vocab 128256 --make-vocab-size-divisible-by 1 --arch "
-        "llama --group-query-attention --num-query-groups 8 --ffn 14336".split())
-    assert plan(_config(args))["parameters"]["total"] == 8_030_261_248
+    argv = ("--layers 32 --hidden 4096 --heads 32 --seq-len 8192 --global-batch-size 8 "
+            "--micro-batch-size 1 --tp 8 --pp 1 --dp 1 --vocab 128256 "
+            "--make-vocab-size-divisible-by 1 --arch llama --group-query-attention "
+            "--num-query-groups 8 --ffn 14336").split()
+    view = comm_view(config_of(parser().parse_args(argv), argv))
+    assert plan(view)["parameters"]["total"] == 8_030_261_248
     # sdpa keeps no s x s tensor: measured == accounted, and less than core
     gpt = ModelConfig(hidden_size=64, num_attention_heads=4, seq_length=32)
     opt = ParallelOptions(params_dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ SMALL = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "40
       "--vocab", "32000", "--num-experts", "8", "--tp", "4", "--pp", "4", "--dp", "8", "--ep",
       "8"], "num_experts = 8 with swiglu = True"),
     (["--pp", "1", "--vpp", "2"], "vpp = 2 needs pipeline parallelism"),
-    (["--pp", "4", "--vpp", "2", "--global-batch-size", "6"],
+    (["--pp", "4", "--vpp", "2", "--dp", "1", "--global-batch-size", "6"],
      "the interleaved schedule needs the number of microbatches (6) to be a multiple of pp"),
     (["--inter-bw", "nan"], "inter_bw (--inter-bw) must be a finite number, got nan"),
     (["--peak-flops", "inf"], "peak_flops (--peak-flops) must be a finite number"),
@@ -38,22 +38,23 @@ def test_verdict_says_whether_the_layout_fits_and_require_fit_exits_1(capsys):
     assert "verdict: fits (" in out and "usable of the a100-80gb's" in out, out
     assert plan_main(SMALL + ["--tp", "8", "--pp", "2", "--dp", "4", "--require-fit"]) == 0
     capsys.readouterr()
-    assert plan_main(SMALL) == 0  # one GPU: the verdict, exit 0 without --require-fit
+    one = SMALL + ["--gpus", "1"]  # Megatron-LM's layout of one GPU: tp = pp = dp = 1
+    assert plan_main(one) == 0  # one GPU: the verdict, exit 0 without --require-fit
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("verdict:"))
     assert "does NOT fit" in line and "x too much" in line and "--recompute" in line, line
     assert "--distributed-optimizer" not in line  # nothing to shard over with dp = 1
-    assert plan_main(SMALL + ["--require-fit"]) == 1
+    assert plan_main(one + ["--require-fit"]) == 1
     capsys.readouterr()
-    assert plan_main(SMALL + ["--require-fit", "--json"]) == 1
+    assert plan_main(one + ["--require-fit", "--json"]) == 1
     fit = json.loads(capsys.readouterr().out)["memory_fit"]
     assert fit["fits"] is False and fit["need_bytes"] > fit["budget_bytes"] > 0
 
 
 def test_header_shows_small_models_dtype_and_experts(capsys):
     argv = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "64", "--vocab",
-            "256", "--global-batch-size", "8", "--micro-batch-size", "1", "--dp", "2",
-            "--num-experts", "4", "--ep", "2", "--dtype", "fp32"]
+            "256", "--global-batch-size", "8", "--micro-batch-size", "1", "--tp", "1", "--pp", "1",
+            "--dp", "2", "--num-experts", "4", "--ep", "2", "--dtype", "fp32"]
     assert plan_main(argv) == 0
     head = capsys.readouterr().out.splitlines()
     assert head[0].split()[0].endswith("K") and "0.0B" not in head[0], head[0]

@@ -315,7 +315,8 @@ def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flag
      r"cp must be a positive integer, got 0"),
     (["plan", "--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "10",
       "--global-batch-size", "1", "--micro-batch-size", "1", "--cp", "2"],
-     r"--seq-len 10 is not divisible by 2 \* --cp = 4"),
+     r"paraloom train would refuse this run: .*seq_length = 10 is not divisible by 2 \* cp = "
+     r"4"),
 ])
 def test_bad_cp_input_exits_2_before_ranks_start(capsys, no_ranks, argv, message):
     assert main(argv) == 2

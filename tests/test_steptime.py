@@ -210,8 +210,8 @@ def test_cp_ep_and_llama_shapes_in_step_time():
 
 def test_plan_prints_cp_and_ep_rows(capsys):
     argv = ["--layers", "8", "--hidden", "1024", "--heads", "16", "--seq-len", "8192",
-            "--global-batch-size", "16", "--micro-batch-size", "1", "--tp", "2", "--dp", "8",
-            "--cp", "2", "--ep", "4", "--num-experts", "8", "--gpu", "h100-sxm",
+            "--global-batch-size", "16", "--micro-batch-size", "1", "--tp", "2", "--pp", "1",
+            "--dp", "8", "--cp", "2", "--ep", "4", "--num-experts", "8", "--gpu", "h100-sxm",
             "--gpus-per-node", "2"]  # cp (stride tp=2) and ep (stride tp cp=4) leave the node
     assert plan_main(argv) == 0
     out = capsys.readouterr().out

@@ -13,6 +13,7 @@ batch and optimizer arguments are paraloom's flags' Megatron aliases (``--num-la
 * ``--max-position-embeddings`` must equal ``--seq-length`` (paraloom's learned position table
   has one row per position of a sample), ``--attention-dropout`` the hidden dropout (one
   dropout), ``--distributed-backend`` the backend of the device (gloo on CPU, NCCL on CUDA).
+* ``--bf16`` is ``--dtype bf16``; ``--fp16`` is refused (no loss scaling here).
 * ``--eval-iters`` / ``--eval-interval``: paraloom evaluates the held-out loss before and after
   training (no periodic evaluation); accepted and noted.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["KERNEL_FLAGS", "add_megatron_lm_flags", "check_megatron_lm", "megatron_lm_notes",
+           "megatron_lm_dtype",
            "layout_from_world", "megatron_lm_spellings", "MEGATRON_LM_DEFAULTS",
            "megatron_lm_defaults"]
 
@@ -78,6 +80,11 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--distributed-backend", dest=f"{_DEST}distributed-backend",
                        choices=("gloo", "nccl"), help="must be the device's (gloo on CPU, "
                        "nccl on CUDA)", **value)
+    group.add_argument("--bf16", dest=f"{_DEST}bf16", action="store_true",
+                       help="bf16 parameters and activations: --dtype bf16", **value)
+    group.add_argument("--fp16", dest=f"{_DEST}fp16", action="store_true",
+                       help="refused: fp16 with loss scaling is not implemented (use --bf16)",
+                       **value)
     for flag in ("--eval-iters", "--eval-interval"):
         group.add_argument(flag, dest=f"{_DEST}{flag[2:]}", type=int, metavar="N",
                            help="accepted: paraloom evaluates before and after training",
@@ -86,6 +93,20 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
 
 def _given(args: argparse.Namespace) -> dict:
     return {k[len(_DEST):]: v for k, v in vars(args).items() if k.startswith(_DEST)}
+
+
+def megatron_lm_dtype(args: argparse.Namespace, values: dict) -> None:
+    """``--bf16`` as ``--dtype bf16`` in ``values`` (the flags typed, by dotted path);
+    ``ValueError`` for ``--fp16`` or a ``--dtype`` that says otherwise."""
+    got = _given(args)
+    if got.get("fp16"):
+        raise ValueError("--fp16: fp16 training (with its loss scaling) is not implemented; "
+                         "give --bf16 (or --dtype bf16)")
+    if not got.get("bf16"):
+        return
+    if values.get("dtype", "bf16") != "bf16":
+        raise ValueError(f"--bf16 contradicts --dtype {values['dtype']}: give one of them")
+    values["dtype"] = "bf16"
 
 
 def check_megatron_lm(args: argparse.Namespace, model: dict, backend: str) -> None:

@@ -13,8 +13,6 @@ import argparse
 from pathlib import Path
 
 from ..analysis.hardware import Hardware
-from ..analysis.spec import CommConfig
-from ..analysis.view import comm_view
 from ..config import TrainConfig
 from ..run_folder import CONFIG, read_json
 from .hardware_flags import add_hardware_args, hardware_from_args
@@ -27,8 +25,8 @@ def is_run_folder(typed: list[str]) -> bool:
     return bool(typed) and not typed[0].startswith("-") and Path(typed[0]).is_dir()
 
 
-def from_run_folder(typed: list[str]) -> tuple[CommConfig, Hardware, argparse.Namespace, str]:
-    """The run's ``CommConfig``, the hardware, the output flags and a note on where the model
+def from_run_folder(typed: list[str]) -> tuple[TrainConfig, Hardware, argparse.Namespace, str]:
+    """The run's configuration, the hardware, the output flags and a note on where the model
     came from; ``ValueError`` naming what is wrong (a folder without config.json, model or
     layout flags given beside it)."""
     ap = argparse.ArgumentParser(prog="paraloom plan RUN_FOLDER",
@@ -52,4 +50,4 @@ def from_run_folder(typed: list[str]) -> tuple[CommConfig, Hardware, argparse.Na
             + (f", padded to {cfg.padded_vocab_size} rows (a multiple of "
                f"{m.make_vocab_size_divisible_by} x tp {cfg.parallel.tp}, as Megatron-LM pads it)"
                if cfg.padded_vocab_size != m.vocab_size else ""))
-    return comm_view(cfg), hardware_from_args(args), args, note
+    return cfg, hardware_from_args(args), args, note

@@ -29,6 +29,7 @@ from .megatron_lm_flags import (
     check_megatron_lm,
     layout_from_world,
     megatron_lm_defaults,
+    megatron_lm_dtype,
 )
 from .resume import Resumed, resume_base
 
@@ -100,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
     """The validated configuration of parsed ``train`` flags, and the checkpoint it resumes;
     ``ValueError`` names every bad value in the user's words."""
     values = {k: (absolute(v) if k in _PATHS else v) for k, v in given(args).items()}
+    megatron_lm_dtype(args, values)
     resumed = None
     if "run.resume" in values and "run.init_from_hf" not in values:
         base, resumed = resume_base(values)
