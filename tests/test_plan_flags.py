@@ -19,13 +19,15 @@ SMALL = ["--tp", "2", "--pp", "1", "--dp", "1", "--layers", "2", "--hidden", "32
          "2", "--seq-len", "16", "--global-batch-size", "2", "--micro-batch-size", "1",
          "--steps", "1", "--swiglu", "--vocab", "300", "--recompute", "selective"]
 
-MEGATRON_LM = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
-               "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size",
-               "1", "--global-batch-size", "16", "--tensor-model-parallel-size", "2",
-               "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-               "2", "--sequence-parallel", "--use-distributed-optimizer", "--bf16",
-               "--train-iters", "10", "--lr", "1e-4", "--mock-data", "--tokenizer-type",
-               "NullTokenizer", "--vocab-size", "50257", "--transformer-impl", "local"]
+MEGATRON_LM_MODEL = ["--num-layers", "8", "--hidden-size", "256", "--num-attention-heads", "8",
+                     "--seq-length", "128", "--max-position-embeddings", "128",
+                     "--global-batch-size", "16", "--bf16", "--train-iters", "10", "--lr", "1e-4",
+                     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50257",
+                     "--transformer-impl", "local"]
+MEGATRON_LM = [*MEGATRON_LM_MODEL, "--micro-batch-size", "1", "--tensor-model-parallel-size",
+               "2", "--pipeline-model-parallel-size", "2",
+               "--num-layers-per-virtual-pipeline-stage", "2", "--sequence-parallel",
+               "--use-distributed-optimizer"]
 
 
 def _plan_json(capsys, argv: list[str]) -> dict:
@@ -78,3 +80,18 @@ def test_plan_refuses_a_world_the_layout_does_not_fill(capsys, extra, message):
     assert plan_main(argv) == 2
     err = capsys.readouterr().err
     assert message in err, err
+
+
+def test_search_reads_the_model_as_train_does(capsys):
+    """``--search`` takes the model from train's flags (Megatron-LM's names and ``--bf16``
+    included) and refuses the layout flags it tries itself, in either spelling."""
+    model = MEGATRON_LM_MODEL
+    got = _plan_json(capsys, ["--search", "--gpus", "8", *model, "--top", "3"])
+    assert got["layouts_fitting"] > 0 and len(got["ranked"]) == 3
+    assert plan_main(["--search", "--gpus", "8", *MEGATRON_LM]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-model-parallel-size" in err and "the search tries every value" in err
+    bf16 = _plan_json(capsys, ["--search", "--gpus", "8", *model, "--top", "1"])
+    fp32 = _plan_json(capsys, ["--search", "--gpus", "8", *[f for f in model if f != "--bf16"],
+                               "--top", "1"])
+    assert fp32["ranked"][0]["memory_bytes"] > bf16["ranked"][0]["memory_bytes"]

@@ -257,9 +257,9 @@ def test_search_with_cp_and_ep_ranks_bad_spans_low_and_long_sequences_need_cp(ca
     out = capsys.readouterr().out
     assert " ep " in out and " cp " in out and "fastest" in out
     assert search_main(argv + ["--moe-router-topk", "32"]) == 2
-    assert "--num-experts must be >= --moe-router-topk" in capsys.readouterr().err
+    assert "moe_router_topk = 32 is larger than num_experts = 16" in capsys.readouterr().err
     assert search_main(argv[:-4] + ["--num-experts", "0"]) == 2
-    assert "--num-experts must be >= 1, got 0" in capsys.readouterr().err
+    assert "num_experts must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_search_llama_keeps_gqa_groups_whole(capsys):

@@ -146,7 +146,8 @@ def no_valid_layout(gpus: int, *, layers: int, hidden: int, heads: int, seq_len:
 
 
 def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
-           global_batch: int, vocab: int = GPT2_VOCAB, ffn: int | None = None,
+           global_batch: int, vocab: int = GPT2_VOCAB, vocab_multiple: int = 128,
+           ffn: int | None = None,
            dtype_bytes: int = 2, fit_fraction: float = FIT_FRACTION, cps=None, cp_comm_type="p2p",
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
            arch: Architecture | None = None,
@@ -166,7 +167,8 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
                                 layer_freq=moe_layer_freq) if num_experts else None
             c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
-                           vocab=padded_vocab_rows(vocab, 128, tp), ffn=ffn, micro_batch=b,
+                           vocab=padded_vocab_rows(vocab, vocab_multiple, tp), ffn=ffn,
+                           micro_batch=b,
                            num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),

@@ -1,30 +1,39 @@
 """``paraloom plan --search --gpus N ...``: the ranked table of the layouts that fit
-(:mod:`paraloom.analysis.search`; ``--json`` for machines)."""
+(:mod:`paraloom.analysis.search`; ``--json`` for machines).
+
+The model, dtype and global batch are read from ``paraloom train``'s flags (their Megatron-LM
+aliases and arguments, train's defaults), as ``plan`` reads them; the layout flags are what the
+search tries, so they are refused."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import asdict
 
 from ..analysis.hardware import Hardware
-from ..analysis.plan import GPT2_VOCAB, human_bytes
+from ..analysis.plan import human_bytes
 from ..analysis.search import Candidate, cp_sizes, explain, no_valid_layout, search
 from ..analysis.spec import Architecture
-from ..config.model import mlp_width
-from .arch_flags import add_architecture_flags, architecture_from_args
+from ..config import TrainConfig
+from .flags import TRAIN_FLAGS
 from .hardware_flags import add_hardware_args, hardware_from_args
+from .megatron_lm_flags import megatron_lm_spellings
+from .train_flags import add_train_flags, config_from_args
 
 __all__ = ["main"]
 
 
-_SEARCHED = ("--tp", "--pp", "--dp", "--cp", "--ep", "--vpp", "--micro-batch-size",
-             "--sequence-parallel", "--recompute", "--distributed-optimizer",
-             "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
-             "--context-parallel-size", "--expert-model-parallel-size")
-"""Layout flags of ``plan``: the search enumerates them."""
+_SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.cp",
+                                  "parallel.ep", "parallel.vpp", "parallel.sequence_parallel",
+                                  "micro_batch_size", "recompute", "distributed_optimizer")
+                  for f in TRAIN_FLAGS[path].flags) + (
+    "--num-layers-per-virtual-stage", "--num-layers-per-virtual-pipeline-stage", "--nprocs",
+    "--nproc", "--nproc-per-node")
+"""Layout flags of ``train`` (and their Megatron-LM aliases): the search enumerates them."""
 
 
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
@@ -38,25 +47,18 @@ def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="paraloom plan --search",
-                                 description="rank the layouts of a job that fit memory")
-    ap.add_argument("--search", action="store_true")
-    ap.add_argument("--gpus", type=int, required=True)
-    for name in ("layers", "hidden", "heads", "seq-len", "global-batch-size"):
-        ap.add_argument(f"--{name}", type=int, required=True)
-    ap.add_argument("--vocab", type=int, default=GPT2_VOCAB)
-    ap.add_argument("--ffn", type=int, default=None)
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    ap.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
-    ap.add_argument("--max-cp", type=int, default=32,
-                    help="largest context-parallel size tried (powers of two; default 32)")
-    ap.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p")
-    ap.add_argument("--num-experts", type=int, default=None,
-                    help="MoE: experts per MoE layer (then every ep dividing dp is tried)")
-    ap.add_argument("--moe-router-topk", type=int, default=2)
-    ap.add_argument("--moe-layer-freq", type=int, default=1)
-    ap.add_argument("--json", action="store_true")
+                                 description="rank the layouts of a job that fit memory: the "
+                                             "model is paraloom train's flags (or Megatron-LM's "
+                                             "arguments), the layout is searched")
+    add_train_flags(ap)
+    g = ap.add_argument_group("search")
+    g.add_argument("--search", action="store_true")
+    g.add_argument("--gpus", type=int, required=True, metavar="N", help="the world to fill")
+    g.add_argument("--top", type=int, default=10, help="layouts to print (default 10)")
+    g.add_argument("--max-cp", type=int, default=32,
+                   help="largest context-parallel size tried (powers of two; default 32)")
+    g.add_argument("--json", action="store_true")
     add_hardware_args(ap)
-    add_architecture_flags(ap)
     return ap
 
 
@@ -70,30 +72,25 @@ def _searched(typed: list[str]) -> str | None:
             f"itself; leave {'it' if one else 'them'} out (or drop --search to plan one layout)")
 
 
-def _checked(a: argparse.Namespace) -> tuple[Hardware, Architecture]:
-    """The hardware and the architecture of the flags; ``ValueError`` naming a bad value."""
-    hw = hardware_from_args(a)
-    for name in ("gpus", "layers", "hidden", "heads", "seq_len", "global_batch_size",
-                 "vocab", "top", "max_cp", "moe_router_topk", "moe_layer_freq"):
+def _model(a: argparse.Namespace, typed: list[str]) -> TrainConfig:
+    """The model, dtype and batch of the flags as ``paraloom train`` reads them (presets,
+    tokenizer, Hugging Face shape, Megatron-LM's spellings), on one GPU: the layout is the
+    search's. ``ValueError`` naming a bad value."""
+    for name in ("gpus", "top", "max_cp"):
         if getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got "
-                             f"{getattr(a, name)}")
-    if a.hidden % a.heads:
-        raise ValueError(f"--hidden {a.hidden} is not divisible by --heads {a.heads}")
-    arch = Architecture(**{k: v for k, v in architecture_from_args(a).items()
-                           if k in Architecture.__dataclass_fields__})
-    if arch.num_query_groups and a.heads % arch.num_query_groups:
-        raise ValueError(f"--num-query-groups {arch.num_query_groups} must divide --heads "
-                         f"{a.heads}")
-    if a.num_experts is not None and not arch.is_gpt2:
-        raise ValueError("--num-experts: experts are GeLU MLPs with biases for now; "
-                         "use the GPT-2 MLP flags with MoE")
-    if a.num_experts is not None and a.num_experts < 1:
-        raise ValueError(f"--num-experts must be >= 1, got {a.num_experts}")
-    if a.num_experts is not None and not a.moe_router_topk <= a.num_experts:
-        raise ValueError(f"--num-experts must be >= --moe-router-topk "
-                         f"({a.moe_router_topk}), got {a.num_experts}")
-    return hw, arch
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for path in ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.cp", "parallel.ep"):
+        setattr(a, path, 1)
+    a.nprocs, a.megatron_lm_spelt = None, megatron_lm_spellings(_parser(), typed)
+    try:
+        cfg, _ = config_from_args(a)
+    except ValueError as err:
+        raise ValueError(f"paraloom train would refuse this model: {err}") from None
+    m = cfg.model
+    if m.num_query_groups and m.num_attention_heads % m.num_query_groups:
+        raise ValueError(f"--num-query-groups {m.num_query_groups} must divide --heads "
+                         f"{m.num_attention_heads}")
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,30 +100,33 @@ def main(argv: list[str] | None = None) -> int:
     if refused:
         print(f"paraloom plan --search: error: {refused}", file=sys.stderr)
         return 2
-    a = ap.parse_args(argv)
+    a = ap.parse_args(typed)
     try:
-        hw, arch = _checked(a)
+        hw, cfg = hardware_from_args(a), _model(a, typed)
     except ValueError as err:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
+    m = cfg.model
+    arch = Architecture.from_model(dataclasses.asdict(m))
     tic = time.perf_counter()
-    fits, too_big = search(a.gpus, hw, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                           seq_len=a.seq_len, global_batch=a.global_batch_size, vocab=a.vocab,
-                           ffn=mlp_width(a.hidden, arch.swiglu, a.ffn),
-                           dtype_bytes=2 if a.dtype == "bf16" else 4, arch=arch,
-                           cps=cp_sizes(a.gpus, a.seq_len, a.max_cp),
-                           cp_comm_type=a.cp_comm_type, num_experts=a.num_experts,
-                           moe_topk=a.moe_router_topk, moe_layer_freq=a.moe_layer_freq)
+    fits, too_big = search(a.gpus, hw, layers=m.num_layers, hidden=m.hidden_size,
+                           heads=m.num_attention_heads, seq_len=m.seq_length,
+                           global_batch=cfg.global_batch_size, vocab=m.vocab_size,
+                           vocab_multiple=m.make_vocab_size_divisible_by, ffn=m.ffn,
+                           dtype_bytes=2 if cfg.dtype == "bf16" else 4, arch=arch,
+                           cps=cp_sizes(a.gpus, m.seq_length, a.max_cp),
+                           cp_comm_type=cfg.parallel.cp_comm_type, num_experts=m.num_experts,
+                           moe_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq)
     took = time.perf_counter() - tic
     if a.json:
         print(json.dumps({"hardware": hw.to_dict(), "layouts_fitting": len(fits),
                           "layouts_too_big": too_big, "seconds": took,
                           "ranked": [asdict(x) for x in fits[:a.top]]}, indent=2))
         return 0
-    return _print_ranked(a, hw, arch, fits, too_big, took)
+    return _print_ranked(a, cfg, hw, arch, fits, too_big, took)
 
 
-def _print_ranked(a: argparse.Namespace, hw: Hardware, arch: Architecture,
+def _print_ranked(a: argparse.Namespace, cfg: TrainConfig, hw: Hardware, arch: Architecture,
                   fits: list[Candidate], too_big: int, took: float) -> int:
     """The ranked table; 1 when nothing fits or no layout is valid."""
     print(f"{len(fits)} layouts fit {human_bytes(0.9 * hw.hbm_bytes)} of {hw.name} "
@@ -135,8 +135,10 @@ def _print_ranked(a: argparse.Namespace, hw: Hardware, arch: Architecture,
         print("nothing fits: more GPUs, a shorter sequence or a smaller model")
         return 1
     if not fits:
-        print(no_valid_layout(a.gpus, layers=a.layers, hidden=a.hidden, heads=a.heads,
-                              seq_len=a.seq_len, global_batch=a.global_batch_size,
+        m = cfg.model
+        print(no_valid_layout(a.gpus, layers=m.num_layers, hidden=m.hidden_size,
+                              heads=m.num_attention_heads, seq_len=m.seq_length,
+                              global_batch=cfg.global_batch_size,
                               query_groups=arch.num_query_groups))
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
