@@ -4,7 +4,7 @@ Two ranks run both layouts, alternating iterations so both see the same machine 
 a (dp = 2) mesh, each rank the whole sequence; cp = 2 is one sequence split over both ranks
 (load-balanced chunks, ring attention or ``--cp-comm-type all_gather``). Printed per layout:
 the bytes one training forward of the layer saves for backward on a rank
-(:class:`paraloom.analysis.memory.SavedTensors`: storages, parameters excluded), and the median
+(:class:`paraloom.measure.memory.SavedTensors`: storages, parameters excluded), and the median
 forward + backward time; then the ratios cp2 / cp1. cp = 1 runs paraloom's ``CoreAttention``,
 which saves the ``s x s`` probabilities; the ring keeps only q, k, v, the output and its
 log-sum-exp, so the saved-bytes ratio is far below 1/cp unless ``--recompute selective`` takes
@@ -23,8 +23,8 @@ import time
 import torch
 
 from paraloom import launch
-from paraloom.analysis.memory import layer_saved_tensors
 from paraloom.config import ModelConfig, ParallelConfig
+from paraloom.measure.memory import layer_saved_tensors
 from paraloom.mesh import ParallelMesh
 from paraloom.models.gpt import ParallelOptions, TransformerLayer
 

@@ -24,9 +24,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from paraloom.analysis.check import config_from_run
 from paraloom.analysis.flops import model_flops
 from paraloom.analysis.hardware import GPUS
+from paraloom.verify.check import config_from_run
 
 # device name fragment -> hardware preset (checked in order: "H100 PCIe" before "H100")
 _NAMES = (("H200", "h200"), ("H100 PCIe", None), ("H100", "h100-sxm"), ("B200", "b200"),

@@ -1,7 +1,7 @@
 """Predicted vs measured step time of ``paraloom train`` on this machine, layout by layout.
 
 For each round and each layout: calibrate this machine with the layout's world size
-(:func:`paraloom.analysis.calibrate.calibrate`: GEMM rate, element-wise rate, op overhead, gloo
+(:func:`paraloom.measure.calibrate.calibrate`: GEMM rate, element-wise rate, op overhead, gloo
 alpha/beta, all ranks measuring at once), train the layout for a few steps and take the
 median step time (the first ``--skip`` steps are warm-up and ledger recording), calibrate
 again, and predict with each calibration (the mean of the two). Calibration and measurement
@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--replay", default=None,
                     help="predict again from saved measurements (no runs): the model changed")
     a = ap.parse_args()
-    from paraloom.analysis.calibrate import calibrate, fit_hardware, predict_run
+    from paraloom.measure.calibrate import calibrate, fit_hardware, predict_run
 
     names = a.only or list(LAYOUTS)
     raw = json.loads(Path(a.replay).read_text()) if a.replay else []

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from paraloom.analysis.calibrate import (
+from paraloom.analysis.hardware import hardware_from
+from paraloom.commands.plan_calibrate import main as calibrate_main
+from paraloom.measure.calibrate import (
     _fit_alpha_beta,
     _fit_gemm,
     calibrate,
@@ -14,8 +16,6 @@ from paraloom.analysis.calibrate import (
     predict_run,
     to_toml,
 )
-from paraloom.analysis.hardware import hardware_from
-from paraloom.commands.plan_calibrate import main as calibrate_main
 
 
 def test_fits_recover_known_machines():

@@ -15,12 +15,12 @@ import shutil
 
 import pytest
 
-from paraloom.analysis.check import config_from_run
 from paraloom.analysis.layout import chunk_buckets, chunk_params
 from paraloom.commands import main
 from paraloom.commands.check import main as check_main
 from paraloom.report.table import render_table, table_rows
 from paraloom.run_folder import read_json_lines as load
+from paraloom.verify.check import config_from_run
 
 TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq-len", "16",
         "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1",
@@ -315,8 +315,8 @@ def test_a_resumed_runs_earlier_part_ends_with_its_own_last_step():
     "after training is done" barrier although the saved config's --steps is the later total."""
     from dataclasses import replace
 
-    from paraloom.analysis.check import step_config
     from paraloom.analysis.formulas import CommConfig
+    from paraloom.verify.check import step_config
     config = replace(CommConfig(layers=2, hidden=32, heads=4, seq_len=16, vocab=256,
                                 micro_batch=1, num_microbatches=1, tp=1, pp=1, dp=1),
                      megatron_lm_loop=True, total_steps=5, log_interval=100)

@@ -172,8 +172,8 @@ def test_an_earlier_run_folders_log_interval_was_tensorboards():
     """Before --tensorboard-log-interval, run.log_interval was TensorBoard's: a saved config of
     then resumes with that TensorBoard interval and Megatron-LM's log interval (100); check
     reads its timers' barriers the same way."""
-    from paraloom.analysis.check import config_from_run
     from paraloom.config.train import migrate
+    from paraloom.verify.check import config_from_run
 
     old = TrainConfig().to_dict()
     old["run"].pop("tensorboard_log_interval")

@@ -9,13 +9,13 @@ import pytest
 from _flops_closed_form import flops_per_iteration, model_flops_per_iteration
 from _gpt_ledger import A, B, H, L, S, V, record_gpt
 
-from paraloom.analysis.check import all_ok, check_run, compare, render_diff, tally
 from paraloom.analysis.formulas import CommConfig, expected_comm
 from paraloom.analysis.layout import param_count, params_per_rank
 from paraloom.analysis.memory_formulas import activation_bytes_per_layer
 from paraloom.analysis.plan import plan
 from paraloom.commands.plan import main as plan_main
 from paraloom.pipeline_parallel.timetable import pipeline_bubble as bubble_fraction
+from paraloom.verify.check import all_ok, check_run, compare, render_diff, tally
 
 
 def _config(tp, sp, recompute, **kw) -> CommConfig:

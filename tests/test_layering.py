@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1] / "paraloom"
 
 LAYERS = ("config", "utils", "device", "mesh", "parallel_state", "ledger", "comm", "run_folder",
           "heartbeat", "launch", "tensor_parallel", "context_parallel", "moe", "pipeline_parallel",
-          "data_parallel", "models", "data", "training", "analysis", "record", "diagnose",
-          "explain", "llm", "report", "commands")
+          "data_parallel", "models", "data", "training", "analysis", "verify", "measure", "record",
+          "diagnose", "explain", "llm", "report", "commands")
 """The floors, top to bottom: each may import the ones before it."""
 
 MAX_LINES = 300
@@ -38,7 +38,7 @@ LONG_FUNCTIONS: dict[str, str] = {}
 BUILDERS = {
     "analysis/view.py": "the view itself: a TrainConfig as the formulas see it",
     "analysis/search.py": "plan --search's candidate layouts, from its own flags",
-    "analysis/validation.py": "published Megatron runs, described by their papers' numbers",
+    "verify/validation.py": "published Megatron runs, described by their papers' numbers",
 }
 """Modules that construct ``CommConfig`` besides the view, each with why."""
 """Modules allowed past :data:`MAX_LINES`, each with its reason (none today)."""
@@ -191,7 +191,7 @@ def test_comm_config_is_built_only_by_the_view():
              if re.search(r"\bCommConfig\(", p.read_text())}
     assert built <= set(BUILDERS), built - set(BUILDERS)
     assert set(BUILDERS) <= built, set(BUILDERS) - built  # a listed module that no longer does
-    assert "analysis/check.py" not in built and "commands/plan.py" not in built
+    assert "verify/check.py" not in built and "commands/plan.py" not in built
 
 
 def test_no_internal_issue_numbers_in_the_source():
@@ -200,3 +200,27 @@ def test_no_internal_issue_numbers_in_the_source():
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in MODULES.values()
            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
     assert not bad, bad
+
+
+PURE_HELPERS = {
+    "paraloom.data_parallel.grad_buffer": "bucket_layout: the buckets a buffer makes (arithmetic)",
+    "paraloom.moe.router": "expert_capacity: Megatron's capacity rule (arithmetic)",
+    "paraloom.pipeline_parallel.timetable": "the schedules' timetables and bubble (arithmetic)",
+}
+"""Modules of lower floors whose pure functions the formulas share with the runtime, with why."""
+
+
+def test_analysis_is_formulas_only():
+    """The analysis floor is split by job: its modules compute (no torch, no rank, no run
+    folder); checking runs is :mod:`paraloom.verify`, measuring is :mod:`paraloom.measure`."""
+    bad = [(a, b, line) for a, b, line, _, _ in IMPORTS
+           if _floor(a) == "analysis" and _floor(b) not in ("analysis", "config", "utils")
+           and b not in PURE_HELPERS]
+    assert not bad, bad
+    torch_users = [m for m, p in MODULES.items() if _floor(m) == "analysis"
+                   and re.search(r"^\s*(import torch|from torch)", p.read_text(), re.M)]
+    assert not torch_users, torch_users
+    assert {_floor(m) for m in MODULES if m.endswith((".check", ".validation"))
+            and _floor(m) in ("analysis", "verify")} == {"verify"}
+    assert {m for m in MODULES if _floor(m) == "measure"} == {
+        "paraloom.measure", "paraloom.measure.calibrate", "paraloom.measure.memory"}

@@ -300,10 +300,10 @@ def test_formulas_know_the_llama_parameters_and_sdpa_memory():
     from paraloom.analysis.arch import Architecture
     from paraloom.analysis.formulas import CommConfig
     from paraloom.analysis.layout import chunk_params
-    from paraloom.analysis.memory import expected_saved_bytes, saved_bytes_per_layer
     from paraloom.analysis.plan import plan
     from paraloom.analysis.view import comm_view
     from paraloom.commands.plan import config_of, parser
+    from paraloom.measure.memory import expected_saved_bytes, saved_bytes_per_layer
     arch = Architecture(normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
                         num_query_groups=2, untie_embeddings_and_output_weights=True,
                         add_bias_linear=False)

@@ -1,5 +1,5 @@
 """Activation memory per layer, measured with saved_tensors_hooks, against Korthikanti et al. 2022
-Table 2 and against the exact per-tensor accounting of ``paraloom.analysis.memory``.
+Table 2 and against the exact per-tensor accounting of ``paraloom.measure.memory``.
 
 bf16, dropout on (bool masks saved), s=64, b=2, h=64, a=4: 5as/h = 20, so the attention term is
 more than a third of the total and a wrong count of it cannot hide in the 5% tolerance.
@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from paraloom.analysis.memory import SavedTensors, expected_saved_bytes, layer_saved_tensors
 from paraloom.analysis.memory_formulas import activation_bytes_per_layer
 from paraloom.config import ModelConfig
+from paraloom.measure.memory import SavedTensors, expected_saved_bytes, layer_saved_tensors
 from paraloom.mesh import ParallelMesh
 from paraloom.models.gpt import GPTModel, ParallelOptions
 
@@ -52,7 +52,7 @@ def layer_bytes(tp, cases):
 
 
 def _paper_differences(t, sp, recompute):
-    """The documented differences from Table 2 (paraloom.analysis.memory, items 1-3)."""
+    """The documented differences from Table 2 (paraloom.measure.memory, items 1-3)."""
     s1 = S // t if sp and t > 1 else S
     if recompute == "full":
         return -(2 * S * B * H - 2 * s1 * B * H)       # 3. the saved layer input is the sp shard

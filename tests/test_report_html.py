@@ -89,8 +89,8 @@ def _browse(page: Path, tmp: Path, *, hash_: str = "", shot: Path | None = None)
 
 def _expected_rows(run: Path) -> int:
     """Communications of rank 0 in its first step (the table's), by the formulas (stage 0)."""
-    from paraloom.analysis.check import config_from_run, step_config
     from paraloom.analysis.formulas import expected_comm
+    from paraloom.verify.check import config_from_run, step_config
     config = step_config(config_from_run(json.loads((run / "config.json").read_text())), 1, {})
     return sum(v["count"] for (kind, op, phase), v in expected_comm(config, 0).items()
                if phase != "setup")
@@ -170,9 +170,9 @@ def test_report_of_a_recorded_torch_ddp_run(runs):
 def test_tensorboard_scalars_read_back(runs):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from paraloom.analysis.check import config_from_run, step_config
     from paraloom.analysis.formulas import expected_comm
     from paraloom.training.tensorboard import TAGS
+    from paraloom.verify.check import config_from_run, step_config
     acc = EventAccumulator(str(runs["tb"]))
     acc.Reload()
     metrics = [json.loads(line) for line in

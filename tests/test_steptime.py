@@ -15,9 +15,9 @@ from paraloom.analysis.hardware import GPUS, hardware_from
 from paraloom.analysis.memory_formulas import memory_per_gpu
 from paraloom.analysis.search import search
 from paraloom.analysis.steptime import step_time
-from paraloom.analysis.validation import CALIBRATION_ROWS, ROWS, fit, validate
 from paraloom.commands.plan import main as plan_main
 from paraloom.commands.plan_search import main as search_main
+from paraloom.verify.validation import CALIBRATION_ROWS, ROWS, fit, validate
 
 A100 = GPUS["a100-80gb"]
 

@@ -3,14 +3,14 @@
 :func:`expected_comm` gives, for one rank, the number of operations and their logical bytes per
 ``(kind, op, phase)`` in one step, written from the same conventions ``comm.py`` records
 (all-reduce and reduce-scatter: the local input; all-gather: the local shard; send/recv: the
-tensor), so :mod:`paraloom.analysis.check` can demand exact equality with a recorded ledger.
+tensor), so :mod:`paraloom.verify.check` can demand exact equality with a recorded ledger.
 Re-runs of forward communication under full recomputation are keyed with phase ``recompute``
 (the ledger marks them ``recompute: true``; their recorded phase is ``forward``).
 
 A train step (``grad_sync``) adds the data-parallel bucket reductions of the exact bucket
 layout (:mod:`paraloom.analysis.layout`), ``finalize_model_grads``' sp and tied-embedding sums,
 the gradient norm and the step's agreements and loss (:func:`_grad_sync`);
-:func:`paraloom.analysis.check.check_run` compares all of it with a ``paraloom train`` run
+:func:`paraloom.verify.check.check_run` compares all of it with a ``paraloom train`` run
 folder.
 
 Notation: ``s`` sequence, ``b`` microbatch, ``h`` hidden, ``a`` heads, ``L`` layers, ``V``

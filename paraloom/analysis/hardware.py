@@ -6,7 +6,7 @@ between nodes (InfiniBand, one NIC per GPU on the DGX-class systems) — each an
 ``alpha`` seconds of latency per message step, ``beta`` bytes/s one GPU can push in each
 direction. The data-sheet numbers are peaks; what the step-time model uses is peak times the
 *achievable* fractions below (``gemm_efficiency``, ``link_efficiency``), the only numbers fitted
-to published runs (see :mod:`paraloom.analysis.validation`).
+to published runs (see :mod:`paraloom.verify.validation`).
 
 Data-sheet sources (dense BF16 tensor FLOP/s; the sheets print the sparse figure as well, twice
 as large; NVLink figures there are bidirectional totals, halved here per direction):

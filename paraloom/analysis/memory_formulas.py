@@ -8,7 +8,7 @@ optimizer states divided by ``dp`` with the distributed optimizer. Activations: 
 bytes (scaled from 16-bit figures to ``dtype``) times the layers of a stage times the
 microbatches 1F1B keeps in flight on the first stage (``min(p, m)``), times
 ``1 + (p-1)/(p v)`` for the interleaved schedule. The per-tensor accounting of a real layer is
-:mod:`.memory`.
+:mod:`paraloom.measure.memory`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Nothing is started: every number comes from :mod:`paraloom.analysis.formulas` (t
 per-``(kind, op, phase)`` communication that ``paraloom check`` verifies on recorded runs), and
 the predicted step time on ``--gpu`` hardware from :mod:`paraloom.analysis.steptime`
 (``--search``: :mod:`~paraloom.analysis.search`; ``--calibrate``:
-:mod:`~paraloom.analysis.calibrate`).
+:mod:`~paraloom.measure.calibrate`).
 FLOPs are reported twice: model FLOPs (no recomputation, what MFU divides) and hardware FLOPs
 (with ``--recompute``, what HFU divides).
 

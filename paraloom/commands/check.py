@@ -1,14 +1,14 @@
 """``paraloom check RUN_DIR [--step N] [--only-diff]``: 0 if the ledger agrees exactly with the
 formulas on every rank and recorded step, 1 (differences named) if not, 2 on a missing or
-unreadable run folder or an unrecorded step (:mod:`paraloom.analysis.check`)."""
+unreadable run folder or an unrecorded step (:mod:`paraloom.verify.check`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from ..analysis.check import all_ok, check_run, config_from_run, load_run, render_diff, step_config
 from ..report.table import FROM_ONE, numbered_steps
+from ..verify.check import all_ok, check_run, config_from_run, load_run, render_diff, step_config
 
 __all__ = ["main"]
 

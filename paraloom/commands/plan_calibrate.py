@@ -1,5 +1,5 @@
 """``paraloom plan --calibrate [--nprocs R] [--out FILE.toml]``: measure this machine as plan
-hardware (:mod:`paraloom.analysis.calibrate`)."""
+hardware (:mod:`paraloom.measure.calibrate`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..analysis.calibrate import calibrate, to_toml
+from ..measure.calibrate import calibrate, to_toml
 
 __all__ = ["main"]
 

@@ -35,7 +35,7 @@ class Embedding(nn.Module):
         super().__init__()
         init = CounterInit(opt.seed, cfg.init_std)
         self.mesh, self.dropout = mesh, cfg.dropout
-        self.sp = opt.sequence_parallel and mesh.tp.size > 1
+        self.sp = opt.uses_sequence_parallel(mesh)
         learned = cfg.position_embedding_type == "learned_absolute"
         self.word_embeddings = VocabParallelEmbedding(
             cfg.padded_vocab(mesh.tp.size), cfg.hidden_size, init_method=init,

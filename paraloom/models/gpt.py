@@ -185,7 +185,7 @@ class GPTModel(nn.Module):
         opt = options or ParallelOptions()
         self.cfg, self.mesh, self.opt = cfg, mesh, opt
         self.pre_process, self.post_process = pre_process, post_process
-        self.sp = opt.sequence_parallel and mesh.tp.size > 1
+        self.sp = opt.uses_sequence_parallel(mesh)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.input_tensor, tied = None, not cfg.untie_embeddings_and_output_weights
         learned = cfg.position_embedding_type == "learned_absolute"

@@ -47,6 +47,11 @@ class ParallelOptions:
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
 
+    def uses_sequence_parallel(self, mesh) -> bool:
+        """Sequence parallelism in effect on ``mesh``: asked for and ``tp > 1`` (the building
+        blocks' reading of :attr:`~paraloom.config.ParallelConfig.uses_sequence_parallel`)."""
+        return self.sequence_parallel and mesh.tp.size > 1
+
     @property
     def own_backward(self) -> bool:
         """Whether the layers need their own backward at tp = 1: a zero-bubble split."""

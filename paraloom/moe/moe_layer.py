@@ -68,7 +68,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg, mesh, name: str, opt, init, out_init) -> None:
         super().__init__()
         self.cfg, self.mesh, self.name = cfg, mesh, name
-        self.sp = opt.sequence_parallel and mesh.tp.size > 1
+        self.sp = opt.uses_sequence_parallel(mesh)
         self.cp = getattr(mesh, "cp", None)  # None: a mesh without cp (tests' stand-ins)
         e, dtype = cfg.num_experts, opt.params_dtype
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,

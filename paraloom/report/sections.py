@@ -15,7 +15,7 @@ import json
 from html import escape
 from pathlib import Path
 
-from ..analysis.check import all_ok, check_run, config_from_run, step_config
+from ..verify.check import all_ok, check_run, config_from_run, step_config
 from .sources import resolve_site, site_facts
 from .svg import line_chart
 from .table import HEADINGS, KEYS, group_rows, numbered_steps, table_rows

@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm
+from ..analysis.costs import Options, collective_time, elementwise_bytes
+from ..analysis.hardware import Hardware
+from ..analysis.steptime import step_time
 from ..config import ParallelConfig
 from ..launch import local_threads, spawn
 from ..mesh import ParallelMesh
-from .check import config_from_run
-from .costs import Options, collective_time, elementwise_bytes
-from .hardware import Hardware
-from .steptime import step_time
+from ..verify.check import config_from_run
 
 __all__ = ["measure_rank", "calibrate", "fit_hardware", "to_toml", "predict_run"]
 

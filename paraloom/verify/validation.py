@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import product
 
-from .formulas import CommConfig
-from .hardware import GPUS, Hardware
-from .steptime import Options, step_time
+from ..analysis.formulas import CommConfig
+from ..analysis.hardware import GPUS, Hardware
+from ..analysis.steptime import Options, step_time
 
 __all__ = ["Row", "ROWS", "CALIBRATION_ROWS", "predict_row", "validate", "fit"]
 

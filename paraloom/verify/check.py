@@ -23,12 +23,12 @@ from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 
+from ..analysis.formulas import expected_comm
+from ..analysis.moe_formulas import check_all_to_all, split_bytes
+from ..analysis.spec import CommConfig
+from ..analysis.view import view_of_saved
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_metrics
 from ..training.megatron_lm_loop import logged_iteration
-from .formulas import expected_comm
-from .moe_formulas import check_all_to_all, split_bytes
-from .spec import CommConfig
-from .view import view_of_saved
 
 __all__ = ["tally", "compare", "check_run", "render_diff", "all_ok", "config_from_run",
            "load_run", "step_config"]

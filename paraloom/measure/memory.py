@@ -164,7 +164,7 @@ def layer_saved_tensors(cfg: ModelConfig, mesh: ParallelMesh, options, s: int, b
     ``options.params_dtype``. Collective with the tensor-parallel group when ``tp > 1``."""
 
     device = torch.device(device)
-    sp = options.sequence_parallel and mesh.tp.size > 1
+    sp = options.uses_sequence_parallel(mesh)
     with _measurement_rng(options.seed, mesh.tp.rank, device):
         layer = TransformerLayer(cfg, mesh, 0, options).to(device).train()
         x = torch.randn(divide(s, mesh.tp.size, "s") if sp else s, b, cfg.hidden_size,
