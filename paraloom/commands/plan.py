@@ -4,16 +4,16 @@ and the predicted step time on ``--gpu`` hardware (:mod:`paraloom.analysis.plan`
 ``plan`` reads the very flags of ``paraloom train`` (their Megatron-LM aliases and the
 Megatron-LM arguments ``train`` accepts, with its defaults): the run is the
 :class:`~paraloom.config.TrainConfig` ``train`` would run, and the formulas see it through the
-one view
-(:func:`~paraloom.analysis.view.comm_view`). ``--gpus N`` is the world, as torchrun's or
+one view (:func:`~paraloom.analysis.view.comm_view`). ``--gpus N`` is the world, as torchrun's or
 ``--nprocs`` is for ``train``: the layout is then Megatron-LM's (tp, pp, cp default to 1, dp is
 the rest). ``--search`` ranks the layouts that fit (:mod:`.plan_search`), ``--calibrate``
 measures this machine (:mod:`.plan_calibrate`)::
 
     paraloom plan --gpus 1024 --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
-        --seq-length 2048 --vocab-size 51200 --global-batch-size 1536 --micro-batch-size 1 \\
-        --tensor-model-parallel-size 8 --pipeline-model-parallel-size 16 --bf16 \\
-        --sequence-parallel --recompute selective --use-distributed-optimizer --gpu h100-sxm
+        --seq-length 2048 --max-position-embeddings 2048 --vocab-size 51200 \\
+        --global-batch-size 1536 --micro-batch-size 1 --tensor-model-parallel-size 8 \\
+        --pipeline-model-parallel-size 16 --bf16 --sequence-parallel \\
+        --recompute-granularity selective --use-distributed-optimizer --gpu h100-sxm
     paraloom plan RUN_FOLDER --gpu h100-sxm     # the run a folder holds (:mod:`.plan_run`)
 """
 
@@ -92,7 +92,7 @@ def _defaults_note(cfg: TrainConfig, args: argparse.Namespace) -> str:
                 f"{m.make_vocab_size_divisible_by} x tp {cfg.parallel.tp}, as Megatron-LM pads it)"
                 if cfg.padded_vocab_size != m.vocab_size else "")]
     if "dtype" not in typed and cfg.dtype == "fp32":
-        parts.append("fp32 (train's default; --bf16 for bf16)")
+        parts.append("fp32 (train's default; --dtype bf16, or Megatron-LM's --bf16, for bf16)")
     return "; ".join(parts)
 
 
