@@ -230,3 +230,41 @@ def test_collectives_inside_torchs_wrappers_are_not_called_missed(tmp_path):
     assert [e["op"] for e in marked["missed"]] == ["send"]
     text = render_run(facts, marked)
     assert "inside torch's wrappers" in text and "<- fully_shard (line 9)" in text, text
+
+
+def test_a_train_runs_labels_are_matched_to_their_owners_sites(tmp_path, capsys):
+    """A ``paraloom train`` ledger names labels (``RowParallelLinear.forward:output``), not
+    lines: each is matched to the static sites of its owner with its op and phase, instead of
+    every site reading "not run" or "not defined in this file"."""
+    from pathlib import Path
+
+    import paraloom.tensor_parallel.layers as layers
+    run = tmp_path / "run"
+    assert main(["train", "--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel",
+                 "--layers", "2", "--steps", "1", "--global-batch-size", "2",
+                 "--micro-batch-size", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    file = str(Path(layers.__file__))
+    facts = explain(file)
+    got = annotate(facts, str(run))
+    groups = {(g["label"], g["op"], g["phase"]): g for g in got["labels"]}
+    rs = groups[("RowParallelLinear.forward:output", "reduce_scatter", "forward")]
+    lines = {facts["sites"][i]["line"] for i in rs["candidates"]}
+    want = {s["line"] for s in facts["sites"] if s["class"] == "RowParallelLinear"
+            and s["op"] == "reduce_scatter" and s["phase"] == "forward"}
+    # proj and fc2 of two layers, two microbatches
+    assert lines == want and want and len(rs["events"]) == 8
+    assert {e["module"] for e in rs["events"]} == {f"layers.{i}.{m}" for i in (0, 1)
+                                                   for m in ("attention.proj", "mlp.fc2")}
+    ag = groups[("ColumnParallelLinear.forward:input", "all_gather", "forward")]
+    assert len(ag["events"]) == 8 and ag["candidates"]  # qkv and fc1 likewise
+    assert got["labels_elsewhere"] > 0  # the embedding, the loss, the loop's collectives
+    assert got["matched"] == 0
+    assert main(["explain", file, "--run", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert "## Recorded by label" in text
+    assert "recorded by label (below): RowParallelLinear.forward:output" in text
+    row = next(x for x in text.splitlines() if x.startswith("- RowParallelLinear.forward:output"))
+    assert "reduce_scatter forward" in row and "static site" in row, row
+    assert main(["explain", file, "--run", str(run), "--lang", "zh"]) == 0
+    assert "按标签记录到" in capsys.readouterr().out

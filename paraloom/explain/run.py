@@ -20,6 +20,12 @@ them, and are listed as *inside torch's wrapper*, with the line that wrapped the
 
 Per site and rank: count, phase, async, bytes and the order index ``#k`` (position in that
 rank's communication sequence, compute spans excluded — the index ``paraloom diff`` prints).
+A ``paraloom train`` run names no source lines: its events carry paraloom's labels
+(``ColumnParallelLinear.forward:input``, ``finalize_model_grads:embedding_grads``). A label whose
+owner (its first dotted name) is a class or function defined in FILE is matched to FILE's static
+sites of that owner with the event's op and phase (:func:`_by_label`): the candidates are named,
+since a label does not say which of several such lines ran. Labels owned elsewhere are counted.
+
 The result is data; :func:`paraloom.report.explain_text.render_run` writes it as text.
 """
 
@@ -184,6 +190,47 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
     wrappers = _wrappers(tree)
     inside = [dict(e, wrapper=w) for e in missed if (w := _wrapped_by(e, wrappers))]
     missed = [e for e in missed if not _wrapped_by(e, wrappers)]
+    labelled = [dict(e, index=i) for e, i in _indexed(events)
+                if parse_site(e.get("site")) is None and (rank is None or e["rank"] == rank)]
+    by_label, elsewhere = _by_label(labelled, facts["sites"], _owners(tree, first, last))
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
             "via": via, "missed": missed, "inside": inside, "files": files,
-            "matched": len(here)}
+            "matched": len(here), "labels": by_label, "labels_elsewhere": elsewhere}
+
+
+def _indexed(events: list[dict]):
+    """``(event, #k)``: each communication event with its position in its rank's sequence."""
+    order: dict[int, int] = {}
+    for e in events:
+        order[e["rank"]] = order.get(e["rank"], -1) + 1
+        yield e, order[e["rank"]]
+
+
+def _owners(tree: ast.Module, first: int, last: int) -> set[str]:
+    """The classes and top-level functions defined in FILE's shown lines."""
+    return {node.name for node in tree.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.lineno <= last and (node.end_lineno or node.lineno) >= first}
+
+
+def _by_label(events: list[dict], sites: list[dict], owners: set[str]) -> tuple[list[dict], int]:
+    """Label events whose owner is defined in FILE, grouped by (label, op, phase), each with the
+    static sites it may be (``candidates``: their indices in ``sites``); and how many label
+    events FILE does not own."""
+    groups: dict[tuple, dict] = {}
+    elsewhere = 0
+    for e in events:
+        label = e.get("site") or ""
+        owner = label.partition(":")[0].split(".")[0]
+        if owner not in owners:
+            elsewhere += 1
+            continue
+        key = (label, e["op"], e["phase"])
+        if key not in groups:
+            groups[key] = {"label": label, "op": e["op"], "phase": e["phase"], "events": [],
+                           "candidates": [i for i, s in enumerate(sites)
+                                          if owner in (s.get("class"), s.get("function"))
+                                          and s["op"] == e["op"]
+                                          and s["phase"] in (e["phase"], "unknown")]}
+        groups[key]["events"].append(dict(e, line=None, function=label))
+    return list(groups.values()), elsewhere

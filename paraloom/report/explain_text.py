@@ -37,7 +37,12 @@ _WORD = {  # the fixed words of a site line, the table and the run section
            "several": "经由辅助函数有多条路径；见上下文中它们的直接位置",
            "no site": "静态阅读中没有通信位置",
            "no event": "没有记录到的事件指向本文件（或行范围）；运行中的调用来自：",
-           "none": "无", "sync": "同步", "at": "位于", "in": "在"},
+           "none": "无", "sync": "同步", "at": "位于", "in": "在",
+           "by label": "按标签记录到（见下文）：",
+           "one site": "本文件的静态位置：第 {} 行",
+           "one of": "本文件的静态位置之一：第 {} 行",
+           "no static": "静态阅读中没有该所有者、该操作和阶段的位置（静态阅读遗漏）",
+           "elsewhere labels": "另有 {} 个事件的标签属于本文件之外的代码"},
 }
 _PHRASES = {"zh": (
     ("needs more context", "需要更多上下文"), ("explicit phase argument", "显式 phase 参数"),
@@ -55,7 +60,12 @@ _EN = {"line": "line {}", "lines": "lines {}-{}", True: "True", False: "False",
        "this file runs it,", "not here": "is not defined in this file; its calls carry its own "
        "file's site", "several": "several paths through helpers; see their direct sites above "
        "and below", "no site": "no communication site in the static reading", "no event":
-       "no recorded event names this file (or line range); the run's calls come from:"}
+       "no recorded event names this file (or line range); the run's calls come from:",
+       "by label": "recorded by label (below):", "one site": "the static site at line {}",
+       "one of": "one of the static sites at lines {}",
+       "no static": "no static site of its owner with this op and phase (missed by the static "
+                    "reading)",
+       "elsewhere labels": "{} more events carry labels of code outside this file"}
 
 
 def _w(lang: str, key, *args) -> str:
@@ -147,10 +157,14 @@ _RUN_HEAD = {
     "en": ("Recorded run", "every rank", "order #k = position in the rank's communication "
            "sequence", "Recorded in this file but missed by the static reading",
            "Recorded in this file, inside torch's wrappers (their collectives are torch's code, "
-           "not this file's)"),
+           "not this file's)",
+           "Recorded by label (a paraloom train run's ledger names paraloom's labels, not source "
+           "lines: each label is matched to this file's sites of its owner, op and phase)"),
     "zh": ("实际运行记录", "所有 rank", "#k = 该 rank 通信序列中的位置",
            "运行中在本文件记录到、但静态阅读未找到的通信",
-           "运行中在本文件记录到、发生在 torch 封装内部的通信（其集合通信属于 torch 的代码）"),
+           "运行中在本文件记录到、发生在 torch 封装内部的通信（其集合通信属于 torch 的代码）",
+           "按标签记录到（paraloom train 运行的记录写的是 paraloom 的标签而非源码行："
+           "每个标签按其所有者、操作和阶段对应到本文件的位置）"),
 }
 
 
@@ -161,7 +175,11 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
     out = ["", f"## {h[0]}: {run['dir']} ({who}; {h[2]})"]
     by_site = {m["site"]: m for m in run["sites"]}
     via = {v["site"]: v for v in run.get("via", [])}
+    labelled = {i: g for g in run.get("labels", []) for i in g["candidates"]}
     for i, s in enumerate(facts["sites"]):
+        if i in labelled and not by_site.get(i, {}).get("events"):
+            out.append(_site_head(s, lang) + f" -> {_w(lang, 'by label')} {labelled[i]['label']}")
+            continue
         where = ".".join(x for x in (s["class"], s["function"]) if x) or _w(lang, "module")
         head = (f"- {_w(lang, 'line', s['line'])} {where}: {s['op']} ({_w(lang, 'static')}: "
                 f"{_tr(s['phase'], lang)}, {_w(lang, 'async')} {_w(lang, s['async'])})")
@@ -193,8 +211,30 @@ def render_run(facts: dict, run: dict, lang: str = "en") -> str:
     out += ["", f"## {h[3]}"]
     out += [f"- {_w(lang, 'line', e['line'])} {e['function'] or ''}: {_summary([e], lang)}"
             for e in run["missed"]] or [f"- {_w(lang, 'none')}"]
+    if run.get("labels") or run.get("labels_elsewhere"):
+        out += ["", f"## {h[5]}"] + _label_lines(facts, run, lang)
     if run.get("inside"):
         out += ["", f"## {h[4]}"]
         out += [f"- {_w(lang, 'line', e['line'])} {e['function'] or ''}: {_summary([e], lang)}"
                 f" <- {e['wrapper']}" for e in run["inside"]]
     return "\n".join(out) + "\n"
+
+
+def _site_head(s: dict, lang: str) -> str:
+    where = ".".join(x for x in (s["class"], s["function"]) if x) or _w(lang, "module")
+    return (f"- {_w(lang, 'line', s['line'])} {where}: {s['op']} ({_w(lang, 'static')}: "
+            f"{_tr(s['phase'], lang)}, {_w(lang, 'async')} {_w(lang, s['async'])})")
+
+
+def _label_lines(facts: dict, run: dict, lang: str) -> list[str]:
+    """One line per (label, op, phase) of a train run's ledger that this file owns."""
+    out = []
+    for g in run.get("labels", []):
+        lines = sorted({facts["sites"][i]["line"] for i in g["candidates"]})
+        where = (_w(lang, "no static") if not lines else
+                 _w(lang, "one site", lines[0]) if len(lines) == 1 else
+                 _w(lang, "one of", ", ".join(map(str, lines))))
+        out.append(f"- {g['label']}: {_summary(g['events'], lang)}; {where}")
+    if run.get("labels_elsewhere"):
+        out.append(f"- {_w(lang, 'elsewhere labels', run['labels_elsewhere'])}")
+    return out
