@@ -206,6 +206,8 @@ PURE_HELPERS = {
     "paraloom.data_parallel.grad_buffer": "bucket_layout: the buckets a buffer makes (arithmetic)",
     "paraloom.moe.router": "expert_capacity: Megatron's capacity rule (arithmetic)",
     "paraloom.pipeline_parallel.timetable": "the schedules' timetables and bubble (arithmetic)",
+    "paraloom.pipeline_parallel.plans": "each stage's p2p plan, which the runtime executes",
+    "paraloom.pipeline_parallel.stage": "which layers a stage and chunk hold",
 }
 """Modules of lower floors whose pure functions the formulas share with the runtime, with why."""
 

@@ -6,8 +6,9 @@ Megatron-LM arguments ``train`` accepts, with its defaults): the run is the
 :class:`~paraloom.config.TrainConfig` ``train`` would run, and the formulas see it through the
 one view (:func:`~paraloom.analysis.view.comm_view`). ``--gpus N`` is the world, as torchrun's or
 ``--nprocs`` is for ``train``: the layout is then Megatron-LM's (tp, pp, cp default to 1, dp is
-the rest). ``--search`` ranks the layouts that fit (:mod:`.plan_search`), ``--calibrate``
-measures this machine (:mod:`.plan_calibrate`)::
+the rest). ``--table`` prints one rank's step-1 communication order instead
+(:mod:`paraloom.analysis.order`). ``--search`` ranks the layouts that fit (:mod:`.plan_search`),
+``--calibrate`` measures this machine (:mod:`.plan_calibrate`)::
 
     paraloom plan --gpus 1024 --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
         --seq-length 2048 --max-position-embeddings 2048 --vocab-size 51200 \\
@@ -23,11 +24,14 @@ import argparse
 import json
 import sys
 
+from ..analysis.order import step_one_events
 from ..analysis.plan import human_bytes, plan, render_plan
 from ..analysis.search import memory_fit
 from ..analysis.steptime import render_step_time, step_time
 from ..analysis.view import comm_view
 from ..config import TrainConfig
+from ..device import default_backend
+from ..report.table import render_table
 from . import plan_calibrate, plan_run, plan_search
 from .hardware_flags import add_hardware_args, hardware_from_args
 from .megatron_lm_flags import megatron_lm_spellings
@@ -47,6 +51,14 @@ def parser() -> argparse.ArgumentParser:
                         "Megatron-LM's, tp, pp and cp 1 unless given and dp = N / (tp*pp*cp); "
                         "without it, train's default layout")
     g.add_argument("--json", action="store_true", help="print the plan as JSON")
+    g.add_argument("--table", action="store_true",
+                   help="print rank --rank's communication order in step 1 instead: the rows "
+                        "`paraloom table RUN --step 1` shows for this run, derived from the "
+                        "layout alone, at any size")
+    g.add_argument("--rank", type=int, default=0, help="the rank of --table (default 0)")
+    g.add_argument("--format", choices=("md", "csv", "json"), default="md",
+                   help="--table as Markdown (default), CSV or JSON rows")
+    g.add_argument("--lang", choices=("en", "zh"), default="en", help="--table's language")
     g.add_argument("--require-fit", action="store_true",
                    help="exit 1 when the layout does not fit the GPU's memory (for scripts; "
                         "the verdict line is printed either way)")
@@ -115,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"paraloom plan: error: {err}", file=sys.stderr)
         return 2
     config = comm_view(cfg)
+    if args.table:
+        return _table(cfg, config, args)
     result = plan(config)
     result["step_time"] = step_time(config, hw)
     result["hardware"] = hw.to_dict()
@@ -127,6 +141,24 @@ def main(argv: list[str] | None = None) -> int:
     print(render_plan(config, result) + "\n" + _verdict(fit, hw) + "\n" + note + "\n"
           + render_step_time(result["step_time"]))
     return code
+
+
+def _table(cfg: TrainConfig, config, args: argparse.Namespace) -> int:
+    """``--table``: the rank's step-1 order (:mod:`paraloom.analysis.order`); p2p as this
+    machine's backend runs it (gloo: the overlapped plan unless switched off)."""
+    world = cfg.parallel.world_size
+    try:
+        if not 0 <= args.rank < world:
+            raise ValueError(f"--rank {args.rank}: the layout has ranks 0-{world - 1}")
+        overlap = cfg.overlap_p2p_comm if cfg.overlap_p2p_comm is not None else \
+            default_backend() == "gloo"
+        events = step_one_events(cfg, config, args.rank, overlap_p2p=overlap)
+    except ValueError as err:
+        print(f"paraloom plan: error: {err}", file=sys.stderr)
+        return 2
+    text = render_table(events, rank=args.rank, step=1, lang=args.lang, fmt=args.format)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
 
 
 def _verdict(fit: dict, hw) -> str:

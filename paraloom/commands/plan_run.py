@@ -3,8 +3,8 @@
 The model and the layout come from ``RUN_FOLDER/config.json`` read as ``--resume`` reads it
 (:meth:`~paraloom.config.TrainConfig.from_dict`), through the one view the formulas have of a run
 (:func:`~paraloom.analysis.view.comm_view`: the same ``CommConfig`` ``paraloom check`` proves
-against the run's ledger); only the hardware flags, ``--json`` and ``--require-fit`` are taken
-beside it.
+against the run's ledger); only the hardware flags, ``--json``, ``--require-fit`` and
+``--table [--rank R]`` are taken beside it.
 """
 
 from __future__ import annotations
@@ -34,12 +34,16 @@ def from_run_folder(typed: list[str]) -> tuple[TrainConfig, Hardware, argparse.N
     ap.add_argument("run", metavar="RUN_FOLDER")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--require-fit", action="store_true")
+    ap.add_argument("--table", action="store_true")
+    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--format", choices=("md", "csv", "json"), default="md")
+    ap.add_argument("--lang", choices=("en", "zh"), default="en")
     add_hardware_args(ap)
     args, rest = ap.parse_known_args(typed)
     if rest:
         raise ValueError(f"{' '.join(rest)}: with a run folder the model and the layout come from "
-                         f"its config.json; give only hardware flags, --json or --require-fit "
-                         f"(or plan from flags without the folder)")
+                         f"its config.json; give only hardware flags, --json, --require-fit or "
+                         f"--table [--rank R] (or plan from flags without the folder)")
     saved = read_json(Path(args.run) / CONFIG, "a run configuration")
     if saved is None:
         raise ValueError(f"{args.run!r} has no {CONFIG} (give a folder written by paraloom "

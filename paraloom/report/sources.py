@@ -29,7 +29,9 @@ from ..explain.source import SourceError, load_snippet
 __all__ = ["resolve_site", "site_facts"]
 
 _PKG = Path(__file__).resolve().parents[1]
-_NOT_SITES = ("report", "explain", "record", "llm", "commands")  # name labels, never communicate
+_NOT_SITES = ("report", "explain", "record", "llm", "commands", "analysis", "verify", "measure")
+"""Packages that name labels (the table, the formulas, plan --table's order) but never
+communicate: a label is looked up where it is issued."""
 _FACT_KEYS = ("line", "class", "function", "op", "kind", "phase", "async", "condition", "call")
 
 

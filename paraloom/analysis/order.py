@@ -1,0 +1,268 @@
+"""One rank's communication in a run's first step, in order, from the layout alone
+(``paraloom plan --table``): the events ``paraloom table RUN --step 1 --rank R`` would show,
+without running anything, at any size.
+
+The order is the runtime's, derived from the same pure parts it executes:
+
+* the pipeline's p2p plan (:func:`paraloom.pipeline_parallel.plans.p2p_plan`: blocking batches,
+  or the overlapped plan the gloo backend runs), one event per send and receive; between them
+  the forward (F) and backward (B) steps of each microbatch and model chunk;
+* inside F: Megatron-LM's batch broadcast over tp on a chunk that reads data, the embedding's
+  all-reduce, each layer's two tensor-parallel regions (all-reduce after the row-parallel
+  layers; with sequence parallelism the all-gather before the column-parallel ones and the
+  reduce-scatter after the row-parallel ones), the output layer and the vocabulary-parallel
+  loss; inside B the same regions in reverse with their backward communication;
+* after the schedule, the first step's data-parallel buckets (Megatron launches none from the
+  gradient hooks in the first iteration), the sequence-parallel and tied-embedding gradient
+  sums, and the optimizer step's agreements as :mod:`paraloom.training.train` issues them.
+
+Groups of one rank communicate nothing and record nothing, so their rows are left out, as the
+ledger leaves them out. :func:`check_supported` names what this reading does not cover yet
+(it refuses rather than guess).
+"""
+
+from __future__ import annotations
+
+from ..config.train import TrainConfig
+from ..pipeline_parallel.plans import p2p_plan
+from ..pipeline_parallel.stage import layer_range
+from .layout import chunk_buckets, sp_elems
+from .spec import CommConfig
+
+__all__ = ["check_supported", "step_one_events"]
+
+_BATCH = (("tokens", "the microbatch's tokens"), ("labels", "the microbatch's labels"),
+          ("loss_mask", "the microbatch's loss mask"),
+          ("position_ids", "the microbatch's position ids"),
+          ("attention_mask", "the microbatch's attention mask"))
+_FIRST, _LAST = ("tokens", "position_ids", "attention_mask"), ("labels", "loss_mask",
+                                                                 "attention_mask")
+_COL, _ROW = "ColumnParallelLinear weight, output dim", "RowParallelLinear weight, input dim"
+_CE = "logits, vocabulary range"
+
+
+def check_supported(cfg: TrainConfig) -> None:
+    """``ValueError`` naming each setting whose order this reading does not derive yet."""
+    m, p = cfg.model, cfg.parallel
+    gaps = [what for what, on in (
+        ("--num-experts (mixture of experts)", m.num_experts is not None),
+        ("--cp > 1 (context parallelism)", p.cp > 1),
+        ("--schedule zb-h1", cfg.schedule == "zb-h1"),
+        (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
+        ("a Llama-family model (--arch llama and its switches)",
+         m.position_embedding_type != "learned_absolute" or m.untie_embeddings_and_output_weights
+         or m.swiglu or m.normalization != "LayerNorm" or not m.add_bias_linear),
+        ("--no-async-grad-allreduce", p.async_grad_allreduce is False),
+        ("--no-megatron-lm-loop", not cfg.megatron_lm_loop)) if on]
+    if gaps:
+        raise ValueError("plan --table does not derive the order of " + "; ".join(gaps)
+                         + " yet; run the layout small and read `paraloom table RUN --step 1`")
+
+
+def _event(out: list, **fields) -> None:
+    shape = fields.get("shape")
+    numel = 1
+    for n in shape or ():
+        numel *= n
+    fields.setdefault("bytes", numel * fields.pop("itemsize", 4) if shape else 0)
+    out.append({"seq": len(out), "t_start": float(len(out)), "t_end": float(len(out)),
+                "step": 1, "split": None, "module": None, "async": False, **fields})
+
+
+class _Rank:
+    """The rank's place in the mesh (tp fastest, then cp, dp, pp) and its tensor shapes."""
+
+    def __init__(self, cfg: TrainConfig, c: CommConfig, rank: int) -> None:
+        p, m = cfg.parallel, cfg.model
+        self.cfg, self.c, self.rank = cfg, c, rank
+        self.tp, self.pp, self.v = p.tp, p.pp, p.vpp or 1
+        self.pp_rank = rank // (p.tp * p.cp * p.dp)
+        self.sp = p.uses_sequence_parallel
+        self.item = 2 if cfg.dtype == "bf16" else 4
+        s, b, h = m.seq_length, cfg.micro_batch_size, m.hidden_size
+        self.full, self.part = [s, b, h], [s // p.tp if self.sp else s, b, h]
+        self.b, self.s = b, s
+
+    def chunk(self, c: int) -> tuple[bool, bool, range]:
+        last = self.pp_rank == self.pp - 1 and c == self.v - 1
+        return (self.pp_rank == 0 and c == 0, last,
+                layer_range(self.cfg.model.num_layers, self.pp, self.pp_rank, self.v, c))
+
+
+def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
+    pre, post, layers = r.chunk(c)
+    ev = dict(rank=r.rank, microbatch=mb, itemsize=r.item)
+    if r.tp > 1 and (pre or post):
+        wanted = _FIRST if pre and not post else _LAST if post and not pre else None
+        for what, split in _BATCH:
+            if wanted is None or what in wanted:
+                shape = [r.b, 1, r.s, r.s] if what == "attention_mask" else [r.b, r.s]
+                _event(out, **dict(ev, itemsize=4), phase="data", kind="tp", op="broadcast",
+                       site=f"get_batch_on_this_tp_rank:{what}", split=split, shape=shape)
+    if r.tp == 1:
+        return
+    fwd = dict(ev, phase="forward")
+    if pre:
+        _event(out, **fwd, kind="tp", op="all_reduce", site="VocabParallelEmbedding.forward:output",
+               module="embedding.word_embeddings", split="embedding rows, vocabulary range",
+               shape=[r.b, r.s, r.full[2]])
+    for i in layers:
+        for col, row in (("attention.qkv", "attention.proj"), ("mlp.fc1", "mlp.fc2")):
+            if r.sp:
+                _event(out, **fwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
+                       site="ColumnParallelLinear.forward:input", split=_COL, shape=r.part)
+            _event(out, **fwd, kind="sp" if r.sp else "tp",
+                   op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{row}",
+                   site="RowParallelLinear.forward:output", split=_ROW, shape=r.full)
+    if post:
+        if r.sp:
+            _event(out, **fwd, kind="sp", op="all_gather", site="GPTModel.output.forward:input",
+                   module="output", split="vocabulary", shape=r.part)
+        for what in ("max", "target_logit", "sum_exp"):
+            _event(out, **dict(fwd, itemsize=4), kind="tp", op="all_reduce", module="output",
+                   site=f"vocab_parallel_cross_entropy.forward:{what}", split=_CE,
+                   shape=[r.s, r.b])
+
+
+def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
+    pre, post, layers = r.chunk(c)
+    if r.tp == 1:
+        return
+    bwd = dict(rank=r.rank, microbatch=mb, itemsize=r.item, phase="backward")
+    if post and r.sp:
+        _event(out, **bwd, kind="sp", op="all_gather", module="output", split="vocabulary",
+               site="GPTModel.output.backward:input (re-gather)", shape=r.part)
+    if post:
+        _event(out, **bwd, kind="sp" if r.sp else "tp",
+               op="reduce_scatter" if r.sp else "all_reduce", module="output",
+               site="GPTModel.output.backward:input_grad", split="vocabulary", shape=r.full)
+    for i in reversed(layers):
+        for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
+            if r.sp:
+                _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
+                       site="RowParallelLinear.backward:output_grad", split=_ROW, shape=r.part)
+                _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
+                       site="ColumnParallelLinear.backward:input (re-gather)", split=_COL,
+                       shape=r.part, **{"async": True})
+            _event(out, **bwd, kind="sp" if r.sp else "tp",
+                   op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{col}",
+                   site="ColumnParallelLinear.backward:input_grad", split=_COL, shape=r.full,
+                   **{"async": True})
+    if pre and r.sp:
+        _event(out, **bwd, kind="sp", op="all_gather", site="Embedding.backward:input_grad",
+               module="embedding", split="embeddings, sequence slice", shape=r.part)
+
+
+def _p2p(r: _Rank, out: list, entry: tuple) -> None:
+    """One plan entry's sends and receives (``comm``: a blocking batch named as Megatron names
+    it; ``post``: each op on its own, async)."""
+    kind, ops = entry
+    phases = [("forward" if msg[0] == "act" else "backward") for _, _, msg in ops]
+    if kind == "comm":
+        parts = [f"{what}_" + "_".join(ph for ph in ("forward", "backward")
+                                        if any(o[0] == what and q == ph
+                                               for o, q in zip(ops, phases, strict=True)))
+                 for what in ("send", "recv") if any(o[0] == what for o in ops)]
+        site = "p2p." + "_".join(parts)
+    for (what, _, msg), phase in zip(ops, phases, strict=True):
+        _event(out, rank=r.rank, microbatch=msg[1], phase=phase, kind="pp", op=what,
+               site=site if kind == "comm" else f"p2p.{what}_{phase}", shape=r.part,
+               itemsize=r.item, **{"async": kind == "post"})
+
+
+def _buckets(r: _Rank, out: list, chunk: int, phase: str) -> None:
+    """A chunk's gradient buckets launched at once (``start_grad_sync`` / ``finish_grad_sync``)."""
+    if r.cfg.parallel.dp == 1:
+        return
+    zero = r.cfg.distributed_optimizer
+    for b in chunk_buckets(r.c, r.pp_rank, chunk):
+        _event(out, rank=r.rank, microbatch=0, phase=phase, kind="dp",
+               op="reduce_scatter" if zero else "all_reduce",
+               site=f"DistributedDataParallel.{phase}:bucket_grads", shape=[b.numel],
+               split="gradient bucket, 1/dp contiguous shard" if zero else
+               "gradient bucket (replicated)", **{"async": True})
+
+
+def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
+    """Finalize, the optimizer step and Megatron-LM's loop after it (step 1): the chunks the
+    schedule did not sync launch their buckets now (the first step's hooks launch none)."""
+    cfg, c, p = r.cfg, r.c, r.cfg.parallel
+    ev = dict(rank=r.rank, microbatch=0, phase="optimizer")
+    zero = cfg.distributed_optimizer
+    for chunk in range(r.v):
+        if chunk not in synced:
+            _buckets(r, out, chunk, "optimizer")
+    if r.sp:
+        _event(out, **ev, kind="sp", op="all_reduce", shape=[sp_elems(c, r.pp_rank)],
+               site="finalize_model_grads:sequence_parallel_grads")
+    if r.pp > 1 and r.pp_rank in (0, r.pp - 1):
+        _event(out, **ev, kind="emb", op="all_reduce", site="finalize_model_grads:embedding_grads",
+               shape=[cfg.padded_vocab_size // r.tp, cfg.model.hidden_size])
+    one = dict(ev, shape=[1])
+    if cfg.rerun_mode != "disabled":
+        _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
+               split="whether any rank re-runs the step")
+    norm_kind = "distopt" if zero else "mp"
+    if zero or r.tp * r.pp > 1:
+        _event(out, **one, kind=norm_kind, op="all_reduce", site="get_grad_norm_fp32:squared_norm",
+               split="this rank's squared gradient norm")
+        _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
+               split="whether any rank has separately-normed parameters")
+    for b in [b for ch in range(r.v) for b in chunk_buckets(c, r.pp_rank, ch)] \
+            if zero and p.dp > 1 else []:
+        _event(out, **ev, kind="dp", op="all_gather", site="DistributedOptimizer.step:param_shards",
+               shape=[b.numel // p.dp], split="parameter bucket, 1/dp contiguous shard")
+    if r.tp * r.pp > 1:
+        _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",
+               split="whether this rank updated")
+        _event(out, **one, kind="mp", op="all_reduce", site="train_step:grad_norm",
+               split="the gradient norm")
+    if r.pp_rank == r.pp - 1 and p.dp > 1:
+        _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
+               split="loss sum and token count")
+    if r.tp * r.pp > 1:
+        _event(out, **one, kind="mp", op="all_reduce", site="training_log:learning_rate",
+               split="the learning rate, for the log")
+    barriers = ["training_log:interval_timer_stop", "training_log:interval_timer_start"]
+    for site in barriers + (["pretrain:after_training_is_done"] if cfg.steps == 1 else []):
+        _event(out, **ev, kind="world", op="barrier", site=site)
+
+
+def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,
+                    overlap_p2p: bool) -> list[dict]:
+    """Rank ``rank``'s communication events of step 1, in launch order (ledger fields:
+    ``paraloom.report.table`` renders them). ``c``: the run's view; ``overlap_p2p``: the
+    overlapped p2p plan (gloo) or blocking batches."""
+    check_supported(cfg)
+    r, out = _Rank(cfg, c, rank), []
+    schedule = cfg.schedule or "none"
+    plan = p2p_plan(schedule, r.pp, cfg.num_microbatches, r.pp_rank, r.v,
+                    overlap=overlap_p2p and r.pp > 1)
+    # Megatron-LM's grad_sync_func (--align-grad-reduce): the schedule launches the buckets of
+    # 1F1B stages after the first at its end, and of each interleaved chunk after the backward
+    # of virtual microbatch k + pp_rank where k is the chunk's last (runtime._backward)
+    schedule_syncs = cfg.overlap_grad_reduce and cfg.align_grad_reduce and (
+        schedule == "interleaved" or (schedule == "1f1b" and r.pp_rank > 0))
+    backwards = [(e[1], e[2]) for e in plan if e[0] == "B"]
+    synced: list[int] = []
+    done = 0
+    for entry in plan:
+        if entry[0] in ("comm", "post"):
+            _p2p(r, out, entry)
+        elif entry[0] == "F":
+            _forward(r, out, entry[1], entry[2])
+        elif entry[0] == "B":
+            _backward(r, out, entry[1], entry[2])
+            done += 1
+            g = done - 1 - r.pp_rank
+            if schedule == "interleaved" and schedule_syncs and g >= 0 \
+                    and backwards[g][0] == cfg.num_microbatches - 1 \
+                    and backwards[g][1] not in synced:
+                synced.append(backwards[g][1])
+                _buckets(r, out, backwards[g][1], "backward")
+    for chunk in range(r.v) if schedule_syncs else ():  # "launch any remaining reductions"
+        if chunk not in synced:
+            synced.append(chunk)
+            _buckets(r, out, chunk, "backward")
+    _after_schedule(r, out, synced)
+    return out

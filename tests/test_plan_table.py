@@ -1,0 +1,67 @@
+"""``paraloom plan --table``: one rank's step-1 communication order derived from the layout
+alone equals, row for row, what ``paraloom table RUN --step 1`` shows for the same flags run
+small (parallel type, split object, primitive, trigger location), on every rank of five
+layouts; and it prints at full size, where nothing can run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paraloom.commands import main
+
+KEYS = ("parallel_type", "split_object", "primitive", "trigger_location")
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+         "--global-batch-size", "4", "--micro-batch-size", "1", "--steps", "1"]
+LAYOUTS = {
+    "tp": ["--tp", "2", "--pp", "1", "--dp", "1"],
+    "sp": ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"],
+    "pp with vpp": ["--tp", "2", "--pp", "2", "--dp", "1", "--vpp", "2", "--layers", "4"],
+    "dp with the distributed optimizer": ["--tp", "2", "--pp", "1", "--dp", "2",
+                                          "--distributed-optimizer", "--steps", "2"],
+    # the second stage's buckets launched by the schedule (Megatron-LM's grad_sync_func)
+    "pp with dp": ["--tp", "1", "--pp", "2", "--dp", "2"],
+}
+
+
+def _rows(capsys, argv: list[str]) -> list[tuple]:
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    return [tuple(r[k] for k in KEYS) for r in rows]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_plan_table_is_the_recorded_table_row_for_row(name, tmp_path, capsys):
+    flags = SMALL + LAYOUTS[name]
+    run = tmp_path / "run"
+    assert main(["train", *flags, "--out", str(run)]) == 0
+    capsys.readouterr()
+    world = json.loads((run / "config.json").read_text())["parallel"]
+    for rank in range(world["tp"] * world["pp"] * world["dp"]):
+        want = _rows(capsys, ["table", str(run), "--step", "1", "--rank", str(rank),
+                              "--format", "json"])
+        got = _rows(capsys, ["plan", *flags, "--table", "--rank", str(rank), "--format",
+                             "json"])
+        assert want, (name, rank)
+        if rank == 0:  # the folder's own configuration gives the same
+            assert _rows(capsys, ["plan", str(run), "--table", "--format", "json"]) == want
+        assert got == want, (name, rank, next(
+            (i, g, w) for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w))
+
+
+def test_plan_table_at_full_size_and_its_refusals(capsys):
+    gpt3 = ["plan", "--gpus", "1024", "--layers", "96", "--hidden", "12288", "--heads", "96",
+            "--seq-len", "2048", "--vocab", "51200", "--global-batch-size", "1536",
+            "--micro-batch-size", "1", "--tp", "8", "--pp", "16", "--dtype", "bf16",
+            "--sequence-parallel", "--table"]
+    assert main(gpt3 + ["--rank", "1023", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    # the last stage: 6 layers x 6 sp rows per microbatch and direction, 192 microbatches
+    sp = [r for r in rows if r["parallel_type"] == "sp" and r["phase"] != "optimizer"]
+    assert len(sp) == 192 * (6 * 4 + 1 + 6 * 6 + 2)
+    assert rows[0]["bytes"] == 2048 // 8 * 12288 * 2  # an activation from the previous stage
+    assert main(gpt3[:-1] + ["--num-experts", "8", "--table"]) == 2
+    assert "--num-experts (mixture of experts)" in capsys.readouterr().err
+    assert main(gpt3 + ["--rank", "1024"]) == 2
+    assert "--rank 1024: the layout has ranks 0-1023" in capsys.readouterr().err
