@@ -1,6 +1,6 @@
 """``paraloom plan --table``: one rank's step-1 communication order derived from the layout
 alone equals, row for row, what ``paraloom table RUN --step 1`` shows for the same flags run
-small (parallel type, split object, primitive, trigger location), on every rank of five
+small (parallel type, split object, primitive, trigger location), on every rank of six
 layouts; and it prints at full size, where nothing can run."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ LAYOUTS = {
                                           "--distributed-optimizer", "--steps", "2"],
     # the second stage's buckets launched by the schedule (Megatron-LM's grad_sync_func)
     "pp with dp": ["--tp", "1", "--pp", "2", "--dp", "2"],
+    # rotary positions: the embedding reduce-scattered; the layers re-run before backward
+    "llama, sp, full recomputation": ["--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
+                                      "--sequence-parallel", "--recompute", "full"],
 }
 
 

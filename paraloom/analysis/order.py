@@ -18,7 +18,7 @@ The order is the runtime's, derived from the same pure parts it executes:
 
 Groups of one rank communicate nothing and record nothing, so their rows are left out, as the
 ledger leaves them out. :func:`check_supported` names what this reading does not cover yet
-(it refuses rather than guess).
+(mixture of experts, context parallelism, zb-h1): it refuses rather than guess.
 """
 
 from __future__ import annotations
@@ -47,13 +47,7 @@ def check_supported(cfg: TrainConfig) -> None:
     gaps = [what for what, on in (
         ("--num-experts (mixture of experts)", m.num_experts is not None),
         ("--cp > 1 (context parallelism)", p.cp > 1),
-        ("--schedule zb-h1", cfg.schedule == "zb-h1"),
-        (f"--recompute {cfg.recompute}", cfg.recompute != "none"),
-        ("a Llama-family model (--arch llama and its switches)",
-         m.position_embedding_type != "learned_absolute" or m.untie_embeddings_and_output_weights
-         or m.swiglu or m.normalization != "LayerNorm" or not m.add_bias_linear),
-        ("--no-async-grad-allreduce", p.async_grad_allreduce is False),
-        ("--no-megatron-lm-loop", not cfg.megatron_lm_loop)) if on]
+        ("--schedule zb-h1", cfg.schedule == "zb-h1")) if on]
     if gaps:
         raise ValueError("plan --table does not derive the order of " + "; ".join(gaps)
                          + " yet; run the layout small and read `paraloom table RUN --step 1`")
@@ -92,7 +86,7 @@ class _Rank:
 def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
     pre, post, layers = r.chunk(c)
     ev = dict(rank=r.rank, microbatch=mb, itemsize=r.item)
-    if r.tp > 1 and (pre or post):
+    if r.cfg.megatron_lm_loop and r.tp > 1 and (pre or post):
         wanted = _FIRST if pre and not post else _LAST if post and not pre else None
         for what, split in _BATCH:
             if wanted is None or what in wanted:
@@ -102,18 +96,15 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
     if r.tp == 1:
         return
     fwd = dict(ev, phase="forward")
-    if pre:
-        _event(out, **fwd, kind="tp", op="all_reduce", site="VocabParallelEmbedding.forward:output",
-               module="embedding.word_embeddings", split="embedding rows, vocabulary range",
-               shape=[r.b, r.s, r.full[2]])
+    if pre:  # with sp and no learned positions the embedding is reduce-scattered to [s/tp]
+        scatter = r.sp and r.cfg.model.position_embedding_type != "learned_absolute"
+        _event(out, **fwd, kind="sp" if scatter else "tp",
+               op="reduce_scatter" if scatter else "all_reduce",
+               site="VocabParallelEmbedding.forward:output", module="embedding.word_embeddings",
+               split="embedding rows, vocabulary range",
+               shape=r.full if scatter else [r.b, r.s, r.full[2]])
     for i in layers:
-        for col, row in (("attention.qkv", "attention.proj"), ("mlp.fc1", "mlp.fc2")):
-            if r.sp:
-                _event(out, **fwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
-                       site="ColumnParallelLinear.forward:input", split=_COL, shape=r.part)
-            _event(out, **fwd, kind="sp" if r.sp else "tp",
-                   op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{row}",
-                   site="RowParallelLinear.forward:output", split=_ROW, shape=r.full)
+        _layer_forward(r, out, fwd, i)
     if post:
         if r.sp:
             _event(out, **fwd, kind="sp", op="all_gather", site="GPTModel.output.forward:input",
@@ -122,6 +113,18 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
             _event(out, **dict(fwd, itemsize=4), kind="tp", op="all_reduce", module="output",
                    site=f"vocab_parallel_cross_entropy.forward:{what}", split=_CE,
                    shape=[r.s, r.b])
+
+
+def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:
+    """Layer ``i``'s two tensor-parallel regions in forward (again, flagged ``recompute``,
+    before its backward under full recomputation)."""
+    for col, row in (("attention.qkv", "attention.proj"), ("mlp.fc1", "mlp.fc2")):
+        if r.sp:
+            _event(out, **fwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
+                   site="ColumnParallelLinear.forward:input", split=_COL, shape=r.part)
+        _event(out, **fwd, kind="sp" if r.sp else "tp",
+               op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{row}",
+               site="RowParallelLinear.forward:output", split=_ROW, shape=r.full)
 
 
 def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
@@ -137,6 +140,8 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                op="reduce_scatter" if r.sp else "all_reduce", module="output",
                site="GPTModel.output.backward:input_grad", split="vocabulary", shape=r.full)
     for i in reversed(layers):
+        if r.cfg.recompute == "full":
+            _layer_forward(r, out, dict(bwd, phase="forward", recompute=True), i)
         for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
             if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
@@ -148,7 +153,11 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                    op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{col}",
                    site="ColumnParallelLinear.backward:input_grad", split=_COL, shape=r.full,
                    **{"async": True})
-    if pre and r.sp:
+    if pre and r.sp and r.cfg.model.position_embedding_type != "learned_absolute":
+        _event(out, **bwd, kind="sp", op="all_gather", module="embedding.word_embeddings",
+               site="VocabParallelEmbedding.backward:output_grad",
+               split="embedding rows, vocabulary range", shape=r.part)
+    elif pre and r.sp:
         _event(out, **bwd, kind="sp", op="all_gather", site="Embedding.backward:input_grad",
                module="embedding", split="embeddings, sequence slice", shape=r.part)
 
@@ -195,11 +204,13 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if r.sp:
         _event(out, **ev, kind="sp", op="all_reduce", shape=[sp_elems(c, r.pp_rank)],
                site="finalize_model_grads:sequence_parallel_grads")
-    if r.pp > 1 and r.pp_rank in (0, r.pp - 1):
+    tied = not cfg.model.untie_embeddings_and_output_weights
+    if tied and r.pp > 1 and r.pp_rank in (0, r.pp - 1):
         _event(out, **ev, kind="emb", op="all_reduce", site="finalize_model_grads:embedding_grads",
                shape=[cfg.padded_vocab_size // r.tp, cfg.model.hidden_size])
     one = dict(ev, shape=[1])
-    if cfg.rerun_mode != "disabled":
+    loop = cfg.megatron_lm_loop
+    if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
                split="whether any rank re-runs the step")
     norm_kind = "distopt" if zero else "mp"
@@ -220,6 +231,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if r.pp_rank == r.pp - 1 and p.dp > 1:
         _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
                split="loss sum and token count")
+    if not loop:
+        return
     if r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="training_log:learning_rate",
                split="the learning rate, for the log")
