@@ -1,6 +1,6 @@
 """``paraloom plan --table``: one rank's step-1 communication order derived from the layout
 alone equals, row for row, what ``paraloom table RUN --step 1`` shows for the same flags run
-small (parallel type, split object, primitive, trigger location), on every rank of six
+small (parallel type, split object, primitive, trigger location), on every rank of seven
 layouts; and it prints at full size, where nothing can run."""
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ LAYOUTS = {
     # rotary positions: the embedding reduce-scattered; the layers re-run before backward
     "llama, sp, full recomputation": ["--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
                                       "--sequence-parallel", "--recompute", "full"],
+    # the K/V ring between each layer's regions; gradients reduced over dp x cp
+    "cp ring with tp": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2"],
 }
 
 
@@ -65,6 +67,6 @@ def test_plan_table_at_full_size_and_its_refusals(capsys):
     assert len(sp) == 192 * (6 * 4 + 1 + 6 * 6 + 2)
     assert rows[0]["bytes"] == 2048 // 8 * 12288 * 2  # an activation from the previous stage
     assert main(gpt3[:-1] + ["--num-experts", "8", "--table"]) == 2
-    assert "--num-experts (mixture of experts)" in capsys.readouterr().err
+    assert "--num-experts (mixture of experts: the token all-to-alls)" in capsys.readouterr().err
     assert main(gpt3 + ["--rank", "1024"]) == 2
     assert "--rank 1024: the layout has ranks 0-1023" in capsys.readouterr().err

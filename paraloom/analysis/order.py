@@ -10,15 +10,16 @@ The order is the runtime's, derived from the same pure parts it executes:
 * inside F: Megatron-LM's batch broadcast over tp on a chunk that reads data, the embedding's
   all-reduce, each layer's two tensor-parallel regions (all-reduce after the row-parallel
   layers; with sequence parallelism the all-gather before the column-parallel ones and the
-  reduce-scatter after the row-parallel ones), the output layer and the vocabulary-parallel
-  loss; inside B the same regions in reverse with their backward communication;
+  reduce-scatter after the row-parallel ones) with context parallelism's K/V exchange between
+  them (the ring's p2p or one all-gather), the output layer and the vocabulary-parallel loss;
+  inside B the same regions in reverse with their backward communication, each layer re-run
+  first under full recomputation;
 * after the schedule, the first step's data-parallel buckets (Megatron launches none from the
   gradient hooks in the first iteration), the sequence-parallel and tied-embedding gradient
   sums, and the optimizer step's agreements as :mod:`paraloom.training.train` issues them.
 
-Groups of one rank communicate nothing and record nothing, so their rows are left out, as the
-ledger leaves them out. :func:`check_supported` names what this reading does not cover yet
-(mixture of experts, context parallelism, zb-h1): it refuses rather than guess.
+Groups of one rank record nothing, so they have no rows. Mixture of experts is refused
+(:func:`check_supported`), not guessed.
 """
 
 from __future__ import annotations
@@ -35,22 +36,18 @@ _BATCH = (("tokens", "the microbatch's tokens"), ("labels", "the microbatch's la
           ("loss_mask", "the microbatch's loss mask"),
           ("position_ids", "the microbatch's position ids"),
           ("attention_mask", "the microbatch's attention mask"))
-_FIRST, _LAST = ("tokens", "position_ids", "attention_mask"), ("labels", "loss_mask",
-                                                                 "attention_mask")
+_FIRST = ("tokens", "position_ids", "attention_mask")
+_LAST = ("labels", "loss_mask", "attention_mask")
 _COL, _ROW = "ColumnParallelLinear weight, output dim", "RowParallelLinear weight, input dim"
 _CE = "logits, vocabulary range"
 
 
 def check_supported(cfg: TrainConfig) -> None:
-    """``ValueError`` naming each setting whose order this reading does not derive yet."""
-    m, p = cfg.model, cfg.parallel
-    gaps = [what for what, on in (
-        ("--num-experts (mixture of experts)", m.num_experts is not None),
-        ("--cp > 1 (context parallelism)", p.cp > 1),
-        ("--schedule zb-h1", cfg.schedule == "zb-h1")) if on]
-    if gaps:
-        raise ValueError("plan --table does not derive the order of " + "; ".join(gaps)
-                         + " yet; run the layout small and read `paraloom table RUN --step 1`")
+    """``ValueError`` for what this reading does not derive yet."""
+    if cfg.model.num_experts is not None:
+        raise ValueError("plan --table does not derive the order of --num-experts (mixture of "
+                         "experts: the token all-to-alls) yet; run the layout small and read "
+                         "`paraloom table RUN --step 1`")
 
 
 def _event(out: list, **fields) -> None:
@@ -74,12 +71,13 @@ class _Rank:
         self.sp = p.uses_sequence_parallel
         self.item = 2 if cfg.dtype == "bf16" else 4
         s, b, h = m.seq_length, cfg.micro_batch_size, m.hidden_size
-        self.full, self.part = [s, b, h], [s // p.tp if self.sp else s, b, h]
-        self.b, self.s = b, s
+        local = s // p.cp  # each cp rank holds 2 of the 2 * cp chunks of a sequence
+        self.full, self.part = [local, b, h], [local // p.tp if self.sp else local, b, h]
+        self.b, self.s, self.local, self.cp = b, s, local, p.cp
+        self.kv = [2, b, m.query_groups // p.tp, local, m.head_dim]  # K and V of this rank
 
     def chunk(self, c: int) -> tuple[bool, bool, range]:
-        last = self.pp_rank == self.pp - 1 and c == self.v - 1
-        return (self.pp_rank == 0 and c == 0, last,
+        return (self.pp_rank == 0 and c == 0, self.pp_rank == self.pp - 1 and c == self.v - 1,
                 layer_range(self.cfg.model.num_layers, self.pp, self.pp_rank, self.v, c))
 
 
@@ -93,49 +91,69 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
                 shape = [r.b, 1, r.s, r.s] if what == "attention_mask" else [r.b, r.s]
                 _event(out, **dict(ev, itemsize=4), phase="data", kind="tp", op="broadcast",
                        site=f"get_batch_on_this_tp_rank:{what}", split=split, shape=shape)
-    if r.tp == 1:
-        return
     fwd = dict(ev, phase="forward")
-    if pre:  # with sp and no learned positions the embedding is reduce-scattered to [s/tp]
+    if pre and r.tp > 1:  # sp without learned positions: reduce-scattered to [s/tp]
         scatter = r.sp and r.cfg.model.position_embedding_type != "learned_absolute"
         _event(out, **fwd, kind="sp" if scatter else "tp",
                op="reduce_scatter" if scatter else "all_reduce",
                site="VocabParallelEmbedding.forward:output", module="embedding.word_embeddings",
                split="embedding rows, vocabulary range",
-               shape=r.full if scatter else [r.b, r.s, r.full[2]])
+               shape=r.full if scatter else [r.b, r.local, r.full[2]])
     for i in layers:
         _layer_forward(r, out, fwd, i)
-    if post:
+    if post and r.tp > 1:
         if r.sp:
             _event(out, **fwd, kind="sp", op="all_gather", site="GPTModel.output.forward:input",
                    module="output", split="vocabulary", shape=r.part)
         for what in ("max", "target_logit", "sum_exp"):
             _event(out, **dict(fwd, itemsize=4), kind="tp", op="all_reduce", module="output",
                    site=f"vocab_parallel_cross_entropy.forward:{what}", split=_CE,
-                   shape=[r.s, r.b])
+                   shape=[r.local, r.b])
 
 
 def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:
-    """Layer ``i``'s two tensor-parallel regions in forward (again, flagged ``recompute``,
-    before its backward under full recomputation)."""
+    """Layer ``i``'s two tensor-parallel regions in forward, context parallelism's K/V exchange
+    between them (again, flagged ``recompute``, before its backward under full
+    recomputation)."""
     for col, row in (("attention.qkv", "attention.proj"), ("mlp.fc1", "mlp.fc2")):
-        if r.sp:
+        if r.sp and r.tp > 1:
             _event(out, **fwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
                    site="ColumnParallelLinear.forward:input", split=_COL, shape=r.part)
-        _event(out, **fwd, kind="sp" if r.sp else "tp",
-               op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{row}",
-               site="RowParallelLinear.forward:output", split=_ROW, shape=r.full)
+        if col == "attention.qkv":
+            _context_parallel(r, out, fwd, i, backward=False)
+        if r.tp > 1:
+            _event(out, **fwd, kind="sp" if r.sp else "tp",
+                   op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{row}",
+                   site="RowParallelLinear.forward:output", split=_ROW, shape=r.full)
+
+
+def _context_parallel(r: _Rank, out: list, ev: dict, i: int, *, backward: bool) -> None:
+    """Core attention's K/V over cp: the ring's ``cp - 1`` exchanges (backward: K/V and their
+    gradients each step, then the gradients home), or one all-gather (backward: one
+    reduce-scatter of the gradients)."""
+    if r.cp == 1:
+        return
+    at = dict(ev, kind="cp", module=f"layers.{i}.attention.core", itemsize=r.item)
+    if r.cfg.parallel.cp_comm_type == "all_gather":
+        full = r.kv[:3] + [r.s] + r.kv[4:]
+        _event(out, **at, op="reduce_scatter" if backward else "all_gather",
+               site=f"all_gather_attention:{'dkv' if backward else 'kv'}",
+               shape=full if backward else r.kv)
+        return
+    steps = [["kv", "dkv"]] * (r.cp - 1) + [["dkv"]] if backward else [["kv"]] * (r.cp - 1)
+    for names in steps:
+        for name in names:
+            for op in ("send", "recv"):
+                _event(out, **at, op=op, site=f"ring_attention:{name}", shape=r.kv)
 
 
 def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
     pre, post, layers = r.chunk(c)
-    if r.tp == 1:
-        return
     bwd = dict(rank=r.rank, microbatch=mb, itemsize=r.item, phase="backward")
     if post and r.sp:
         _event(out, **bwd, kind="sp", op="all_gather", module="output", split="vocabulary",
                site="GPTModel.output.backward:input (re-gather)", shape=r.part)
-    if post:
+    if post and r.tp > 1:
         _event(out, **bwd, kind="sp" if r.sp else "tp",
                op="reduce_scatter" if r.sp else "all_reduce", module="output",
                site="GPTModel.output.backward:input_grad", split="vocabulary", shape=r.full)
@@ -146,13 +164,17 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
             if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
                        site="RowParallelLinear.backward:output_grad", split=_ROW, shape=r.part)
+            if col == "attention.qkv":
+                _context_parallel(r, out, bwd, i, backward=True)
+            if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
                        site="ColumnParallelLinear.backward:input (re-gather)", split=_COL,
                        shape=r.part, **{"async": True})
-            _event(out, **bwd, kind="sp" if r.sp else "tp",
-                   op="reduce_scatter" if r.sp else "all_reduce", module=f"layers.{i}.{col}",
-                   site="ColumnParallelLinear.backward:input_grad", split=_COL, shape=r.full,
-                   **{"async": True})
+            if r.tp > 1:
+                _event(out, **bwd, kind="sp" if r.sp else "tp",
+                       op="reduce_scatter" if r.sp else "all_reduce",
+                       module=f"layers.{i}.{col}", site="ColumnParallelLinear.backward:input_grad",
+                       split=_COL, shape=r.full, **{"async": True})
     if pre and r.sp and r.cfg.model.position_embedding_type != "learned_absolute":
         _event(out, **bwd, kind="sp", op="all_gather", module="embedding.word_embeddings",
                site="VocabParallelEmbedding.backward:output_grad",
@@ -181,7 +203,7 @@ def _p2p(r: _Rank, out: list, entry: tuple) -> None:
 
 def _buckets(r: _Rank, out: list, chunk: int, phase: str) -> None:
     """A chunk's gradient buckets launched at once (``start_grad_sync`` / ``finish_grad_sync``)."""
-    if r.cfg.parallel.dp == 1:
+    if r.cfg.parallel.dp * r.cp == 1:
         return
     zero = r.cfg.distributed_optimizer
     for b in chunk_buckets(r.c, r.pp_rank, chunk):
@@ -196,11 +218,9 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     """Finalize, the optimizer step and Megatron-LM's loop after it (step 1): the chunks the
     schedule did not sync launch their buckets now (the first step's hooks launch none)."""
     cfg, c, p = r.cfg, r.c, r.cfg.parallel
-    ev = dict(rank=r.rank, microbatch=0, phase="optimizer")
-    zero = cfg.distributed_optimizer
-    for chunk in range(r.v):
-        if chunk not in synced:
-            _buckets(r, out, chunk, "optimizer")
+    ev, zero = dict(rank=r.rank, microbatch=0, phase="optimizer"), cfg.distributed_optimizer
+    for chunk in [ch for ch in range(r.v) if ch not in synced]:
+        _buckets(r, out, chunk, "optimizer")
     if r.sp:
         _event(out, **ev, kind="sp", op="all_reduce", shape=[sp_elems(c, r.pp_rank)],
                site="finalize_model_grads:sequence_parallel_grads")
@@ -208,8 +228,7 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if tied and r.pp > 1 and r.pp_rank in (0, r.pp - 1):
         _event(out, **ev, kind="emb", op="all_reduce", site="finalize_model_grads:embedding_grads",
                shape=[cfg.padded_vocab_size // r.tp, cfg.model.hidden_size])
-    one = dict(ev, shape=[1])
-    loop = cfg.megatron_lm_loop
+    one, loop = dict(ev, shape=[1]), cfg.megatron_lm_loop
     if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
                split="whether any rank re-runs the step")
@@ -220,15 +239,15 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
         _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
                split="whether any rank has separately-normed parameters")
     for b in [b for ch in range(r.v) for b in chunk_buckets(c, r.pp_rank, ch)] \
-            if zero and p.dp > 1 else []:
+            if zero and p.dp * p.cp > 1 else []:
         _event(out, **ev, kind="dp", op="all_gather", site="DistributedOptimizer.step:param_shards",
-               shape=[b.numel // p.dp], split="parameter bucket, 1/dp contiguous shard")
+               shape=[b.numel // (p.dp * p.cp)], split="parameter bucket, 1/dp contiguous shard")
     if r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",
                split="whether this rank updated")
         _event(out, **one, kind="mp", op="all_reduce", site="train_step:grad_norm",
                split="the gradient norm")
-    if r.pp_rank == r.pp - 1 and p.dp > 1:
+    if r.pp_rank == r.pp - 1 and p.dp * p.cp > 1:
         _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
                split="loss sum and token count")
     if not loop:
