@@ -25,7 +25,7 @@ Groups of one rank record nothing, so they have no rows. Mixture of experts is r
 from __future__ import annotations
 
 from ..config.train import TrainConfig
-from ..pipeline_parallel.plans import p2p_plan
+from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_buckets, sp_elems
 from .spec import CommConfig
@@ -188,16 +188,10 @@ def _p2p(r: _Rank, out: list, entry: tuple) -> None:
     """One plan entry's sends and receives (``comm``: a blocking batch named as Megatron names
     it; ``post``: each op on its own, async)."""
     kind, ops = entry
-    phases = [("forward" if msg[0] == "act" else "backward") for _, _, msg in ops]
-    if kind == "comm":
-        parts = [f"{what}_" + "_".join(ph for ph in ("forward", "backward")
-                                        if any(o[0] == what and q == ph
-                                               for o, q in zip(ops, phases, strict=True)))
-                 for what in ("send", "recv") if any(o[0] == what for o in ops)]
-        site = "p2p." + "_".join(parts)
-    for (what, _, msg), phase in zip(ops, phases, strict=True):
+    pairs = [(what, "forward" if msg[0] == "act" else "backward") for what, _, msg in ops]
+    for (what, phase), (_, _, msg) in zip(pairs, ops, strict=True):
         _event(out, rank=r.rank, microbatch=msg[1], phase=phase, kind="pp", op=what,
-               site=site if kind == "comm" else f"p2p.{what}_{phase}", shape=r.part,
+               site=batch_site(pairs if kind == "comm" else [(what, phase)]), shape=r.part,
                itemsize=r.item, **{"async": kind == "post"})
 
 
@@ -232,8 +226,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
                split="whether any rank re-runs the step")
-    norm_kind = "distopt" if zero else "mp"
-    if zero or r.tp * r.pp > 1:
+    norm_kind = "distopt" if zero else "mp"  # ZeRO's grad-stats group is the world
+    if (r.tp * r.pp * p.dp * p.cp if zero else r.tp * r.pp) > 1:
         _event(out, **one, kind=norm_kind, op="all_reduce", site="get_grad_norm_fp32:squared_norm",
                split="this rank's squared gradient norm")
         _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",

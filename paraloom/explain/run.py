@@ -150,9 +150,12 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
     order: dict[int, int] = {}
     here = []  # (event, line) of events recorded in FILE
     files: dict[str, int] = {}  # recorded site files of the shown ranks (for a hint)
+    labelled = []  # events that name a label, not a line (a paraloom train run)
     for e in events:  # communication events only, in (rank, seq) order
         order[e["rank"]] = order.get(e["rank"], -1) + 1
         where = parse_site(e.get("site"))
+        if where is None and (rank is None or e["rank"] == rank):
+            labelled.append(dict(e, index=order[e["rank"]]))
         if where and (rank is None or e["rank"] == rank):
             files[where[0]] = files.get(where[0], 0) + 1
         if where and (rank is None or e["rank"] == rank) and _same_file(where[0], file) \
@@ -190,20 +193,10 @@ def annotate(facts: dict, run_dir: str, rank: int | None = 0) -> dict:
     wrappers = _wrappers(tree)
     inside = [dict(e, wrapper=w) for e in missed if (w := _wrapped_by(e, wrappers))]
     missed = [e for e in missed if not _wrapped_by(e, wrappers)]
-    labelled = [dict(e, index=i) for e, i in _indexed(events)
-                if parse_site(e.get("site")) is None and (rank is None or e["rank"] == rank)]
     by_label, elsewhere = _by_label(labelled, facts["sites"], _owners(tree, first, last))
     return {"dir": run_dir, "rank": rank, "ranks": ranks, "sites": list(marks.values()),
             "via": via, "missed": missed, "inside": inside, "files": files,
             "matched": len(here), "labels": by_label, "labels_elsewhere": elsewhere}
-
-
-def _indexed(events: list[dict]):
-    """``(event, #k)``: each communication event with its position in its rank's sequence."""
-    order: dict[int, int] = {}
-    for e in events:
-        order[e["rank"]] = order.get(e["rank"], -1) + 1
-        yield e, order[e["rank"]]
 
 
 def _owners(tree: ast.Module, first: int, last: int) -> set[str]:

@@ -36,6 +36,7 @@ import torch
 from .. import comm
 from ..device import get_device
 from ..mesh import ParallelMesh
+from .plans import batch_site
 
 __all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape"]
 
@@ -76,14 +77,8 @@ def decode_shape(buffer: torch.Tensor, peer: int, ndim: int | None = None) -> li
 
 
 def _site(ops) -> str:
-    """Megatron's name for a batch: ``p2p.send_forward_backward_recv_forward_backward`` etc."""
-    parts = []
-    for what in ("send", "recv"):
-        phases = [ph for ph in ("forward", "backward") if any(o[0] == what and o[3] == ph
-                                                              for o in ops)]
-        if phases:
-            parts.append(f"{what}_{'_'.join(phases)}")
-    return "p2p." + "_".join(parts)
+    """Megatron's name for a batch (:func:`.plans.batch_site`)."""
+    return batch_site([(o[0], o[3]) for o in ops])
 
 
 def communicate(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
@@ -149,6 +144,6 @@ def post(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
             tensor = torch.empty(tensor_shape, dtype=dtype, device=device or get_device())
         fields = {"phase": phase} if mb is None else {"phase": phase, "microbatch": mb}
         handles.append(comm.batch_p2p([(what, tensor, peer_of[side], fields)], mesh.pp,
-                                      phase=phase, kind="pp", site=f"p2p.{what}_{phase}",
+                                      phase=phase, kind="pp", site=batch_site([(what, phase)]),
                                       async_op=True))
     return handles

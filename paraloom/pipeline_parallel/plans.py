@@ -12,7 +12,18 @@ from __future__ import annotations
 from .plan_check import check_plans
 from .timetable import stage_order, warmup_count
 
-__all__ = ["p2p_plan", "check_plans"]
+__all__ = ["p2p_plan", "check_plans", "batch_site"]
+
+
+def batch_site(ops) -> str:
+    """Megatron's name for a batch of ``(send | recv, phase)`` ops:
+    ``p2p.send_forward_recv_backward`` and so on (one op: ``p2p.recv_forward``)."""
+    parts = []
+    for what in ("send", "recv"):
+        phases = [ph for ph in ("forward", "backward") if (what, ph) in ops]
+        if phases:
+            parts.append(f"{what}_{'_'.join(phases)}")
+    return "p2p." + "_".join(parts)
 
 
 def _produced(op, rank, p, v):

@@ -179,7 +179,7 @@ def load_checkpoint(directory: str | Path, entries: dict[str, Entry], mesh) -> d
                 and tuple(saved[name].size) != tuple(state[name].shape)}
     for name in repadded:
         state[name] = _replicated(saved[name].size, entries[name].tensor, mesh)
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(directory)))
+    dcp.load(state, storage_reader=reader)
     for name, e in entries.items():  # DCP fills the DTensors' local shards: copy back if needed
         local = state[name].to_local()
         if name in repadded:
