@@ -206,7 +206,7 @@ def test_p2p_direction_async_and_kind():
     f = explain("-", stdin=io.StringIO(P2P))
     five = {s["op"]: s for s in f["sites"] if s["line"] == 5}
     assert set(five) == {"send", "recv"}
-    assert five["send"]["condition"] == "is_send" and five["recv"]["condition"] == "not (is_send)"
+    assert five["send"]["condition"] == "is_send" and five["recv"]["condition"] == "not is_send"
     assert all(s["kind"] == "cp" for s in f["sites"])
     [b6] = [s for s in f["sites"] if s["line"] == 6]
     assert (b6["op"], b6["async"]) == ("batch_p2p", False)

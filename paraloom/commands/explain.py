@@ -1,6 +1,8 @@
 """``paraloom explain`` and ``paraloom doctor``.
 
     paraloom explain PATH[:START-END] [--json] [--lang en|zh]       # or - for stdin
+    paraloom explain PATH --set self.sequence_parallel=True ...     # decide conditions
+    paraloom explain PATH --preset megatron:tp=2,sp=on              # Megatron-Core's settings
     paraloom explain --ask "QUESTION" PATH[:START-END]              # via an OpenAI-compatible model
     paraloom explain PATH --run DIR [--rank R|all]                  # next to a recorded run
     paraloom doctor [--config ~/.codex/config.toml]                 # diagnose the provider setup
@@ -29,9 +31,11 @@ from ..explain import (
     contradictions,
     explain,
     load_snippet,
+    presets,
     question,
     to_json,
 )
+from ..explain.conditions import parse_settings
 from ..report.explain_text import render, render_run
 
 __all__ = ["main"]
@@ -55,6 +59,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--run", metavar="DIR", help="a recorded run (paraloom record/train folder "
                     "or ledger.jsonl): mark each site with what the run did there")
     ap.add_argument("--rank", default="0", help="rank of the run to show, or 'all' (default 0)")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="decide the conditions that read NAME (as written in the code: "
+                    "self.sequence_parallel, config.sequence_parallel, ctx.allreduce_dgrad, "
+                    "weight.requires_grad; or a bare name) with VALUE, a Python literal; the "
+                    "report keeps the sites that run or may run (repeatable)")
+    ap.add_argument("--preset", action="append", default=[], metavar="FRAMEWORK:K=V,...",
+                    help="settings of a framework's configuration, expanded to --set values "
+                    "(--set wins): " + "; ".join(presets.describe()))
     return ap
 
 
@@ -65,6 +77,18 @@ def _rank(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise SourceError(f"--rank {text!r}: expected a rank number or 'all'") from None
+
+
+def _settings(args) -> dict:
+    """``--preset`` expanded, then ``--set`` over it (bad input: SourceError, exit 2)."""
+    try:
+        out = {}
+        for spec in args.preset:
+            out.update(presets.expand(spec))
+        out.update(parse_settings(args.set))
+    except ValueError as err:
+        raise SourceError(str(err)) from None
+    return out
 
 
 def _ask(args, snippet, facts: dict) -> dict:
@@ -91,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
               f"(0, 3600)", file=sys.stderr)
         return 2
     try:
+        settings = _settings(args)
         snippet = load_snippet(args.target)  # once: stdin can be read only once
-        facts = explain(snippet, args.lang)
+        facts = explain(snippet, args.lang, settings=settings)
         if args.run:
             facts["run"] = annotate(facts, args.run, _rank(args.rank))
     except SourceError as err:

@@ -1,8 +1,10 @@
 """Reading parallel-training source code: ``paraloom explain`` (SPEC.md "Reading source code").
 
 The reader never imports or runs the code. ``source`` loads the snippet, ``static`` finds the
-communication sites (with ``module``, ``resolve``, ``names``, ``calls``, ``constants``,
-``spellings`` and ``rules``), ``facts`` the world sizes, partitions and local weights,
+communication sites (walked by ``walker`` with ``module``, ``resolve``, ``names``, ``calls``,
+``callsites``, ``constants``, ``spellings`` and ``rules``; the values along each path by
+``scope``, ``expressions`` and ``conditions``; ``presets`` names framework settings),
+``facts`` the world sizes, partitions and local weights,
 ``answers`` the checklist answers and the order table, ``reading`` puts them together
 (:func:`explain`, :func:`to_json`), ``run`` marks the sites with what a recorded run did there,
 and ``grounding`` writes the question for ``--ask`` and checks the model's answer against the

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from .conditions import phrases
 from .rules import UNKNOWN
 
 __all__ = ["QUESTIONS", "answer_all", "order_rows"]
@@ -129,7 +130,8 @@ def _all_reduce(facts, lang):
         phase = _PHASE_ZH.get(s["phase"], s["phase"]) if lang == "zh" else s["phase"]
         if s["phase"] == UNKNOWN:
             phase = _NMC[lang]
-        cond = f" [{'if' if lang == 'en' else '条件'} {s['condition']}]" if s["condition"] else ""
+        text = phrases(s.get("parts", []), lang) or s["condition"]
+        cond = f" [{'if' if lang == 'en' else '条件'} {text}]" if s["condition"] else ""
         where = ".".join(x for x in (s["class"], s["function"]) if x)
         parts.append(_t("ar", lang, line=s["line"], where=where, phase=phase, cond=cond,
                         what=_t(what, lang, arg=arg) if what else _NMC[lang]))
@@ -196,5 +198,6 @@ def order_rows(facts: dict) -> list[dict]:
                      "split_object": layout.get(s["class"]) or s.get("moved") or "—",
                      "primitive": s["op"],
                      "trigger_location": f"{s['phase']} · {where} (line {s['line']}){via}",
-                     "async": s["async"], "condition": s["condition"], "line": s["line"]})
+                     "async": s["async"], "condition": s["condition"], "line": s["line"],
+                     "parts": s.get("parts", [])})
     return rows

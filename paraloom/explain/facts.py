@@ -211,9 +211,9 @@ def sp_async_guards(mod: Module) -> list[int]:
     return sorted(lines)
 
 
-def extract(snippet: Snippet) -> dict:
-    """All facts of a snippet: ``sites``, ``world_sizes``, ``partitions``, ``weights``,
-    ``guards`` (see :func:`sp_async_guards`)."""
+def extract(snippet: Snippet, settings: dict | None = None) -> dict:
+    """All facts of a snippet: ``sites`` (decided under ``settings``), ``world_sizes``,
+    ``partitions``, ``weights``, ``guards`` (see :func:`sp_async_guards`)."""
     path = Path(snippet.name).resolve() if snippet.name != "-" else None
     context = None
     if snippet.full is not None:
@@ -224,7 +224,7 @@ def extract(snippet: Snippet) -> dict:
     mod = Module(parse_snippet(snippet), path=path,
                  project=context.project if context else None, context=context)
     parts = partitions(mod)
-    sites, unresolved = find_sites(mod)
+    sites, unresolved = find_sites(mod, settings)
     return {"file": snippet.name, "lines": [snippet.first, snippet.last],
             "world_sizes": world_sizes(mod), "partitions": parts,
             "weights": weights(mod, parts), "sites": sites, "unresolved": unresolved,

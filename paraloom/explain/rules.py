@@ -80,13 +80,10 @@ def async_flag(call: ast.Call, name: str):
     return name in ASYNC_BY_NATURE
 
 
-def region_condition(name: str, call: ast.Call) -> str | None:
+def region_condition(name: str, call: ast.Call) -> ast.expr | None:
     """``gather_from_sequence_parallel_region`` reduce-scatters its gradient only when
-    ``tensor_parallel_output_grad`` (default True)."""
+    ``tensor_parallel_output_grad`` (default True): the argument's expression, if passed."""
     if name != "gather_from_sequence_parallel_region":
         return None
-    arg = next((kw.value for kw in call.keywords if kw.arg == "tensor_parallel_output_grad"),
-               call.args[2] if len(call.args) > 2 else None)
-    return None if arg is None else f"tensor_parallel_output_grad={_src(arg)}"
-
-
+    return next((kw.value for kw in call.keywords if kw.arg == "tensor_parallel_output_grad"),
+                call.args[2] if len(call.args) > 2 else None)

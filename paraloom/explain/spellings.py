@@ -20,8 +20,8 @@ _TOKENS = [("dp", {"dp", "data"}), ("ep", {"ep", "expert"}), ("cp", {"cp", "cont
            ("tp", {"tp", "tensor", "model"})]
 
 
-def p2p_directions(mod: Module, call: ast.Call) -> list[tuple[str, str | None]]:
-    """``[(op, condition)]`` of ``P2POp(dist.isend if c else dist.irecv, ...)``,
+def p2p_directions(mod: Module, call: ast.Call) -> list[tuple[str, ast.expr | None]]:
+    """``[(op, condition as an expression)]`` of ``P2POp(dist.isend if c else dist.irecv, ...)``,
     ``P2POp(op=dist.isend, ...)``, ``P2POp(dist.irecv, ...)``."""
     arg = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "op"),
                                               None)
@@ -30,8 +30,8 @@ def p2p_directions(mod: Module, call: ast.Call) -> list[tuple[str, str | None]]:
         return COLLECTIVES.get(mod.dotted(node).rpartition(".")[2], "p2p_op")
 
     if isinstance(arg, ast.IfExp):
-        test = src(arg.test)
-        return [(one(arg.body), test), (one(arg.orelse), f"not ({test})")]
+        return [(one(arg.body), arg.test),
+                (one(arg.orelse), ast.UnaryOp(op=ast.Not(), operand=arg.test))]
     return [(one(arg), None)] if arg is not None else [("p2p_op", None)]
 
 

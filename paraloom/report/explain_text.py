@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from ..explain.conditions import phrases
 from ..explain.rules import UNKNOWN
 from .table import HEADINGS
 
@@ -42,7 +43,9 @@ _WORD = {  # the fixed words of a site line, the table and the run section
            "one site": "本文件的静态位置：第 {} 行",
            "one of": "本文件的静态位置之一：第 {} 行",
            "no static": "静态阅读中没有该所有者、该操作和阶段的位置（静态阅读遗漏）",
-           "elsewhere labels": "另有 {} 个事件的标签属于本文件之外的代码"},
+           "elsewhere labels": "另有 {} 个事件的标签属于本文件之外的代码",
+           "settings": "设定：{}；{} 个位置因此不会执行（--json 中列出），"
+                       "其余条件只写仍未决定的部分"},
 }
 _PHRASES = {"zh": (
     ("needs more context", "需要更多上下文"), ("explicit phase argument", "显式 phase 参数"),
@@ -65,7 +68,9 @@ _EN = {"line": "line {}", "lines": "lines {}-{}", True: "True", False: "False",
        "one of": "one of the static sites at lines {}",
        "no static": "no static site of its owner with this op and phase (missed by the static "
                     "reading)",
-       "elsewhere labels": "{} more events carry labels of code outside this file"}
+       "elsewhere labels": "{} more events carry labels of code outside this file",
+       "settings": "settings: {}; {} sites ruled out by them (listed in --json); conditions "
+                   "show only what they leave open"}
 
 
 def _w(lang: str, key, *args) -> str:
@@ -83,10 +88,19 @@ def _tr(text: str, lang: str) -> str:
     return text
 
 
+def _cond(site: dict, lang: str) -> str:
+    """The site's condition (what the settings leave open, under ``--set``) in ``lang``."""
+    return phrases(site["parts"], lang) if "parts" in site else site["condition"]
+
+
 def render(facts: dict, lang: str = "en") -> str:
     """Plain-text report: every fact with its line number."""
     h = _STATIC_HEAD[lang]
-    out = [f"{facts['file']} {_w(lang, 'lines', *facts['lines'])}", "", f"## {h[0]}"]
+    out = [f"{facts['file']} {_w(lang, 'lines', *facts['lines'])}"]
+    if facts.get("settings"):
+        given = ", ".join(f"{k}={v!r}" for k, v in facts["settings"].items())
+        out.append(_w(lang, "settings", given, len(facts.get("inactive", []))))
+    out += ["", f"## {h[0]}"]
     out += [f"- {_w(lang, 'line', w['line'])}: {w['name']} = {w['source']} "
             f"({_w(lang, 'group')}: {w['group']})"
             for w in facts["world_sizes"]] or [f"- {h[6]}"]
@@ -104,7 +118,7 @@ def render(facts: dict, lang: str = "en") -> str:
         out.append(f"- {_w(lang, 'line', s['line'])} {where}: {s['op']} | {_w(lang, 'phase')} "
                    f"{_tr(s['phase'], lang)} ({_tr(s['phase_basis'], lang)}) | "
                    f"{_w(lang, 'kind')} {s['kind']} | {_w(lang, 'async')} {_w(lang, s['async'])}"
-                   + (f" | {_w(lang, 'if')} {s['condition']}" if s["condition"] else "")
+                   + (f" | {_w(lang, 'if')} {_cond(s, lang)}" if s["condition"] else "")
                    + (f" | {_w(lang, 'via')} {' -> '.join(s['via'])}" if s["via"] else "")
                    + (f" | {_w(lang, 'through')} {', '.join(s['through'])}"
                       if s.get("through") else "")
@@ -128,7 +142,7 @@ def render(facts: dict, lang: str = "en") -> str:
             via = _w(lang, "via")
             location = f"{_tr(phase, lang)} · " + rest.replace(" via ", f" {via} ")
         cells = [r["index"], r["parallel_type"], r["split_object"], r["primitive"],
-                 location + (f" [{_w(lang, 'if')} {r['condition']}]" if r["condition"] else ""),
+                 location + (f" [{_w(lang, 'if')} {_cond(r, lang)}]" if r["condition"] else ""),
                  _w(lang, r["async"]) if isinstance(r["async"], bool) else r["async"]]
         out.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     out += ["", f"## {h[5]}"]
