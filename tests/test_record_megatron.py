@@ -12,7 +12,12 @@ weights (so the shim runs Megatron's real computation). Then:
   Megatron's default async all-reduce of the input grad; sp on: async re-gather and
   reduce-scatter), in Megatron's order, and ``paraloom diff`` reports the two ledgers equal;
 * ``paraloom explain megatron/core/tensor_parallel/layers.py --run`` marks the backward
-  re-gather and reduce-scatter sites with their recorded events and misses none.
+  re-gather and reduce-scatter sites with their recorded events and misses none;
+* the static reading agrees with the record: ``explain layers.py --preset megatron:tp=2,sp=...``
+  (with the block's own settings) lists exactly the recorded communications of
+  ``ColumnParallelLinear.forward`` and ``RowParallelLinear.forward`` (op, phase, async; nothing
+  invented, nothing missed, nothing left open), sp off and on; the same for paraloom's own
+  ``tensor_parallel/layers.py`` with its attributes set as in ``paraloom_case``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from _megatron_source import megatron_file
 
 from paraloom.commands import main
 from paraloom.explain import explain
+from paraloom.explain.conditions import parse_settings
+from paraloom.explain.presets import expand
 from paraloom.explain.run import annotate
 from paraloom.report.explain_text import render_run
 from paraloom.run_folder import read_json_lines as load
@@ -67,6 +74,28 @@ def paraloom_case(sp: bool):
 def _seq(events, rank=0):
     return [(e["phase"], e["op"], e["async"], e["bytes"]) for e in events
             if e["rank"] == rank and e["op"] != "compute"]
+
+
+def _static(path, settings: dict) -> list[tuple]:
+    """(op, phase, async) of the two layers' forward under ``settings``, each site decided."""
+    facts = explain(str(path), settings=settings)
+    mine = [x for x in facts["sites"] if x["function"] == "forward"
+            and x["class"] in ("ColumnParallelLinear", "RowParallelLinear")]
+    assert all(x["active"] is True and x["open"] == [] for x in mine), mine  # nothing open
+    return sorted((x["op"], x["phase"], x["async"]) for x in mine)
+
+
+def _megatron_settings(sp: bool) -> dict:
+    out = expand(f"megatron:tp=2,sp={'on' if sp else 'off'}")
+    out.update(parse_settings(["self.gather_output=False", "runtime_gather_output=None",
+                               "self.input_is_parallel=True"]))  # the shim's block
+    return out
+
+
+def _paraloom_settings(sp: bool) -> dict:  # paraloom_case's layers
+    return {"self.sequence_parallel": sp, "self.async_grad_allreduce": not sp,
+            "self.gather_output": False, "self.input_is_parallel": True, "tp": 2,
+            "self.mesh.tp.size": 2, "ctx.needs_input_grad[0]": True}
 
 
 def _record_megatron(out: Path) -> list[dict]:
@@ -123,6 +152,14 @@ def test_megatron_block_under_paraloom_record(world2, tmp_path, capsys):
         assert [(e["phase"], e["async"], e["bytes"], e["index"]) for e in events or []] == rows, \
             (key, events, [e["site"] for e in megatron if e["rank"] == 0])
     assert run["missed"] == []  # the static reading found every call recorded in layers.py
+
+    # the static reading under the run's settings lists exactly what was recorded
+    own = ROOT / "paraloom" / "tensor_parallel" / "layers.py"
+    for sp, recorded in ((False, _seq(megatron)[:n_tp]), (True, _seq(megatron)[n_tp:])):
+        want = sorted((op, phase, asynchronous) for phase, op, asynchronous, _b in recorded)
+        assert _static(layers, _megatron_settings(sp)) == want, sp
+        assert _static(own, _paraloom_settings(sp)) == sorted(
+            (op, phase, a) for phase, op, a, _b in _seq(ours[sp][0])), sp
     text = render_run(facts, run)
     assert ": reduce_scatter (static: backward, async True) -> recorded: rank 0: 1x " \
            "reduce_scatter backward async 1024 B at #6" in text, text

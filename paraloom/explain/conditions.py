@@ -37,8 +37,8 @@ def _lookup(node, settings: dict):
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == ARG:
         return _lookup(node.args[2], settings)
     text = dotted(node) if isinstance(node, (ast.Name, ast.Attribute)) else None
-    if text is None and isinstance(node, ast.Call):
-        text = show(node)
+    if text is None and isinstance(node, (ast.Call, ast.Subscript)):
+        text = show(node)  # group.size(), ctx.needs_input_grad[0]
     if text is None:
         return OPEN
     if text in settings:
@@ -70,6 +70,13 @@ def value(node: ast.expr, settings: dict):
     if isinstance(node, ast.IfExp):
         t = value(node.test, settings)
         return OPEN if t is OPEN else value(node.body if t else node.orelse, settings)
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 \
+            and isinstance(node.ops[0], (ast.Is, ast.IsNot)) \
+            and isinstance(node.comparators[0], ast.Constant) \
+            and node.comparators[0].value is None:
+        none = _is_none(node.left, settings)
+        if none is not OPEN:
+            return none == isinstance(node.ops[0], ast.Is)
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in COMPARE:
         a, b = value(node.left, settings), value(node.comparators[0], settings)
         if a is OPEN or b is OPEN:
@@ -81,6 +88,25 @@ def value(node: ast.expr, settings: dict):
     return OPEN
 
 
+def _is_none(node, settings: dict):
+    """Whether ``node`` is None: through ``a if t else b`` once ``t`` is decided, and False for a
+    tensor operation's result (``grad.matmul(w)``, ``torch.empty(...)``: torch returns a
+    tensor)."""
+    if isinstance(node, ast.IfExp):
+        t = value(node.test, settings)
+        return OPEN if t is OPEN else _is_none(node.body if t else node.orelse, settings)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+            and node.func.attr in _TENSOR_OPS:
+        return False
+    v = value(node, settings)
+    return OPEN if v is OPEN else v is None
+
+
+_TENSOR_OPS = {"matmul", "mm", "bmm", "t", "view", "reshape", "clone", "contiguous", "empty",
+               "zeros", "ones", "randn", "empty_like", "zeros_like", "ones_like", "cat", "stack",
+               "transpose", "permute", "detach", "narrow", "chunk", "split", "float", "to"}
+
+
 def parse_settings(items: list[str] | None) -> dict:
     """``["self.sequence_parallel=True", "tp=2"]`` -> ``{name: value}``; VALUE a Python literal
     (a bare word is read as a string). Raises ValueError naming a malformed item."""
@@ -88,7 +114,8 @@ def parse_settings(items: list[str] | None) -> dict:
     for item in items or ():
         name, eq, text = item.partition("=")
         name = name.strip()
-        if not eq or not name or dotted(_parse_name(name)) is None and "(" not in name:
+        if not eq or not name or dotted(_parse_name(name)) is None and not isinstance(
+                _parse_name(name), (ast.Call, ast.Subscript)):
             raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME as written in the "
                              "code (self.sequence_parallel, ctx.allreduce_dgrad, "
                              "sequence_parallel) and VALUE a Python literal (True, 2, None)")
