@@ -11,14 +11,11 @@ import ast
 import copy
 
 __all__ = ["KWARG", "ARG", "MISSING", "dotted", "size", "substitute", "simplify", "conjuncts",
-           "free_names", "show", "resolve_marker", "COMPARE"]
+           "show", "resolve_marker", "COMPARE"]
 
 KWARG = "__kwarg__"  # __kwarg__(kwargs, "name", default): the callee's parameter from **kwargs
 ARG = "__arg__"  # __arg__(args, j, fallback): args[j] if passed, else fallback
 MISSING = "__missing__"  # no default: an argument never passed
-_MARKERS = {KWARG, ARG, MISSING}
-_BUILTINS = {"len", "hasattr", "isinstance", "getattr", "int", "bool", "str", "list", "tuple",
-             "None", "True", "False", "any", "all"}
 
 
 def dotted(node) -> str | None:
@@ -239,13 +236,6 @@ def conjuncts(node: ast.expr) -> list[ast.expr]:
     if isinstance(node, ast.BoolOp) and isinstance(node.op, ast.And):
         return [p for v in node.values for p in conjuncts(v)]
     return [node]
-
-
-def free_names(node: ast.expr) -> set[str]:
-    """Names read by ``node`` (markers and builtins left out); a local the reader could not
-    follow counts under its own name."""
-    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)
-            and n.id not in _MARKERS and n.id not in _BUILTINS}
 
 
 class _Show(ast.NodeTransformer):

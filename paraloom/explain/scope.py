@@ -27,7 +27,6 @@ _MAX_NODES = 400  # a value larger than this is not carried further
 _PURE = {"len", "tuple", "list", "sorted", "isinstance", "print", "any", "all", "sum", "zip",
          "enumerate", "range", "str", "repr", "bool", "int", "float", "min", "max", "set", "dict"}
 _MUTABLE = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
-_CACHE: dict[int, object] = {}
 
 
 def _marker(name: str, *args) -> ast.Call:
@@ -47,19 +46,17 @@ def _entry(key: str) -> ast.expr:
 
 def bound_names(fn) -> frozenset[str]:
     """Parameters and locals of ``fn``: names a caller's value cannot stand for unless bound."""
-    key = ("bound", id(fn))
-    if key not in _CACHE:
+    if not hasattr(fn, "pl_bound"):  # kept on the node: it lives as long as the parse
         names = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)}
         names |= {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)
                   and isinstance(n.ctx, ast.Store)}
-        _CACHE[key] = (fn, frozenset(names))
-    return _CACHE[key][1]
+        fn.pl_bound = frozenset(names)
+    return fn.pl_bound
 
 
 def module_constants(mod) -> dict[str, ast.expr]:
     """``NAME = literal`` assigned once, at the module's top level."""
-    key = ("consts", id(mod))
-    if key not in _CACHE:
+    if not hasattr(mod, "pl_constants"):
         counts: dict[str, int] = {}
         for node in ast.walk(mod.tree):
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -71,8 +68,8 @@ def module_constants(mod) -> dict[str, ast.expr]:
                     and isinstance(stmt.value, ast.Constant) \
                     and counts.get(stmt.targets[0].id) == 1:
                 out[stmt.targets[0].id] = stmt.value
-        _CACHE[key] = (mod, out)
-    return _CACHE[key][1]
+        mod.pl_constants = out
+    return mod.pl_constants
 
 
 class Scope:
