@@ -333,8 +333,9 @@ class Comm:
 
 
 def test_a_name_bound_to_two_helpers_reads_the_same_in_every_process(tmp_path):
-    """The helpers a name may be bound to are a set; the site they merge into (one per op, no
-    guard) must not depend on the process's string hashing."""
+    """The helpers a name may be bound to are a set; the sites they give (one per helper, each
+    with the branch that binds the name to it) must not depend on the process's string
+    hashing."""
     src = tmp_path / "aliased.py"
     src.write_text(ALIASED)
     outs = set()
@@ -345,4 +346,6 @@ def test_a_name_bound_to_two_helpers_reads_the_same_in_every_process(tmp_path):
         outs.add(json.dumps([s for s in json.loads(done.stdout)["sites"] if s["line"] == 18]))
     assert len(outs) == 1
     (sites,) = outs
-    assert [s["via"] for s in json.loads(sites)] == [["Comm._plain"]]
+    assert [(s["via"], s["condition"]) for s in json.loads(sites)] == [
+        (["Comm._batched"], "batched and group is not None"),  # in run's names
+        (["Comm._plain"], "not batched and t.numel() > 0")]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 
 from .conditions import Cond
-from .expressions import show, simplify
+from .expressions import conjuncts, dotted, show, simplify
 from .module import src
 from .names import (
     COLLECTIVES,
@@ -24,7 +24,36 @@ from .rules import region_condition
 from .scope import test_conds
 from .spellings import async_of, p2p_directions
 
-__all__ = ["collective_sites", "region_sites", "merged"]
+__all__ = ["collective_sites", "region_sites", "merged", "alias_picks"]
+
+
+def alias_picks(scope, func) -> dict:
+    """``{function name: [Cond] or False}`` for a call of a local name that ``if``s bound to one
+    of several functions (``p2p_func = _batched_p2p_ops`` in one branch, ``_p2p_ops`` in the
+    other): the conditions under which the name holds each (False: never). Empty when the name
+    is not such a pick."""
+    paths: dict[str, list] = {}
+
+    def leaves(node, tests) -> bool:
+        if isinstance(node, ast.IfExp):
+            return leaves(node.body, tests + [node.test]) and leaves(
+                node.orelse, tests + [ast.UnaryOp(op=ast.Not(), operand=node.test)])
+        name = dotted(node)  # _p2p_ops, self._plain: the function's own name picks it
+        if name is not None:
+            paths.setdefault(name.rpartition(".")[2], []).append(
+                ast.BoolOp(op=ast.And(), values=tests) if tests else ast.Constant(True))
+            return True
+        return False
+
+    value = scope.values.get(func.id) if isinstance(func, ast.Name) else None
+    if not isinstance(value, ast.IfExp) or not leaves(value, []):
+        return {}
+    out = {}
+    for name, ways in paths.items():
+        either = simplify(ast.BoolOp(op=ast.Or(), values=ways) if len(ways) > 1 else ways[0])
+        out[name] = (bool(either.value) and []) if isinstance(either, ast.Constant) else [
+            Cond([(p, scope.where, p)]) for p in conjuncts(either)]
+    return out
 
 
 def collective_sites(mod, call, fn, what, target, scope, base) -> list[dict]:
@@ -57,12 +86,14 @@ def region_sites(call, target, nograd, scope, base) -> list[dict]:
 
 
 def merged(sites: list[dict], outer: int, where: str) -> list[dict]:
-    """Aliases bound to several equivalent functions give one site per op; paths that differ
-    in their own conditions are joined with ``or``."""
+    """One site per op and path: the same op reached along the same calls under different
+    conditions (the branches of an ``if`` both sending, say) is one site, its conditions
+    joined with ``or``; reached through different functions (a name bound to one of several by
+    ``if``s) it stays one site per function, each with the condition that picks it."""
     unique: dict[tuple, dict] = {}
     for s in sites:
         key = (s["line"], s["op"], s["rel"], str(s["asynchronous"]), s["kind"],
-               tuple(c.key() for c in s["conds"][:outer]))
+               tuple(c.key() for c in s["conds"][:outer]), tuple(s["via"]))
         if key not in unique:
             unique[key] = s
             continue
@@ -72,8 +103,7 @@ def merged(sites: list[dict], outer: int, where: str) -> list[dict]:
                 _all(had), _all(mine)]))
             rest = [] if isinstance(either, ast.Constant) else [
                 Cond([(either, where, show(either))])]
-            unique[key] = dict(unique[key], conds=s["conds"][:outer] + rest,
-                               via=s["via"][:1])
+            unique[key] = dict(unique[key], conds=s["conds"][:outer] + rest)
     return list(unique.values())
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass, field
 
-from .expressions import ARG, COMPARE, KWARG, dotted, show
+from .expressions import ARG, COMPARE, KWARG, dotted, never_none, show, simplify
 
-__all__ = ["OPEN", "Cond", "value", "parse_settings", "phrase", "phrases"]
+__all__ = ["OPEN", "Cond", "value", "partial", "parse_settings", "phrase", "phrases"]
 
 OPEN = object()
 """A value the constants and settings leave undecided."""
@@ -90,21 +90,32 @@ def value(node: ast.expr, settings: dict):
 
 def _is_none(node, settings: dict):
     """Whether ``node`` is None: through ``a if t else b`` once ``t`` is decided, and False for a
-    tensor operation's result (``grad.matmul(w)``, ``torch.empty(...)``: torch returns a
-    tensor)."""
+    tensor operation's result or a function the code defines (:func:`~.expressions.never_none`)."""
     if isinstance(node, ast.IfExp):
         t = value(node.test, settings)
         return OPEN if t is OPEN else _is_none(node.body if t else node.orelse, settings)
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-            and node.func.attr in _TENSOR_OPS:
+    if never_none(node):
         return False
     v = value(node, settings)
     return OPEN if v is OPEN else v is None
 
 
-_TENSOR_OPS = {"matmul", "mm", "bmm", "t", "view", "reshape", "clone", "contiguous", "empty",
-               "zeros", "ones", "randn", "empty_like", "zeros_like", "ones_like", "cat", "stack",
-               "transpose", "permute", "detach", "narrow", "chunk", "split", "float", "to"}
+def partial(node: ast.expr, settings: dict) -> ast.expr:
+    """``node`` with what ``settings`` decide folded in: the part of a condition they leave
+    open (``(a and x) or y`` with ``a=False`` -> ``y``)."""
+    v = value(node, settings)
+    if v is not OPEN and isinstance(v, (bool, int, float, str, type(None))):
+        return ast.Constant(v)
+    if isinstance(node, ast.BoolOp):
+        return simplify(ast.BoolOp(op=node.op, values=[partial(x, settings)
+                                                       for x in node.values]))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return simplify(ast.UnaryOp(op=node.op, operand=partial(node.operand, settings)))
+    if isinstance(node, ast.IfExp):
+        return simplify(ast.IfExp(test=partial(node.test, settings),
+                                  body=partial(node.body, settings),
+                                  orelse=partial(node.orelse, settings)))
+    return node
 
 
 def parse_settings(items: list[str] | None) -> dict:
@@ -158,9 +169,25 @@ class Cond:
             if v is OPEN and settings and written:
                 parsed = _parse_name(written) if isinstance(written, str) else written
                 v = value(parsed, settings) if parsed is not None else OPEN
+            if v is OPEN and settings:  # (a and x) or (a and not x): decided once a is
+                rest = partial(expr, settings)
+                v = rest.value if isinstance(rest, ast.Constant) else OPEN
             if v is not OPEN:
                 return bool(v)
         return OPEN
+
+    def partial(self, settings: dict) -> Cond:
+        """This condition with what ``settings`` decide folded into its outermost form (the
+        forms before it kept, so the reader still sees where it came from)."""
+        if not settings:
+            return self
+        new = partial(self.expr, settings)
+        if ast.dump(new) == ast.dump(self.expr):
+            return self
+        written = self.forms[0][2]
+        if len(self.forms) == 1 and (not written or _text(written) == show(self.expr)):
+            return Cond([(new, self.where, "")])  # a derived form: the residue replaces it
+        return Cond(self.forms + [(new, self.where, "")])
 
     def key(self) -> str:
         return f"{ast.dump(self.expr)}@{self.where}"

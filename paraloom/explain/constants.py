@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import re
 
-__all__ = ["pipeline_phases"]
+__all__ = ["pipeline_phases", "name_phases"]
 
 _PIPE = re.compile(r"(send|recv)_(fwd|bwd|forward|backward)")
 
@@ -18,11 +18,17 @@ def pipeline_phases(call: ast.Call) -> dict[str, str]:
     """``{"send": phase, "recv": phase, "batch_p2p": phase}`` named by a constant argument of a
     pipeline communication helper (``"recv_forward"``, ``"send_fwd_recv_bwd"``): activations
     move in forward, gradients in backward."""
+    return name_phases(*[node.value for node in [*call.args, *(k.value for k in call.keywords)]
+                         if isinstance(node, ast.Constant) and isinstance(node.value, str)])
+
+
+def name_phases(*names: str) -> dict[str, str]:
+    """The same, read from names (``send_forward_recv_backward``: send forward, recv
+    backward, batch_p2p both)."""
     out: dict[str, str] = {}
-    for node in [*call.args, *(k.value for k in call.keywords)]:
-        if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            for direction, phase in _PIPE.findall(node.value):
-                out[direction] = "forward" if phase.startswith("f") else "backward"
+    for name in names:
+        for direction, phase in _PIPE.findall(name):
+            out[direction] = "forward" if phase.startswith("f") else "backward"
     if out:
         both = set(out.values())
         out["batch_p2p"] = both.pop() if len(both) == 1 else "forward+backward"

@@ -8,10 +8,11 @@ subtrees are shared.
 from __future__ import annotations
 
 import ast
-import copy
+
+from .values import never_none
 
 __all__ = ["KWARG", "ARG", "MISSING", "dotted", "size", "substitute", "simplify", "conjuncts",
-           "show", "resolve_marker", "COMPARE"]
+           "show", "resolve_marker", "COMPARE", "never_none"]
 
 KWARG = "__kwarg__"  # __kwarg__(kwargs, "name", default): the callee's parameter from **kwargs
 ARG = "__arg__"  # __arg__(args, j, fallback): args[j] if passed, else fallback
@@ -143,7 +144,13 @@ def _boolop(op, values):
 
 
 def _factored(disjuncts: list) -> ast.expr:
-    """``(a and x) or (b and x)`` -> ``x and (a or b)``; ``p or not p`` -> True."""
+    """``(a and x) or (b and x)`` -> ``x and (a or b)``; ``p or not p`` -> True; ``p or (not p
+    and x)`` -> ``p or x``."""
+    alone = {ast.dump(_not(d)) for d in disjuncts if len(conjuncts(d)) == 1}
+    kept = [[c for c in conjuncts(d) if ast.dump(c) not in alone] if len(conjuncts(d)) > 1
+            else conjuncts(d) for d in disjuncts]
+    if any(len(k) < len(conjuncts(d)) for k, d in zip(kept, disjuncts, strict=True)):
+        return _boolop(ast.Or(), [_boolop(ast.And(), k) for k in kept])
     texts = [{ast.dump(c): c for c in conjuncts(d)} for d in disjuncts]
     common = [t for t in texts[0] if all(t in other for other in texts[1:])]
     rests = [[c for t, c in parts.items() if t not in common] for parts in texts]
@@ -167,6 +174,9 @@ def _fold_compare(node: ast.Compare):
             (_is_const(left) and isinstance(right, _LITERALS))
             or (_is_const(right) and right.value is None and isinstance(left, _LITERALS))):
         return _const(op is ast.IsNot)  # a literal is never None
+    if op in (ast.Is, ast.IsNot) and _is_const(right) and right.value is None \
+            and never_none(left):
+        return _const(op is ast.IsNot)
     if _is_const(left) and _is_const(right) and op in COMPARE:
         try:
             return _const(COMPARE[op](left.value, right.value))
@@ -197,6 +207,12 @@ def simplify(node: ast.expr, boolean: bool = True) -> ast.expr:
     if isinstance(node, ast.Compare):
         parts = [simplify(node.left, False)] + [simplify(c, False) for c in node.comparators]
         node = ast.Compare(left=parts[0], ops=node.ops, comparators=parts[1:])
+        if len(node.ops) == 1 and isinstance(parts[0], ast.IfExp) and _is_const(parts[1]):
+            pushed = simplify(ast.IfExp(test=parts[0].test, body=ast.Compare(
+                left=parts[0].body, ops=node.ops, comparators=parts[1:]), orelse=ast.Compare(
+                left=parts[0].orelse, ops=node.ops, comparators=parts[1:])))
+            if not any(isinstance(n, ast.IfExp) for n in ast.walk(pushed)):
+                return pushed  # len(ops) > 0, ops a list built under ifs: which ifs held
         return _fold_compare(node) if len(node.ops) == 1 else node
     if isinstance(node, ast.Subscript):
         base, index = simplify(node.value, False), simplify(node.slice, False)
@@ -224,6 +240,13 @@ def _fold_call(node: ast.Call):
             and isinstance(args[0], (ast.Tuple, ast.List)) \
             and not any(isinstance(e, ast.Starred) for e in args[0].elts):
         return _const(len(args[0].elts))
+    if isinstance(func, ast.Name) and func.id == "len" and len(args) == 1 \
+            and isinstance(args[0], ast.IfExp):
+        t = args[0]
+        return simplify(ast.IfExp(test=t.test, body=ast.Call(func=func, args=[t.body],
+                                                             keywords=[]),
+                                  orelse=ast.Call(func=func, args=[t.orelse], keywords=[])),
+                        False)
     if isinstance(func, ast.Attribute) and func.attr in ("startswith", "endswith") \
             and len(args) == 1 and _is_const(func.value) and isinstance(func.value.value, str) \
             and _is_const(args[0]) and isinstance(args[0].value, str):
@@ -252,9 +275,17 @@ class _Show(ast.NodeTransformer):
         return node
 
 
+def _copy(node):
+    """The node's syntax only: the reader's own attributes (``pl_def``: a whole function) are
+    not copied."""
+    if isinstance(node, ast.AST):
+        return type(node)(**{k: _copy(v) for k, v in ast.iter_fields(node)})
+    return [_copy(v) for v in node] if isinstance(node, list) else node
+
+
 def show(node: ast.expr) -> str:
     """The expression as source, markers written as ``kwargs['name']`` / ``args[j]``."""
     try:
-        return ast.unparse(_Show().visit(copy.deepcopy(node)))
+        return ast.unparse(_Show().visit(_copy(node)))
     except (ValueError, RecursionError):  # an f-string ast cannot write back, say
         return "<expression>"

@@ -20,13 +20,14 @@ import ast
 
 from .conditions import Cond
 from .expressions import ARG, KWARG, MISSING, conjuncts, dotted, simplify, size, substitute
+from .values import appended, mutable
 
 __all__ = ["Scope", "bind", "translate", "bound_names", "test_conds"]
 
 _MAX_NODES = 400  # a value larger than this is not carried further
 _PURE = {"len", "tuple", "list", "sorted", "isinstance", "print", "any", "all", "sum", "zip",
          "enumerate", "range", "str", "repr", "bool", "int", "float", "min", "max", "set", "dict"}
-_MUTABLE = (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+
 
 
 def _marker(name: str, *args) -> ast.Call:
@@ -42,6 +43,12 @@ def _opaque(key: str) -> ast.Name:
 def _entry(key: str) -> ast.expr:
     """A name's value where the function starts: itself."""
     return ast.parse(key, mode="eval").body
+
+
+def _defined(fn) -> ast.Name:
+    node = ast.Name(id=fn.name, ctx=ast.Load())
+    node.pl_def = fn
+    return node
 
 
 def bound_names(fn) -> frozenset[str]:
@@ -81,7 +88,11 @@ class Scope:
     @classmethod
     def of(cls, mod, fn, where: str) -> Scope:
         names = bound_names(fn) if fn is not None else frozenset()
-        return cls({k: v for k, v in module_constants(mod).items() if k not in names}, where)
+        values = {k: v for k, v in module_constants(mod).items() if k not in names}
+        for node in ast.walk(fn) if fn is not None else ():
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node is not fn:
+                values[node.name] = _defined(node)  # a nested def: a function, never None
+        return cls(values, where)
 
     def copy(self) -> Scope:
         return Scope(self.values, self.where)
@@ -129,11 +140,20 @@ class Scope:
         longer the literal it was assigned."""
         if isinstance(call.func, ast.Name) and call.func.id in _PURE:
             return
+        key = dotted(call.func.value) if isinstance(call.func, ast.Attribute) else None
+        if key is not None and call.func.attr == "append" and len(call.args) == 1 \
+                and not call.keywords and not isinstance(call.args[0], ast.Starred):
+            item = self.read(call.args[0])  # kept when small: only the length is asked, mostly
+            grown = appended(self.values.get(key), item if size(item) <= 6
+                              else _opaque(f"{key}[...]"))
+            if grown is not None and size(grown) <= _MAX_NODES:
+                self.values[key] = grown
+                return
         heads = [call.func.value] if isinstance(call.func, ast.Attribute) else []
         for node in [*heads, *call.args, *(k.value for k in call.keywords)]:
             node = node.value if isinstance(node, ast.Starred) else node
             key = dotted(node)
-            if key is not None and isinstance(self.values.get(key), _MUTABLE):
+            if key is not None and mutable(self.values.get(key)):
                 self.opaque(key)
 
     def forget(self, stmts) -> None:

@@ -25,6 +25,7 @@ import ast
 
 from .calls import classify
 from .conditions import OPEN, phrase, phrases
+from .constants import name_phases
 from .module import Module, src
 from .rules import UNKNOWN, context_phase
 from .scope import Scope
@@ -52,7 +53,7 @@ def _decided(conds, settings: dict, home: str) -> tuple[bool | None, list, list]
         every.append(parts)
         got = c.decided(settings)
         if got is OPEN:
-            still.append(parts)
+            still.append(c.partial(settings).parts(home))
         elif not got:
             active = False
     if active and still:
@@ -86,6 +87,8 @@ def find_sites(mod: Module, settings: dict | None = None) -> tuple[list[dict], l
             why = "helper: its call sites in the snippet carry the phase"
         for s in raw:
             p = s["rel"] if s["rel"] != SAME else phase
+            if p == "forward+backward":  # send_forward_recv_backward: each direction its own
+                p = name_phases(fn.name).get(s["op"], p)
             text = " ".join([src(cls.bases[0]) if cls and cls.bases else "", cls.name if cls
                              else "", fn.name if fn else "", *s["via"], *words(s["conds"]),
                              s["call"]])

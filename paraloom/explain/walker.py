@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from .calls import classify, label
-from .callsites import collective_sites, merged, region_sites
+from .callsites import alias_picks, collective_sites, merged, region_sites
 from .constants import pipeline_phases
 from .expressions import show
 from .module import Module, src
@@ -188,6 +188,7 @@ class Walker:
         if named_kind is None and base["group_kind"] not in (None, "tp", "group"):
             named_kind = base["group_kind"]
         targets, assumed = classify(mod, call, fn)
+        picks = alias_picks(scope, call.func)
         if assumed:
             base["assumed"] = assumed
         out = []
@@ -207,7 +208,10 @@ class Walker:
             elif what == "unresolved":
                 self._unresolved(mod, call, fn, f"{UNKNOWN}: {target}")
             elif not (what == "apply_backward" and nograd):
-                out += self._inner(mod, target, owner, base, stack, nograd, call, scope, what)
+                more = picks.get(target.name, [])  # the branch that bound the name to target
+                if more is not False:
+                    out += self._inner(mod, target, owner, dict(
+                        base, conds=base["conds"] + more), stack, nograd, call, scope, what)
         return merged(out, len(conds), mod.qualname(fn) if fn is not None else "")
 
     def _inner(self, mod, target, owner, base, stack, nograd, call, scope, what) -> list[dict]:
@@ -248,9 +252,13 @@ class Walker:
             mapping = {(params[0] if params else "ctx") + k[len(fctx):]: v for k, v in
                        (stored.values.items() if stored else ()) if k.startswith(fctx + ".")}
             return [(mapping, bound_names(target), mod.qualname(forward))] + steps
-        drop = bool(params) and params[0] in ("self", "cls") and isinstance(call.func,
-                                                                          ast.Attribute)
-        first = call.func.value if drop and params[0] == "self" else None
+        drop = bool(params) and params[0] in ("self", "cls") and isinstance(
+            call.func, (ast.Attribute, ast.Name))  # f = self.method; f(x): a bound method
+        first = None
+        if drop and params[0] == "self":
+            first = call.func.value if isinstance(call.func, ast.Attribute) else next(
+                (n.value for n in ast.walk(scope.values.get(call.func.id, call.func))
+                 if isinstance(n, ast.Attribute) and n.attr == target.name), None)
         return [(bind(target, call, scope, drop, first), bound_names(target), caller)]
 
     def _unresolved(self, mod, call, fn, why: str) -> None:
