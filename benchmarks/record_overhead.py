@@ -7,16 +7,23 @@ What it measures
 
     * torch DDP: an MLP of ``layers`` x ``Linear(h, h)`` + ReLU, ``bucket_cap_mb=1``, batch
       ``b`` — bucket all-reduces from DDP's C++ reducer in backward;
+    * torch FSDP2 (``fully_shard`` on each Linear and on the root) on the same MLP — parameter
+      all-gathers in forward and again in backward, gradient reduce-scatters in backward;
     * the DTensor MLP of ``benchmarks/tp_mlp.py``: ``Linear(h, ffn) -> GELU -> Linear(ffn, h)``
       under ``ColwiseParallel`` / ``RowwiseParallel``, input [s, b, h] requiring grad — functional
       all-reduces in forward and backward.
 
     Each iteration runs the workload with the recorder off and inside ``record_comms()`` (entered
     and left outside the timed region, its events checked; in both, one untimed step precedes
-    the timed one), order rotated every iteration; each timed region starts after a barrier and
-    an iteration's time is the slower rank's. The table shows median times and the median of
-    the per-iteration paired ratios on / off (which cancels most of the machine's drift), taken
-    per run order and averaged geometrically (which cancels the order effect). Below it, the
+    the ``STEPS`` timed ones, so the recorder is timed in its steady state: from step 2 on it
+    runs without module hooks, see ``paraloom.record.tracking``), order rotated every
+    iteration; each timed region starts after a barrier and an iteration's time is the slower
+    rank's. The ``out`` column times the same with ``record_comms(out=...)``, which is what
+    ``paraloom record`` runs: every event is also written to the rank's ledger file as it is
+    launched (a provisional line, so that a killed rank leaves its record). The table shows
+    median times and the median of the per-iteration paired ratios to off (which cancels most
+    of the machine's drift), taken per run order and averaged geometrically (which cancels the
+    order effect). Below it, the
     recorder's absolute cost per collective and per module call (fastest of 5 batches), which
     a loaded machine's noise does not hide.
 
@@ -31,7 +38,9 @@ Goal
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
@@ -44,24 +53,41 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from paraloom.launch import spawn
 from paraloom.record import record_comms
 
-DDP_SIZES = {"tiny": (64, 2, 8), "full": (512, 4, 64)}  # h, layers, batch
+DDP_SIZES = {"tiny": (64, 2, 8), "full": (512, 4, 64)}  # h, layers, batch (DDP and FSDP2)
 TP_SIZES = {"tiny": (64, 256, 8, 2), "full": (512, 2048, 128, 8)}  # as tp_mlp.py: h, ffn, s, b
 WARMUP = 5
+STEPS = 3  # timed steps per region
 
 
-def _ddp(size: str):
+def _mlp_step(size: str, wrap):
+    """One SGD step of the MLP of ``DDP_SIZES[size]``, the model wrapped by ``wrap``."""
     h, layers, b = DDP_SIZES[size]
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Linear(h, h), nn.ReLU())])
-    ddp = DDP(model, bucket_cap_mb=1)
-    opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+    model = wrap(nn.Sequential(*[m for _ in range(layers)
+                                 for m in (nn.Linear(h, h), nn.ReLU())]))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(b, h)
 
     def step() -> None:
         opt.zero_grad()
-        ddp(x).sum().backward()
+        model(x).sum().backward()
         opt.step()
     return step
+
+
+def _ddp(size: str):
+    return _mlp_step(size, lambda model: DDP(model, bucket_cap_mb=1))
+
+
+def _fsdp2(size: str, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    def wrap(model):
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return _mlp_step(size, wrap)
 
 
 def _dtensor(size: str, mesh):
@@ -80,31 +106,36 @@ def _dtensor(size: str, mesh):
     return step
 
 
-def _timed(step, on: bool) -> float:
-    """One untimed step, then the timed one: with the recorder, both run inside one
-    ``record_comms`` block, so the timed step is a steady-state one (the first op after the
-    kernels are installed pays for the dispatcher's table update, once per program)."""
-    if not on:
+def _timed(step, mode: str, out: str) -> float:
+    """One untimed step, then ``STEPS`` timed ones (``mode``: off, on, or on with ``out``):
+    with the recorder, all inside one ``record_comms`` block, so the timed steps are
+    steady-state ones (the first op after the kernels are installed pays for the dispatcher's
+    table update, once per program; the recorder learns the modules during step 1)."""
+    def run() -> float:
         step()
         dist.barrier()
         t = time.perf_counter()
-        step()
-        return time.perf_counter() - t
-    with record_comms() as rec:
-        step()
-        dist.barrier()
-        t = time.perf_counter()
-        step()
-        dt = time.perf_counter() - t
-    assert any(e["op"] == "all_reduce" for e in rec.events), "the recorder saw nothing"
+        for _ in range(STEPS):
+            step()
+        return (time.perf_counter() - t) / STEPS
+    if mode == "off":
+        return run()
+    with record_comms(out=out if mode == "out" else None) as rec:
+        dt = run()
+    assert any(e["op"] in ("all_reduce", "reduce_scatter") for e in rec.events), \
+        "the recorder saw nothing"
     return dt
 
 
-def _measure(step, iters: int) -> torch.Tensor:
-    times = torch.zeros(iters, 2, dtype=torch.float64)
+MODES = ("off", "on", "out")
+
+
+def _measure(step, iters: int, out: str) -> torch.Tensor:
+    times = torch.zeros(iters, len(MODES), dtype=torch.float64)
     for i in range(-WARMUP, iters):
-        for k in ((0, 1) if i % 2 else (1, 0)):
-            dt = _timed(step, on=bool(k))
+        order = list(range(len(MODES)))
+        for k in order[i % len(MODES):] + order[:i % len(MODES)]:  # rotated every iteration
+            dt = _timed(step, MODES[k], out)
             if i >= 0:
                 times[i, k] = dt
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts until the slower rank ends
@@ -138,34 +169,41 @@ def _per_call() -> list[str]:
     return rows
 
 
-def _balanced_ratio(on: list[float], off: list[float]) -> float:
-    """Paired on/off ratio with the order effect cancelled: the geometric mean of the median
-    ratio over iterations where "on" ran first and over those where it ran second (whichever
-    runs first in a pair is systematically faster or slower here, so a plain median of ratios
-    lands on one side of a bimodal distribution)."""
-    ratios = [a / b for a, b in zip(on, off, strict=True)]
-    first, second = ratios[0::2], ratios[1::2]  # even iterations run "on" first (see _measure)
-    return (statistics.median(first) * statistics.median(second)) ** 0.5
+def _balanced_ratio(times: torch.Tensor, k: int) -> float:
+    """Paired ratio of mode ``k`` to off with the order effect cancelled: the geometric mean,
+    over the rotations of the run order, of the median per-iteration ratio (whichever runs
+    first is systematically faster or slower here, so a plain median of ratios can land on one
+    side of a multimodal distribution)."""
+    ratios = (times[:, k] / times[:, 0]).tolist()
+    medians = [statistics.median(ratios[r::len(MODES)]) for r in range(len(MODES))]
+    return statistics.geometric_mean(medians)
 
 
 def _main(rank: int, world: int, iters: int, sizes: list[str]) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    lines = [f"{'workload':<44} {'off ms':>9} {'on ms':>9} {'on/off':>7}", "-" * 72]
-    for size in sizes:
-        h, layers, b = DDP_SIZES[size]
-        h2, ffn, s, b2 = TP_SIZES[size]
-        for label, step in ((f"DDP {size} (h={h}, layers={layers}, b={b})", _ddp(size)),
-                            (f"DTensor MLP {size} (h={h2}, ffn={ffn}, s={s}, b={b2})",
-                             _dtensor(size, mesh))):
-            times = _measure(step, iters)
-            off, on = times[:, 0].tolist(), times[:, 1].tolist()
-            ratio = _balanced_ratio(on, off)
-            lines.append(f"{label:<44} {statistics.median(off) * 1e3:>9.3f} "
-                         f"{statistics.median(on) * 1e3:>9.3f} {ratio:>7.3f}")
-    lines += ["", "per call (fastest of 5 x 500 calls)", *_per_call()]
+    out = tempfile.mkdtemp(prefix="paraloom-record-overhead-")
+    lines = [f"{'workload':<44} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'out ms':>8} "
+             f"{'out/off':>7}", "-" * 87]
+    try:
+        for size in sizes:
+            h, layers, b = DDP_SIZES[size]
+            h2, ffn, s, b2 = TP_SIZES[size]
+            for label, step in (
+                    (f"DDP {size} (h={h}, layers={layers}, b={b})", _ddp(size)),
+                    (f"FSDP2 {size} (h={h}, layers={layers}, b={b})", _fsdp2(size, mesh)),
+                    (f"DTensor MLP {size} (h={h2}, ffn={ffn}, s={s}, b={b2})",
+                     _dtensor(size, mesh))):
+                times = _measure(step, iters, out)
+                med = [statistics.median(times[:, k].tolist()) * 1e3 for k in range(3)]
+                lines.append(f"{label:<44} {med[0]:>8.3f} {med[1]:>8.3f} "
+                             f"{_balanced_ratio(times, 1):>7.3f} {med[2]:>8.3f} "
+                             f"{_balanced_ratio(times, 2):>7.3f}")
+        lines += ["", "per call (fastest of 5 x 500 calls)", *_per_call()]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     if rank == 0:
-        print(f"2 gloo ranks, fp32, 1 thread/rank; medians over {iters} paired iterations; "
-              "on/off = per-iteration ratios, median per run order, geometric mean of the two")
+        print(f"2 gloo ranks, fp32, 1 thread/rank; medians over {iters} iterations of "
+              f"{STEPS} steps; ratios: per-iteration, median per run order, geometric mean")
         print("\n".join(lines), flush=True)
 
 

@@ -141,12 +141,22 @@ class Ledger:
         if tensor is not None:
             shape, dtype = list(tensor.shape), str(tensor.dtype).removeprefix("torch.")
             nbytes = nbytes or tensor.numel() * tensor.element_size()
+        return self.event(op, phase, kind, site, module, split, async_op, nbytes, shape, dtype,
+                          list(group), pg, extra or None)
+
+    def event(self, op: str, phase: str, kind: str, site: str, module: str | None,
+              split: str | None, async_op: bool, nbytes: int, shape: list | None,
+              dtype: str | None, group: list[int], pg: str | None, extra: dict | None) -> dict:
+        """:meth:`record` with every field given, positionally (``group`` a list the event may
+        keep): the recorder's path, called at every collective of a foreign program."""
         t = self.stamp()
         event = {"rank": self.rank, "seq": self.next_seq, "step": self.step,
                  "microbatch": self.microbatch, "phase": phase, "kind": kind, "op": op,
                  "site": site, "module": module, "split": split, "async": async_op,
-                 "bytes": nbytes, "shape": shape, "dtype": dtype, "group": list(group),
-                 "t_start": t, "t_wait": t, "t_end": t, **extra}
+                 "bytes": nbytes, "shape": shape, "dtype": dtype, "group": group,
+                 "t_start": t, "t_wait": t, "t_end": t}
+        if extra:
+            event.update(extra)
         if self.recompute:
             event["recompute"] = True
         if op != "compute":

@@ -24,11 +24,8 @@ excluded (inside ``torch.inference_mode`` or another tensor subclass's ``__torch
 ``False`` and wait inside the wrapper; DDP's reducer and ``async_op=True`` callers get the Work
 back); send/recv have no such argument, so they are blocking when called from
 ``torch.distributed.send``/``recv`` and asynchronous otherwise (``isend``, ``batch_isend_irecv``);
-functional collectives are asynchronous (waited by ``wait_tensor``). Times: ``t_start`` at
-launch; ``t_wait``/``t_end`` around ``Work.wait`` when Python waits (the Work is held so that
-Python gets back the same object); for Works waited in C++ (DDP), ``t_end`` is the first time
-the recorder saw the Work completed (polled at the next launch and at the optimizer step: an
-upper bound) and ``t_wait`` equals it. On CUDA every stamp is a CUDA event on the current
+functional collectives are asynchronous (waited by ``wait_tensor``). When each ends is
+:mod:`.completion`'s. On CUDA every stamp is a CUDA event on the current
 stream from the program's first CUDA collective on (``Ledger.use_device_clock``): ``t_start``
 when the device reaches the launch, ``t_end`` when it reaches the point after the wait (a
 Work's wait orders the stream; the host returns earlier), resolved into seconds when the
@@ -39,30 +36,26 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from functools import partial
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.distributed.distributed_c10d as c10d
 
+from . import completion
+from .completion import _UNSEEN, hold_output, hold_work, poll, poll_now, prune, settle, timed_wait
 from .ops import C10D, FUNCTIONAL, OpSpec, tensors_of
 
-__all__ = ["install", "uninstall", "prune", "poll", "installed"]
+__all__ = ["install", "uninstall", "prune", "poll", "settle", "installed"]
 
 _KEYS = ("ADInplaceOrView",)
 _BELOW = torch._C._after_ADInplaceOrView_keyset
 _Work = torch._C._distributed_c10d.Work
 _PG = torch._C._distributed_c10d.ProcessGroup
-_ORIG_WAIT = _Work.wait
-_ORIG_FUNCOL_WAIT = funcol.wait_tensor
 _C10D_FILE = c10d.__file__
 _BLOCKING_P2P = ("send", "recv")
 
 _SINK = None  # the active recorder: .on, .now(), .launch(op, tensors, pg, peer, async_op, ...)
 _LIBS: list = []
-_WORKS: dict[int, list] = {}  # id(Work) -> [Work, event, 0 | 1 waited | 2 seen complete]
-_TENSORS: dict[int, list] = {}  # data_ptr of a functional output -> [tensor, event, waited]
 _INSIDE = threading.local()  # .depth > 0 while a recorded op runs (its kernel may call others)
 
 
@@ -77,20 +70,22 @@ def install(sink) -> None:
         raise RuntimeError("paraloom record: a recorder is already active in this process "
                            "(record_comms blocks cannot nest)")
     _SINK = sink
-    for ns, table, kernel in (("c10d", C10D, _c10d_kernel),
-                              ("_c10d_functional", FUNCTIONAL, _functional_kernel)):
+    for ns, table in (("c10d", C10D), ("_c10d_functional", FUNCTIONAL)):
         lib = torch.library.Library(ns, "IMPL")
         packet = getattr(torch.ops, ns)
         names = list(table) + (["batch_p2p_ops"] if ns != "c10d" else [])
         for name in names:
             op = getattr(packet, name).default
-            args = [a.name for a in op._schema.arguments]
-            fn = partial(kernel, _op=op, _spec=table.get(name), _args=args, _name=name)
+            args = {a.name: i for i, a in enumerate(op._schema.arguments)}
+            if ns == "c10d":
+                fn = _c10d_kernel(op, table[name], args)
+            else:
+                fn = partial(_functional_kernel, _op=op, _spec=table.get(name), _args=args,
+                             _name=name)
             for key in _KEYS:
                 lib.impl(name, fn, key, with_keyset=True)
         _LIBS.append(lib)
-    _Work.wait = _observed_wait
-    funcol.wait_tensor = _observed_wait_tensor
+    completion.install(sink)
 
 
 def uninstall() -> None:
@@ -99,30 +94,23 @@ def uninstall() -> None:
     for lib in _LIBS:
         lib._destroy()
     _LIBS.clear()
-    _Work.wait = _ORIG_WAIT
-    funcol.wait_tensor = _ORIG_FUNCOL_WAIT
+    completion.uninstall()
     _SINK = None
-    _WORKS.clear()
-    _TENSORS.clear()
 
 
-def prune() -> None:
-    """Drop finished Works and all functional outputs (called at optimizer steps): the holds
-    only exist to match a later wait, and must not keep tensors alive across steps."""
-    if _SINK is not None:
-        _poll(_SINK.now)
-    for key, entry in list(_WORKS.items()):
-        if entry[2]:
-            del _WORKS[key]
-    for entry in _TENSORS.values():  # never waited: done by now (DTensor waits what it uses)
-        entry[1].pop("pending", None)
-    _TENSORS.clear()
-
-
-def _bind(args: list, values: tuple, kwargs: dict) -> dict:
+def _bind(args: dict, values: tuple, kwargs: dict) -> dict:
     bound = dict(zip(args, values, strict=False))
     bound.update(kwargs)
     return bound
+
+
+def _arg(args: dict, values: tuple, kwargs: dict, name: str, default=None):
+    """One argument of a dispatcher call by its schema name (``args``: name -> position), as
+    the Python kernel received it: positionally, or by name (trailing defaults come as kwargs)."""
+    i = args.get(name)
+    if i is not None and i < len(values):
+        return values[i]
+    return kwargs.get(name, default)
 
 
 def _blocking_p2p() -> bool:
@@ -150,27 +138,43 @@ def _run(op, keyset, values, kwargs):
         _INSIDE.depth -= 1
 
 
-def _c10d_kernel(keyset, *values, _op, _spec: OpSpec, _args, _name, **kwargs):
-    sink = _SINK
-    if sink is None or not sink.on or _inside():
-        return _op.redispatch(keyset & _BELOW, *values, **kwargs)
-    bound = _bind(_args, values, kwargs)
-    if _spec.peer is not None or _spec.op == "recv":
-        async_op = not _blocking_p2p()
-    else:
-        async_op = bool(bound.get("async_op", True))
-    tensors = tensors_of(bound[_spec.data]) if _spec.data else []
-    pg = _PG.unbox(bound["process_group"])
-    peer = bound.get(_spec.peer) if _spec.peer else None
-    if _WORKS:
-        _poll(sink.now)
-    event = sink.launch(_spec.op, tensors, pg, peer, async_op, _spec.coalesced,
-                        _fields(bound))
-    out = _run(_op, keyset, values, kwargs)
-    work = _Work.unbox(out[1] if isinstance(out, tuple) else out)
-    entry = [work, event, False]
-    _WORKS[id(work)] = entry
-    return out
+def _c10d_kernel(op, spec: OpSpec, args: dict):
+    """The kernel of one ``c10d::`` op (``args``: its schema's argument positions). It runs at
+    every collective of the program, DDP's bucket all-reduces included: its path is kept short
+    (``benchmarks/record_overhead.py``)."""
+    redispatch = op.redispatch
+    at_data, at_pg = args.get(spec.data), args["process_group"]
+    at_async = args.get("async_op")
+    p2p = spec.peer is not None or spec.op == "recv"
+    more = "root_rank" in args or "input_split_sizes" in args
+    name, coalesced = spec.op, spec.coalesced
+
+    def kernel(keyset, *values, **kwargs):
+        sink = _SINK
+        if sink is None or not sink.on or getattr(_INSIDE, "depth", 0) > 0:
+            return redispatch(keyset & _BELOW, *values, **kwargs)
+        n = len(values)
+        if p2p:
+            async_op = not _blocking_p2p()
+        elif at_async is not None and at_async < n:
+            async_op = bool(values[at_async])
+        else:
+            async_op = bool(kwargs.get("async_op", True))
+        data = None
+        if spec.data is not None:
+            data = values[at_data] if at_data < n else kwargs.get(spec.data)
+        tensors = [data] if isinstance(data, torch.Tensor) else tensors_of(data)
+        pg = _PG.unbox(values[at_pg] if at_pg < n else kwargs["process_group"])
+        peer = _arg(args, values, kwargs, spec.peer) if p2p and spec.peer else None
+        if _UNSEEN:
+            poll_now(sink.now)
+        fields = _fields(_bind(args, values, kwargs)) if more else None
+        event = sink.launch(name, tensors, pg, peer, async_op, coalesced, fields)
+        out = _run(op, keyset, values, kwargs)
+        work = _Work.unbox(out[1] if isinstance(out, tuple) else out)
+        hold_work(work, event)
+        return out
+    return kernel
 
 
 def _fields(bound: dict) -> dict | None:
@@ -185,72 +189,13 @@ def _fields(bound: dict) -> dict | None:
     return fields
 
 
-def settle(patience_s: float = 0.5) -> None:
-    """At the end of a record: give Works still in flight a moment to complete, so that a
-    healthy program ends with nothing ``pending`` (what :mod:`paraloom.diagnose` reads)."""
-    deadline = time.monotonic() + patience_s
-    while _SINK is not None and _WORKS:
-        _poll(_SINK.now)
-        if all(entry[2] for entry in _WORKS.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.01)
-
-
-def poll() -> None:
-    """:func:`_poll` on the active recorder's clock (called when an optimizer step starts)."""
-    if _SINK is not None and _WORKS:
-        _poll(_SINK.now)
-
-
-def _poll(now) -> None:
-    """Give Works nobody waited on from Python (DDP's reducer waits in C++) the first time they
-    are seen complete as their end. Polled at each launch and optimizer step, not by a future
-    callback: that would run Python on the backend's worker thread, which then queues for the
-    GIL while the next collectives wait behind it (measured: DDP steps 15-30% slower)."""
-    t = None
-    for entry in _WORKS.values():
-        if not entry[2] and entry[0].is_completed():
-            t = now() if t is None else t
-            entry[1]["t_wait"] = entry[1]["t_end"] = t
-            if not _succeeded(entry[0]):
-                entry[1]["failed"] = True
-            if _SINK is not None:
-                _SINK.completed(entry[1])
-            entry[2] = 2  # seen complete; a later Python wait still times itself
-
-
-def _succeeded(work) -> bool:
-    try:
-        return work.is_success()
-    except RuntimeError:  # torch asks for completion first on some backends
-        return True
-
-
-def _observed_wait(self, *args, **kwargs):
-    entry = _WORKS.pop(id(self), None)
-    sink = _SINK
-    if entry is None or sink is None or entry[0] is not self:
-        return _ORIG_WAIT(self, *args, **kwargs)
-    event = entry[1]
-    event["t_wait"] = sink.now()
-    entry[2] = 1
-    try:
-        return _ORIG_WAIT(self, *args, **kwargs)
-    except BaseException:
-        event["failed"] = True  # gloo raised: a peer went away or sent something else
-        raise
-    finally:
-        event["t_end"] = sink.now()
-        sink.completed(event)
-
-
 def _functional_kernel(keyset, *values, _op, _spec: OpSpec | None, _args, _name, **kwargs):
     sink = _SINK
     if sink is None or not sink.on or _inside():
         return _op.redispatch(keyset & _BELOW, *values, **kwargs)
     bound = _bind(_args, values, kwargs)
     if _name == "wait_tensor":
-        return _timed_wait(bound["tensor"], partial(_op.redispatch, keyset & _BELOW, *values,
+        return timed_wait(bound["tensor"], partial(_op.redispatch, keyset & _BELOW, *values,
                                                     **kwargs))
     pg = c10d._resolve_process_group(bound["group_name"])
     if _name == "batch_p2p_ops":
@@ -265,28 +210,7 @@ def _functional_kernel(keyset, *values, _op, _spec: OpSpec | None, _args, _name,
     outputs = out if isinstance(out, (list, tuple)) else [out]
     for i, tensor in enumerate(outputs):
         event = events[i] if len(events) == len(outputs) else events[0]
-        _TENSORS[tensor.data_ptr()] = [tensor, event, False]
+        hold_output(tensor, event)
     return out
 
 
-def _timed_wait(tensor, wait):
-    """Run ``wait()`` for a functional output, timing it if it is a recorded one."""
-    entry = _TENSORS.pop(tensor.data_ptr(), None)
-    sink = _SINK
-    if entry is None or sink is None:
-        return wait()
-    if not entry[2]:
-        entry[1]["t_wait"] = sink.now()
-        entry[2] = True
-    try:
-        return wait()
-    finally:
-        entry[1]["t_end"] = sink.now()
-        sink.completed(entry[1])
-
-
-def _observed_wait_tensor(tensor):
-    """``funcol.wait_tensor``, which DTensor's AsyncCollectiveTensor calls from inside its own
-    ``__torch_dispatch__`` (autograd keys excluded there, so the dispatcher kernel misses it):
-    timed here so those waits get their ``t_wait``/``t_end`` too."""
-    return _timed_wait(tensor, partial(_ORIG_FUNCOL_WAIT, tensor))

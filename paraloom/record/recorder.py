@@ -18,6 +18,7 @@ import atexit
 import json
 import os
 import signal
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ..run_folder import rank_ledger
 from . import intercept, megatron_step, pipeline
 from .kinds import KindResolver
 from .ops import nbytes
-from .tracking import Tracker, site
+from .tracking import Tracker
 
 __all__ = ["record_comms", "Recorder", "mark_step"]
 
@@ -60,18 +61,51 @@ class Recorder:
                fields: dict | None = None) -> dict:
         """Record one operation launched now; returns its event (times are filled later).
         ``fields``: ``root`` (a group rank, recorded as the global one) or all-to-all
-        ``input_splits``/``output_splits``."""
+        ``input_splits``/``output_splits``. Runs at every collective of the program: keep it
+        short (``benchmarks/record_overhead.py``)."""
         name = pg.group_name
         known = self._groups.get(name)
         if known is None:
             known = self._groups[name] = (dist.get_process_group_ranks(pg),
                                           getattr(pg, "group_desc", "") or "")
         ranks, desc = known
-        phase = self.tracker.phase()
-        if op in ("send", "recv") and tensors:  # pipelining's p2p: its stage method's role
+        phase, module, where, node = self.tracker.where(sys._getframe(1))
+        extra = None
+        if peer is not None or op == "recv" or fields or (coalesced and len(tensors) != 1):
+            extra = self._extra(op, phase, tensors, ranks, peer, coalesced, fields)
+            phase = extra.pop("phase")
+        if tensors:
+            first = tensors[0]
+            if first.is_cuda:
+                self._device_clock(first.device)
+            shape, dtype = list(first.shape), str(first.dtype).removeprefix("torch.")
+            size = nbytes(tensors)
+        else:
+            shape = dtype = None
+            size = 0
+        event = self.ledger.event(op, phase, self.kinds.kind(name, desc, ranks), where, module,
+                                  None, async_op, size, shape, dtype, list(ranks), name, extra)
+        if node is not None and type(node).__name__ == "AccumulateGrad":
+            event["param_grad"] = True  # fired by a parameter's gradient (a DDP bucket hook)
+        if self.tracker.setup:
+            self._setup.append((event, phase))
+            event["phase"] = "setup"
+        if self.path is not None:  # provisional: host time for a stamp not resolved yet
+            line = json.dumps(event) if self.ledger._event_type is None else \
+                json.dumps(event, default=lambda _: self.ledger.now())
+            self._open().write(line + "\n")
+            self._file.flush()
+        return event
+
+    @staticmethod
+    def _extra(op: str, phase: str, tensors: list, ranks: list[int], peer, coalesced: bool,
+               fields: dict | None) -> dict:
+        """The fields of a point-to-point, rooted, split or coalesced operation (and its phase:
+        a pipelining send/recv gets its stage method's role)."""
+        if op in ("send", "recv") and tensors:
             role = pipeline.p2p_phase(tensors[0])
             phase = role if role is not None and phase == "other" else phase
-        extra = {}
+        extra = {"phase": phase}
         if peer is not None:
             extra["peer"] = ranks[peer] if 0 <= peer < len(ranks) else peer
         elif op == "recv":
@@ -83,24 +117,7 @@ class Recorder:
                     else fields["root"]
         if coalesced and len(tensors) != 1:
             extra["tensors"] = len(tensors)
-        if tensors and tensors[0].is_cuda:
-            self._device_clock(tensors[0].device)
-        event = self.ledger.record(
-            op=op, phase=phase, kind=self.kinds.kind(name, desc, ranks), site=site(3),
-            module=self.tracker.module(phase), async_op=async_op, nbytes=nbytes(tensors),
-            group=ranks, pg=name, **extra)
-        if phase == "backward" and self.tracker.param_grad():
-            event["param_grad"] = True  # fired by a parameter's gradient (a DDP bucket hook)
-        if self.tracker.setup:
-            self._setup.append((event, phase))
-            event["phase"] = "setup"
-        if tensors:
-            event["shape"] = list(tensors[0].shape)
-            event["dtype"] = str(tensors[0].dtype).removeprefix("torch.")
-        if self.path is not None:  # provisional: host time for a stamp not resolved yet
-            self._open().write(json.dumps(event, default=lambda _: self.ledger.now()) + "\n")
-            self._file.flush()
-        return event
+        return extra
 
     def _device_clock(self, device) -> None:
         """At the program's first collective on a CUDA tensor: stamp with CUDA events on the
@@ -144,9 +161,11 @@ class Recorder:
         if self.path is None:
             return
         f = self._open()
+        end = len(self.ledger.events)
+        if end == self.flushed:  # nothing written since: no system calls
+            return
         f.seek(self._final)
         f.truncate()
-        end = len(self.ledger.events)
         self.ledger.resolve(self.flushed)  # CUDA: waits for these events only
         for event in self.ledger.events[self.flushed:end]:
             f.write(json.dumps(event) + "\n")

@@ -22,64 +22,43 @@
   :func:`paraloom.record.mark_step` at the top of each iteration instead: from the first call
   on, only the calls move the step (the first ends ``setup``).
 * module — the path (``layers.0.mlp.fc1``, from the outermost module's ``named_modules``) of the
-  innermost module whose forward is running; in backward, the module whose forward produced the
-  autograd node being run (its output's ``grad_fn``), or the owner of the parameter whose
-  gradient is being accumulated (DDP's bucket hooks fire there).
-* site — ``file.py:LINE Qualified.function`` of the innermost frame outside torch, paraloom,
-  the standard library and decorator shims (``typing_extensions``).
+  innermost module whose forward is running (:mod:`.attribution`); in backward, the module whose
+  forward produced the autograd node being run (its output's ``grad_fn``), or the owner of the
+  parameter whose gradient is being accumulated (DDP's bucket hooks fire there).
+* site — see :mod:`.attribution`.
+
+What it costs. Global module hooks would push every ``Module.__call__`` of the program onto
+torch's slow path (measured: +6 us a call). They are installed only while the tracker learns:
+during setup and step 1 (and for one more iteration whenever a backward collective meets an
+autograd node of a kind it has not learnt), and always with ``compute``. Outside, the program
+runs its modules hook-free: a forward's module is read from the frames at the collective, the
+first module call after an optimizer step (which begins an iteration) is caught by a one-shot
+global pre-hook that removes itself, and the backward attribution is kept by forward hooks on
+just the modules whose nodes communicated in backward while learning.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import sysconfig
 import warnings
 
 import torch
 from torch.nn.modules import module as nn_module
 from torch.optim import optimizer as optim
 
-import paraloom
+from .attribution import Attribution, locate, mark
 
 __all__ = ["Tracker", "site"]
-
-_TORCH_PARALOOM = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, paraloom))
-_SKIP_DIRS = (sysconfig.get_paths()["stdlib"] + os.sep,)  # runpy, contextlib, functools
-_PACKAGES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
-_SKIP_FILES = ("typing_extensions.py",)  # its @deprecated wraps Megatron-Core's functions
-_SKIP: dict[str, bool] = {}
-_KEY = "paraloom.module"  # autograd node metadata: the module whose forward made the node
-
-
-def _skipped(filename: str) -> bool:
-    skip = _SKIP.get(filename)
-    if skip is None:
-        skip = _SKIP[filename] = (filename.startswith(_SKIP_DIRS)
-                                  and not filename.startswith(_PACKAGES)) \
-            or filename.startswith(_TORCH_PARALOOM) or filename.startswith("<") \
-            or os.path.basename(filename) in _SKIP_FILES
-        if not skip:
-            cwd = os.getcwd() + os.sep
-            _SKIP[filename + "\0rel"] = filename.removeprefix(cwd)
-    return skip
 
 
 def site(depth: int = 1) -> str:
     """The innermost caller outside torch and paraloom, as ``path:LINE Qualified.function``
     (the path relative to the working directory when it is below it)."""
-    frame = sys._getframe(depth)
-    while frame is not None:
-        code = frame.f_code
-        if not _skipped(code.co_filename):
-            return f"{_SKIP[code.co_filename + chr(0) + 'rel']}:{frame.f_lineno} " \
-                   f"{code.co_qualname}"
-        frame = frame.f_back
-    return "<no Python caller>"
+    return locate(sys._getframe(depth), False)[0]
 
 
 class Tracker:
-    """Global module and optimizer hooks that keep phase, step and module current."""
+    """Module and optimizer hooks that keep phase, step and module current."""
 
     def __init__(self, *, compute: bool = False, on_step=None, on_optimizer=None,
                  on_optimizer_done=None, on_setup_end=None, ledger=None) -> None:
@@ -92,30 +71,27 @@ class Tracker:
         self._explicit = False  # the program marks its iterations (mark_step)
         self._on_setup_end = on_setup_end
         self._on_optimizer_done = on_optimizer_done
-        self._stack: list[str] = []
-        self._names: dict[int, str] = {}
-        self._params: dict[int, str] = {}
         self._on_step = on_step
         self._on_optimizer = on_optimizer
         self._compute = compute
         self._ledger = ledger
         self._spans: list = []
-        self._handles: list = []
+        self._handles: list = []  # optimizer (and compute's backward) hooks: always on
+        self.modules = Attribution(lean_from=None if compute else 2, pre=self._pre,
+                                   post=self._post, first=self._first)
 
     def install(self) -> None:
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._pre),
-            nn_module.register_module_forward_hook(self._post, always_call=True),
-            optim.register_optimizer_step_pre_hook(self._opt_pre),
-            optim.register_optimizer_step_post_hook(self._opt_post),
-        ]
+        self._handles = [optim.register_optimizer_step_pre_hook(self._opt_pre),
+                         optim.register_optimizer_step_post_hook(self._opt_post)]
         if self._compute:  # our own hooks make torch warn about modules without grad inputs
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
             self._handles += [
                 nn_module.register_module_full_backward_pre_hook(self._bwd_pre),
                 nn_module.register_module_full_backward_hook(self._bwd_post)]
+        self.modules.learn()
 
     def uninstall(self) -> None:
+        self.modules.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -133,24 +109,30 @@ class Tracker:
             return self._regions[-1]
         if torch._C._current_graph_task_id() != -1:
             return "backward"
-        return "forward" if self._stack else "other"
+        if not self.modules.lean:
+            return "forward" if self.modules.stack else "other"
+        return "forward" if locate(sys._getframe(1), True)[1] is not None else "other"
 
-    def module(self, phase: str) -> str | None:
-        if phase != "backward":
-            return self._stack[-1] if self._stack else None
-        node = torch._C._current_autograd_node()
-        if node is None:
-            return None
-        path = node.metadata.get(_KEY)
-        if path is None and type(node).__name__ == "AccumulateGrad":
-            path = self._params.get(id(node.variable))
-        return path
-
-    def param_grad(self) -> bool:
-        """Whether backward is accumulating a parameter's gradient right now (the autograd node
-        is an ``AccumulateGrad``: where DDP's bucket hooks fire)."""
-        node = torch._C._current_autograd_node()
-        return node is not None and type(node).__name__ == "AccumulateGrad"
+    def where(self, frame) -> tuple[str, str | None, str, object]:
+        """Phase, module, site and (in backward) autograd node of a communication launched now
+        by ``frame``'s code."""
+        if self._optimizer:
+            phase = "optimizer"
+        elif self._regions:
+            phase = self._regions[-1]
+        elif torch._C._current_graph_task_id() != -1:
+            node = torch._C._current_autograd_node()
+            return "backward", self.modules.backward(node), locate(frame, False)[0], node
+        else:
+            phase = None  # forward or other
+        modules = self.modules
+        if not modules.lean:
+            module = modules.stack[-1] if modules.stack else None
+            return phase or ("forward" if module else "other"), module, \
+                locate(frame, False)[0], None
+        site, call = locate(frame, True)
+        module = None if call is None else modules.names.of_call(call)
+        return phase or ("forward" if call is not None else "other"), module, site, None
 
     # -- iterations ------------------------------------------------------------------------
     def enter(self, phase: str) -> None:
@@ -174,9 +156,11 @@ class Tracker:
             return
         if self.setup:
             self._end_setup(True)
+            self.modules.at_iteration(self.step)
         elif self._stepped or explicit:
             self._stepped = False
             self.step += 1
+            self.modules.at_iteration(self.step)
             if self._on_step is not None:
                 self._on_step(self.step)
         self._forwarded = True
@@ -196,62 +180,55 @@ class Tracker:
             if self.setup:  # what looked like setup was step 1
                 self._end_setup(False)
             self.step += 1
+            self.modules.at_iteration(self.step)
+            self.modules.arm()
             if self._on_step is not None:
                 self._on_step(self.step)
             return
         self._stepped = True
         self._forwarded = False
+        self.modules.arm()
 
     # -- hooks -----------------------------------------------------------------------------
-    def _name(self, module) -> str:
-        path = self._names.get(id(module))
-        if path is not None:
-            return path
-        if self._stack:  # not below a module seen as a root: name it by its class
-            path = f"{self._stack[-1]}.{type(module).__name__}"
-            self._names[id(module)] = path
-            return path
-        root = type(module).__name__
-        for name, sub in module.named_modules():
-            self._names.setdefault(id(sub), name or root)
-        for name, param in module.named_parameters():
-            owner = name.rpartition(".")[0]
-            self._params.setdefault(id(param), owner or root)
-        return self._names[id(module)]
+    def _first(self, module, args) -> None:
+        """Lean: the first module call since an optimizer step (a one-shot global hook)."""
+        if not self._optimizer:
+            self.modules.disarm()
+            self._pre(module, args)
 
     def _pre(self, module, args) -> None:
-        if not self._stack and not self._optimizer:
+        modules = self.modules
+        if not modules.stack and not self._optimizer:
             if self._stepped or self.setup:
-                self.iteration_begins()
+                self.iteration_begins()  # may switch between learning and lean
             self._forwarded = True
-        path = self._name(module)
-        self._stack.append(path)
+        if modules.lean:
+            return
+        path = modules.names.name(module, modules.stack[-1] if modules.stack else None)
+        modules.stack.append(path)
         if self._compute and self._ledger is not None and not module._modules:
             self._spans.append(self._ledger.record(
                 op="compute", phase=self.phase(), kind="compute",
                 site=f"{type(module).__name__}.forward", module=path))
 
     def _post(self, module, args, output) -> None:
-        if self._stack:
-            path = self._stack.pop()
+        if self.modules.stack:
+            path = self.modules.stack.pop()
             if self._spans and self._spans[-1]["module"] == path and not module._modules:
                 span = self._spans.pop()
                 span["t_wait"] = span["t_end"] = self._ledger.stamp()
-            for out in output if isinstance(output, (tuple, list)) else (output,):
-                fn = getattr(out, "grad_fn", None)
-                if fn is not None:  # the node's own metadata: it lives and dies with the node
-                    fn.metadata.setdefault(_KEY, path)
+            mark(output, path)
 
     def _bwd_pre(self, module, grad_output) -> None:
         if self._compute and self._ledger is not None and not module._modules:
-            path = self._names.get(id(module))
+            path = self.modules.names.paths.get(id(module))
             self._ledger.record(op="compute", phase="backward", kind="compute",
                                 site=f"{type(module).__name__}.backward", module=path)
 
     def _bwd_post(self, module, grad_input, grad_output) -> None:
         if self._ledger is None or module._modules:
             return
-        path = self._names.get(id(module))
+        path = self.modules.names.paths.get(id(module))
         for event in reversed(self._ledger.events):
             if event["op"] == "compute" and event["module"] == path \
                     and event["site"].endswith(".backward"):
