@@ -155,13 +155,23 @@ def _per_call_us(fn, n: int = 500) -> float:
 
 def _per_call() -> list[str]:
     """Absolute costs: a blocking 64-byte all-reduce, and a Sequential(Linear, ReLU) forward
-    (three module calls through the recorder's global hooks)."""
+    (three module calls) while the recorder learns (step 1: global module hooks) and once it
+    runs lean (after two optimizer steps: no module hook)."""
     t, net, x = torch.ones(16), nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+
+    def lean() -> None:
+        for _ in range(2):
+            net(x).sum().backward()
+            opt.step()
     rows = []
-    for label, fn in (("all_reduce 64 B, blocking", lambda: dist.all_reduce(t)),
-                      ("Sequential(Linear, ReLU) forward", lambda: net(x))):
+    for label, fn, setup in (
+            ("all_reduce 64 B, blocking", lambda: dist.all_reduce(t), lean),
+            ("Sequential(Linear, ReLU) forward, learning", lambda: net(x), lambda: None),
+            ("Sequential(Linear, ReLU) forward, lean", lambda: net(x), lean)):
         off = _per_call_us(fn)
         with record_comms() as rec:
+            setup()
             fn()
             on = _per_call_us(fn)
         rec.events.clear()
