@@ -142,7 +142,7 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
     """The kernel of one ``c10d::`` op (``args``: its schema's argument positions). It runs at
     every collective of the program, DDP's bucket all-reduces included: its path is kept short
     (``benchmarks/record_overhead.py``)."""
-    redispatch = op.redispatch
+    redispatch = op._handle.redispatch_boxed  # OpOverload.redispatch without its frame
     at_data, at_pg = args.get(spec.data), args["process_group"]
     at_async = args.get("async_op")
     p2p = spec.peer is not None or spec.op == "recv"
@@ -151,7 +151,8 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
 
     def kernel(keyset, *values, **kwargs):
         sink = _SINK
-        if sink is None or not sink.on or getattr(_INSIDE, "depth", 0) > 0:
+        depth = getattr(_INSIDE, "depth", 0)
+        if sink is None or not sink.on or depth > 0:
             return redispatch(keyset & _BELOW, *values, **kwargs)
         n = len(values)
         if p2p:
@@ -163,16 +164,24 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
         data = None
         if spec.data is not None:
             data = values[at_data] if at_data < n else kwargs.get(spec.data)
-        tensors = [data] if isinstance(data, torch.Tensor) else tensors_of(data)
+        if isinstance(data, torch.Tensor):
+            tensors = [data]
+        elif type(data) is list and all(isinstance(t, torch.Tensor) for t in data):
+            tensors = data  # the common case: a flat list (read, never changed)
+        else:
+            tensors = tensors_of(data)
         pg = _PG.unbox(values[at_pg] if at_pg < n else kwargs["process_group"])
         peer = _arg(args, values, kwargs, spec.peer) if p2p and spec.peer else None
         if _UNSEEN:
             poll_now(sink.now)
         fields = _fields(_bind(args, values, kwargs)) if more else None
         event = sink.launch(name, tensors, pg, peer, async_op, coalesced, fields)
-        out = _run(op, keyset, values, kwargs)
-        work = _Work.unbox(out[1] if isinstance(out, tuple) else out)
-        hold_work(work, event)
+        _INSIDE.depth = 1  # an op the real kernel calls is part of this one (see _run)
+        try:
+            out = redispatch(keyset & _BELOW, *values, **kwargs)
+        finally:
+            _INSIDE.depth = 0
+        hold_work(_Work.unbox(out[1] if isinstance(out, tuple) else out), event)
         return out
     return kernel
 
