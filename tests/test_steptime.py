@@ -102,6 +102,38 @@ def test_published_megatron_rows_within_15_percent():
     assert worst <= 0.06
 
 
+def test_explain_error_sets_a_row_against_its_publication(capsys):
+    from paraloom.analysis.flops import hardware_flops
+    from paraloom.verify.validation import _layout, explain_row, summary
+    rows = {r.name: r for r in ROWS}
+    r = explain_row("narayanan-76.1B")
+    config, options = _layout(rows["narayanan-76.1B"])
+    # the published TFLOP/s per GPU is the step's hardware FLOPs over its time: the step it gives
+    flops = hardware_flops(config, early_stop=options.early_stop)
+    assert r["published_step_s"] == pytest.approx(flops / (140e12 * 1024))
+    assert sum(p["seconds"] for p in r["parts"]) == pytest.approx(r["predicted_step_s"])
+    assert r["gap_s"] == pytest.approx(r["predicted_step_s"] - r["published_step_s"])
+    assert r["error"] == pytest.approx(
+        next(v["error"] for v in validate() if v["row"] == "narayanan-76.1B"))
+    for p in r["parts"]:  # each part scaled by its factor alone makes the published step
+        assert r["predicted_step_s"] - p["seconds"] + p["seconds"] * p["alone"] == \
+            pytest.approx(r["published_step_s"])
+    assert (r["layout"]["dp"], r["layout"]["microbatches"]) == (32, 1792 // 32)
+    assert not r["calibration"] and explain_row("korthikanti-175B")["calibration"]
+    assert plan_main(["--explain-error", "narayanan-76.1B"]) == 0
+    out = capsys.readouterr().out
+    assert "published     140.0 TFLOP/s per GPU" in out and "pipeline bubble" in out
+    assert f"{r['error']:+.1%}" in out
+    assert plan_main(["--explain-error", "all"]) == 0
+    s = summary(validate())
+    out = capsys.readouterr().out
+    assert f"mean |error| {s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%}" in out
+    assert s["rows"] == len(ROWS) - len(CALIBRATION_ROWS)
+    assert plan_main(["--explain-error", "narayanan-77B"]) == 2  # named, with the valid rows
+    err = capsys.readouterr().err
+    assert "'narayanan-77B'" in err and "narayanan-76.1B" in err and "korthikanti-1T" in err
+
+
 def test_search_fits_memory_and_ranks_tp_across_nodes_low():
     job = dict(layers=32, hidden=4096, heads=32, seq_len=2048, global_batch=256)
     tic = time.perf_counter()

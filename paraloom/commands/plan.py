@@ -8,7 +8,8 @@ one view (:func:`~paraloom.analysis.view.comm_view`). ``--gpus N`` is the world,
 ``--nprocs`` is for ``train``: the layout is then Megatron-LM's (tp, pp, cp default to 1, dp is
 the rest). ``--table`` prints one rank's step-1 communication order instead
 (:mod:`paraloom.analysis.order`). ``--search`` ranks the layouts that fit (:mod:`.plan_search`),
-``--calibrate`` measures this machine (:mod:`.plan_calibrate`)::
+``--calibrate`` measures this machine (:mod:`.plan_calibrate`), ``--explain-error ROW`` sets a
+published run against the prediction (:mod:`.plan_explain_error`)::
 
     paraloom plan --gpus 1024 --num-layers 96 --hidden-size 12288 --num-attention-heads 96 \\
         --seq-length 2048 --max-position-embeddings 2048 --vocab-size 51200 \\
@@ -32,7 +33,7 @@ from ..analysis.view import comm_view
 from ..config import TrainConfig
 from ..device import default_backend
 from ..report.table import render_table
-from . import plan_calibrate, plan_run, plan_search
+from . import plan_calibrate, plan_explain_error, plan_run, plan_search
 from .hardware_flags import add_hardware_args, hardware_from_args
 from .megatron_lm_flags import megatron_lm_spellings
 from .train_flags import add_train_flags, config_from_args
@@ -67,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--calibrate", action="store_true",
                    help="measure this machine's GEMM rate and gloo alpha/beta (--calibrate "
                         "--help)")
+    g.add_argument("--explain-error", metavar="ROW", default=None,
+                   help="a published Megatron run (or `all`) next to the model's prediction, "
+                        "part by part (--explain-error all --help)")
     add_hardware_args(ap)
     return ap
 
@@ -116,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan_search.main(typed)
     if "--calibrate" in typed:
         return plan_calibrate.main(typed)
+    if any(t == "--explain-error" or t.startswith("--explain-error=") for t in typed):
+        return plan_explain_error.main(typed)
     try:
         if plan_run.is_run_folder(typed):
             cfg, hw, args, note = plan_run.from_run_folder(typed)

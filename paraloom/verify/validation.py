@@ -31,7 +31,8 @@ from ..analysis.formulas import CommConfig
 from ..analysis.hardware import GPUS, Hardware
 from ..analysis.steptime import Options, step_time
 
-__all__ = ["Row", "ROWS", "CALIBRATION_ROWS", "predict_row", "validate", "fit"]
+__all__ = ["Row", "ROWS", "CALIBRATION_ROWS", "predict_row", "validate", "fit",
+           "explain_row", "summary"]
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,55 @@ def _layout(row: Row) -> tuple[CommConfig, Options]:
             Options(early_stop=False, recompute_comm=1.0))
 
 
-def predict_row(row: Row, hw: Hardware) -> float:
-    """The model's figure for a row, in the row's unit."""
-    config, options = _layout(row)
-    r = step_time(config, hw, options)
+def _figure(row: Row, r: dict) -> float:
+    """A step-time prediction ``r`` as the row's figure (its unit)."""
     if row.name.startswith("narayanan"):
         return r["hardware_tflops_per_gpu"]
     return 100 * r["mfu"]
+
+
+def predict_row(row: Row, hw: Hardware) -> float:
+    """The model's figure for a row, in the row's unit."""
+    config, options = _layout(row)
+    return _figure(row, step_time(config, hw, options))
+
+
+def explain_row(name: str, hw: Hardware | None = None) -> dict:
+    """One row's prediction next to its publication: the layout, both figures, the step time
+    the published figure implies (the figure is work over time, the work the model's), the gap,
+    and per part of the predicted step the factor it alone would need to close the gap."""
+    rows = {r.name: r for r in ROWS}
+    if name not in rows:
+        raise ValueError(f"no published row {name!r}; the rows: {', '.join(rows)}")
+    row, hw = rows[name], hw or GPUS["a100-80gb"]
+    config, options = _layout(row)
+    r = step_time(config, hw, options)
+    predicted = _figure(row, r)
+    total = r["step_time_s"]
+    published_s = total * predicted / row.published
+    gap = total - published_s  # negative: the model is too fast
+    parts = [{"part": k, "seconds": v, "share": v / total, "alone": (v - gap) / v}
+             for k, v in r["breakdown_s"].items() if v > 0]
+    return {"row": row.name, "source": row.source, "calibration": name in CALIBRATION_ROWS,
+            "unit": "TFLOP/s per GPU" if row.name.startswith("narayanan") else "MFU %",
+            "layout": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
+                       "seq_len": 2048, "vocab": 51200, "tp": row.tp, "pp": row.pp,
+                       "dp": config.dp, "gpus": row.gpus, "global_batch": row.batch,
+                       "microbatches": config.num_microbatches, "micro_batch": 1,
+                       "recompute": config.recompute,
+                       "sequence_parallel": config.sequence_parallel,
+                       "overlap_grad_reduce": config.overlap_grad_reduce},
+            "hardware": hw.name, "published": row.published, "predicted": predicted,
+            "error": predicted / row.published - 1, "published_step_s": published_s,
+            "predicted_step_s": total, "gap_s": gap, "parts": parts}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Mean and worst relative error of :func:`validate`'s rows not used for calibration."""
+    held = [r for r in rows if not r["calibration"]]
+    worst = max(held, key=lambda r: abs(r["error"]))
+    return {"rows": len(held), "mean_abs_error": sum(abs(r["error"]) for r in held) / len(held),
+            "worst_abs_error": abs(worst["error"]), "worst_row": worst["row"]}
 
 
 def validate(hw: Hardware | None = None) -> list[dict]:
