@@ -67,14 +67,15 @@ def pending() -> bool:
 def prune() -> None:
     """Drop finished Works and all functional outputs (called at optimizer steps): the holds
     only exist to match a later wait, and must not keep tensors alive across steps."""
-    if _SINK is not None:
+    if _SINK is not None and _UNSEEN:
         poll_now(_SINK.now)
-    for key, entry in list(_WORKS.items()):
-        if entry[2]:
+    if _WORKS:
+        for key in [key for key, entry in _WORKS.items() if entry[2]]:
             del _WORKS[key]
-    for entry in _TENSORS.values():  # never waited: done by now (DTensor waits what it uses)
-        entry[1].pop("pending", None)
-    _TENSORS.clear()
+    if _TENSORS:
+        for entry in _TENSORS.values():  # never waited: done by now (DTensor waits its own)
+            entry[1].pop("pending", None)
+        _TENSORS.clear()
 
 
 def settle(patience_s: float = 0.5) -> None:
