@@ -23,7 +23,9 @@ What it measures
     launched (a provisional line, so that a killed rank leaves its record). The table shows
     median times and the median of the per-iteration paired ratios to off (which cancels most
     of the machine's drift), taken per run order and averaged geometrically (which cancels the
-    order effect). Below it, the
+    order effect). The ``cpu`` columns take the same ratios of rank 0's main-thread CPU time
+    per step: what the recorder's Python adds, without the waits for the other rank that make
+    the wall-time ratios move by +-5% from run to run on 2 cores. Below it, the
     recorder's absolute cost per collective and per module call (fastest of 5 batches), which
     a loaded machine's noise does not hide.
 
@@ -107,18 +109,20 @@ def _dtensor(size: str, mesh):
     return step
 
 
-def _timed(step, mode: str, out: str) -> float:
+def _timed(step, mode: str, out: str) -> tuple[float, float]:
     """One untimed step, then ``STEPS`` timed ones (``mode``: off, on, or on with ``out``):
     with the recorder, all inside one ``record_comms`` block, so the timed steps are
     steady-state ones (the first op after the kernels are installed pays for the dispatcher's
-    table update, once per program; the recorder learns the modules during step 1)."""
-    def run() -> float:
+    table update, once per program; the recorder learns the modules during step 1). Returns
+    seconds per step: wall time, and this thread's CPU time (what the recorder's Python adds,
+    without the waits on the other rank)."""
+    def run() -> tuple[float, float]:
         step()
         dist.barrier()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         for _ in range(STEPS):
             step()
-        return (time.perf_counter() - t) / STEPS
+        return (time.perf_counter() - t) / STEPS, (time.thread_time() - c) / STEPS
     if mode == "off":
         return run()
     with record_comms(out=out if mode == "out" else None) as rec:
@@ -131,16 +135,18 @@ def _timed(step, mode: str, out: str) -> float:
 MODES = ("off", "on", "out")
 
 
-def _measure(step, iters: int, out: str) -> torch.Tensor:
+def _measure(step, iters: int, out: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wall times (the slower rank's) and rank 0's main-thread CPU times, [iters, MODES]."""
     times = torch.zeros(iters, len(MODES), dtype=torch.float64)
+    cpu = torch.zeros(iters, len(MODES), dtype=torch.float64)
     for i in range(-WARMUP, iters):
         order = list(range(len(MODES)))
         for k in order[i % len(MODES):] + order[:i % len(MODES)]:  # rotated every iteration
-            dt = _timed(step, MODES[k], out)
+            dt, dc = _timed(step, MODES[k], out)
             if i >= 0:
-                times[i, k] = dt
+                times[i, k], cpu[i, k] = dt, dc
     dist.all_reduce(times, op=dist.ReduceOp.MAX)  # an iteration lasts until the slower rank ends
-    return times
+    return times, cpu
 
 
 def _per_call_us(fn, n: int = 500) -> float:
@@ -194,7 +200,7 @@ def _main(rank: int, world: int, iters: int, sizes: list[str]) -> None:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     out = tempfile.mkdtemp(prefix="paraloom-record-overhead-")
     lines = [f"{'workload':<44} {'off ms':>8} {'on ms':>8} {'on/off':>7} {'out ms':>8} "
-             f"{'out/off':>7}", "-" * 87]
+             f"{'out/off':>7} {'cpu on':>7} {'cpu out':>7}", "-" * 103]
     try:
         for size in sizes:
             h, layers, b = DDP_SIZES[size]
@@ -204,17 +210,19 @@ def _main(rank: int, world: int, iters: int, sizes: list[str]) -> None:
                     (f"FSDP2 {size} (h={h}, layers={layers}, b={b})", _fsdp2(size, mesh)),
                     (f"DTensor MLP {size} (h={h2}, ffn={ffn}, s={s}, b={b2})",
                      _dtensor(size, mesh))):
-                times = _measure(step, iters, out)
+                times, cpu = _measure(step, iters, out)
                 med = [statistics.median(times[:, k].tolist()) * 1e3 for k in range(3)]
                 lines.append(f"{label:<44} {med[0]:>8.3f} {med[1]:>8.3f} "
                              f"{_balanced_ratio(times, 1):>7.3f} {med[2]:>8.3f} "
-                             f"{_balanced_ratio(times, 2):>7.3f}")
+                             f"{_balanced_ratio(times, 2):>7.3f} "
+                             f"{_balanced_ratio(cpu, 1):>7.3f} {_balanced_ratio(cpu, 2):>7.3f}")
         lines += ["", "per call (fastest of 5 x 500 calls)", *_per_call()]
     finally:
         shutil.rmtree(out, ignore_errors=True)
     if rank == 0:
         print(f"2 gloo ranks, fp32, 1 thread/rank; medians over {iters} iterations of "
-              f"{STEPS} steps; ratios: per-iteration, median per run order, geometric mean")
+              f"{STEPS} steps; ratios: per-iteration, median per run order, geometric mean; "
+              "cpu: rank 0's main-thread CPU time, on/off and out/off")
         print("\n".join(lines), flush=True)
 
 
