@@ -6,7 +6,8 @@ a model that communicates the ways foreign programs do: DDP's bucket all-reduces
 gradients, in backward), a module whose autograd Function all-reduces in backward (Megatron's
 copy to the tensor-parallel region), one that all-reduces in forward (its reduction), a bare
 all-reduce of the loss outside any module, and a module that begins to all-reduce in backward
-only at step 3 (lean has not learnt it: the next step learns again).
+only at step 3 (lean has not learnt it: the next step learns again), and two more outermost
+modules whose submodules have the same paths.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def _rank(rank: int, world: int, out: str) -> None:
     inner = nn.Sequential(nn.Linear(8, 8), CopyToRegion(), nn.Linear(8, 8), Reduce(),
                           CopyToRegion(on=False), nn.Linear(8, 4))
     model = DDP(inner, bucket_cap_mb=0.0001)  # about one bucket per parameter tensor
+    # two more outermost modules that name their submodules alike: both all-reduce in
+    # backward from a module whose path is "1"
+    heads = [nn.Sequential(nn.Identity(), CopyToRegion()) for _ in range(2)]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     hooks = []  # how many global module hooks the forward of each step meets
     inner[0].register_forward_pre_hook(
@@ -69,7 +73,7 @@ def _rank(rank: int, world: int, out: str) -> None:
                                 + len(nn_module._global_forward_hooks)))
 
     def step() -> None:
-        loss = model(torch.randn(2, 8)).sum()
+        loss = heads[1](heads[0](model(torch.randn(2, 8)))).sum()
         dist.all_reduce(loss.detach().clone())
         loss.backward()
         opt.step()
@@ -105,6 +109,8 @@ def test_lean_steps_record_what_learning_recorded(run):
         assert ("all_reduce", "forward", "module.3") in ops  # Reduce, in the model's forward
         assert ("all_reduce", "backward", "module.1") in ops  # CopyToRegion's backward
         assert ("all_reduce", "other", None) in ops  # the loss, outside any module
+        heads = [f for f in first if f[2] == "1"]  # each head's CopyToRegion, in backward
+        assert [(op, phase) for op, phase, *_ in heads] == [("all_reduce", "backward")] * 2
         buckets = {m for op, phase, m, site, grad, _ in first if grad}
         assert buckets and buckets <= {"module.0", "module.2", "module.5"}  # DDP's, by owner
         assert _fields(events, 2) == first  # lean from step 2 on
@@ -119,7 +125,7 @@ def test_lean_runs_without_global_module_hooks(run):
 def test_a_module_that_starts_communicating_is_learnt_at_the_next_step(run):
     events = run[0]["events"]
     late = {s: [e["module"] for e in events if e["step"] == s and e["phase"] == "backward"
-                and not e.get("param_grad") and e["module"] != "module.1"]
+                and not e.get("param_grad") and e["module"] not in ("module.1", "1")]
             for s in range(1, STEPS + 1)}
     assert late[1] == late[2] == []
     assert late[LATE] == [None]  # lean met a node kind it had not learnt

@@ -84,7 +84,9 @@ class Names:
     def __init__(self) -> None:
         self.paths: dict[int, str] = {}  # id(module) -> path
         self.params: dict[int, str] = {}  # id(parameter) -> path of the module that owns it
-        self.modules: dict[str, weakref.ref] = {}  # path -> the module
+        self.modules: dict[str, list] = {}  # path -> weak references to the modules of it
+        """Several outermost modules name their submodules alike (two ``Sequential`` roots
+        both have a ``0``): a path can stand for several modules."""
 
     def name(self, module, parent: str | None) -> str:
         """The path of ``module``, called inside the module named ``parent`` (None: outermost;
@@ -94,13 +96,13 @@ class Names:
             return path
         if parent is not None:  # not below a module seen as a root: name it by its class
             path = self.paths[id(module)] = f"{parent}.{type(module).__name__}"
-            self.modules[path] = weakref.ref(module)
+            self.modules.setdefault(path, []).append(weakref.ref(module))
             return path
         root = type(module).__name__
         for name, sub in module.named_modules():
             if id(sub) not in self.paths:
                 self.paths[id(sub)] = name or root
-                self.modules.setdefault(name or root, weakref.ref(sub))
+                self.modules.setdefault(name or root, []).append(weakref.ref(sub))
         for name, param in module.named_parameters():
             owner = name.rpartition(".")[0]
             self.params.setdefault(id(param), owner or root)
@@ -197,10 +199,10 @@ class Attribution:
             self._unlearn()
             self.lean = True
             for path in sorted(self._tags):
-                ref = self.names.modules.get(path)
-                module = ref() if ref is not None else None
-                if module is not None:
-                    self._tag_hooks.append(module.register_forward_hook(self._tag))
+                for ref in self.names.modules.get(path, ()):
+                    module = ref()
+                    if module is not None:
+                        self._tag_hooks.append(module.register_forward_hook(self._tag))
 
     def arm(self) -> None:
         if self.lean and self._first_hook is None:
