@@ -18,7 +18,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 __all__ = ["install", "uninstall", "hold_work", "hold_output", "timed_wait", "prune", "settle",
-           "poll", "pending"]
+           "poll", "poll_now"]
 
 _Work = torch._C._distributed_c10d.Work
 _ORIG_WAIT = _Work.wait
@@ -57,11 +57,6 @@ def hold_work(work, event: dict) -> None:
 def hold_output(tensor, event: dict) -> None:
     """``tensor``, a functional op's output, belongs to ``event``: time its ``wait_tensor``."""
     _TENSORS[tensor.data_ptr()] = [tensor, event, False]
-
-
-def pending() -> bool:
-    """Whether some Work is neither waited on nor seen complete."""
-    return bool(_UNSEEN)
 
 
 def prune() -> None:

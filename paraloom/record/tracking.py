@@ -48,13 +48,7 @@ from torch.optim import optimizer as optim
 
 from .attribution import Attribution, locate, mark
 
-__all__ = ["Tracker", "site"]
-
-
-def site(depth: int = 1) -> str:
-    """The innermost caller outside torch and paraloom, as ``path:LINE Qualified.function``
-    (the path relative to the working directory when it is below it)."""
-    return locate(sys._getframe(depth), False)[0]
+__all__ = ["Tracker"]
 
 
 class Tracker:
