@@ -9,7 +9,14 @@ from dataclasses import replace
 
 import pytest
 
-from paraloom.analysis.costs import Options, collective_time, spans_nodes
+from paraloom.analysis.costs import (
+    Options,
+    collective_time,
+    gemm_time,
+    layer_time,
+    node_lanes,
+    spans_nodes,
+)
 from paraloom.analysis.formulas import CommConfig
 from paraloom.analysis.hardware import GPUS, hardware_from
 from paraloom.analysis.memory_formulas import memory_per_gpu
@@ -54,6 +61,59 @@ def test_groups_and_collectives_follow_the_links():
     assert collective_time("all_reduce", 1, nbytes, A100, True) == 0
     with pytest.raises(ValueError, match="broadcast"):
         collective_time("broadcast", 2, 1, A100, True)
+
+
+def test_a_ring_across_nodes_runs_on_as_many_nics_as_it_has_ranks_in_a_node():
+    # dp with stride 1 has 8 ranks in each node of 8: eight channels leave each node side by
+    # side, one NIC each; dp with stride 8 (after tp = 8) has one rank per node and one NIC
+    assert (node_lanes(1, 32, 8), node_lanes(2, 16, 8), node_lanes(8, 4, 8)) == (8, 4, 1)
+    assert node_lanes(1, 4, 8) == 4  # a small group: only its own ranks
+    one = collective_time("reduce_scatter", 32, 1e9, A100, True)
+    eight = collective_time("reduce_scatter", 32, 1e9, A100, True, lanes=8)
+    assert eight == pytest.approx(31 * (A100.inter_latency + 1e9 / (32 * 8 * A100.inter_bw
+                                                                     * A100.link_efficiency)))
+    assert one > 7 * eight
+    h100 = GPUS["h100-sxm"]  # NVLink feeds at most its own bandwidth to the NICs
+    assert h100.link(True, 16)[1] == h100.link(False)[1]
+    # a p2p or an all-to-all is one rank's own transfer: no lanes
+    assert collective_time("p2p", 2, 1e9, A100, True, lanes=8) == collective_time(
+        "p2p", 2, 1e9, A100, True)
+    # in the step: tp = 1 reduces its gradients over 8 NICs a node, tp = 8 over one
+    flat = dict(layers=24, hidden=2304, heads=24, seq_len=2048, vocab=51200, pp=1, dp=32,
+                num_microbatches=16, dtype_bytes=2, overlap_grad_reduce=False, buckets=(1,))
+    dp1 = step_time(CommConfig(tp=1, **flat), A100)["breakdown_s"]["dp_comm"]
+    params = 24 * 12 * 2304 ** 2  # roughly: the all-reduce of 4-byte gradients over 32 ranks
+    assert dp1 == pytest.approx(2 * 31 / 32 * params * 4 / (8 * 25e9 * A100.link_efficiency),
+                                rel=0.2)
+
+
+def test_fused_attention_tp_comm_overlap_and_param_gather_overlap():
+    c = _gpt(seq_len=4096, recompute="none", pp=1, num_microbatches=4, vocab=131072)
+    base = step_time(c, A100)["breakdown_s"]
+    # fused attention: no score bytes, but the backward recomputes QK^T (more GEMM time)
+    plain_layer, flash_layer = (layer_time(c, A100, Options(flash_attention=f), 8)
+                                for f in (False, True))
+    d, s, b, a, t = 128, 4096, 1, 96, 8  # QK^T and AV forward: batched (s, s, d) GEMMs
+    attention = gemm_time(A100, s, s, d, b * a / t) + gemm_time(A100, s, d, s, b * a / t)
+    assert flash_layer["gemm"] - plain_layer["gemm"] == pytest.approx(attention / 2)
+    scores = 3 * 2 * 4 * b * a / t * s * s / (A100.hbm_bw * A100.mem_efficiency)
+    assert plain_layer["elementwise"] - flash_layer["elementwise"] == pytest.approx(scores)
+    assert step_time(c, A100, Options(flash_attention=True))["step_time_s"] < \
+        step_time(c, A100)["step_time_s"]
+    sel = _gpt(seq_len=4096, pp=1, num_microbatches=4, vocab=131072)
+    assert step_time(sel, A100, Options(flash_attention=True))["breakdown_s"]["recompute"] == 0
+    assert step_time(sel, A100)["breakdown_s"]["recompute"] > 0
+    # --tp-comm-overlap hides the sp collectives under their GEMMs
+    over = step_time(c, A100, Options(tp_comm_overlap=True))["breakdown_s"]
+    assert over["tp_comm"] < base["tp_comm"] / 2 and over["compute"] == base["compute"]
+    # --overlap-param-gather: the ZeRO all-gather under the next forward, but its first bucket
+    many = _gpt(pp=1, dp=16, num_microbatches=4, buckets=None)
+    plain = step_time(many, A100)["breakdown_s"]["dp_comm"]
+    hidden = step_time(many, A100, Options(overlap_param_gather=True))["breakdown_s"]["dp_comm"]
+    assert hidden < plain
+    assert step_time(replace(many, distributed_optimizer=False), A100,
+                     Options(overlap_param_gather=True))["breakdown_s"]["dp_comm"] == \
+        step_time(replace(many, distributed_optimizer=False), A100)["breakdown_s"]["dp_comm"]
 
 
 def _gpt(**kw) -> CommConfig:

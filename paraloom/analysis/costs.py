@@ -10,7 +10,8 @@ from .cp_formulas import cp_kv_bytes
 from .hardware import Hardware
 from .spec import CommConfig
 
-__all__ = ["Options", "FWD_KERNELS", "BWD_KERNELS", "spans_nodes", "collective_time",
+__all__ = ["Options", "FWD_KERNELS", "BWD_KERNELS", "spans_nodes", "node_lanes",
+           "collective_time",
            "elementwise_bytes", "gemm_time", "cp_comm_time", "layer_time"]
 
 FWD_KERNELS, BWD_KERNELS = 24, 48
@@ -37,6 +38,18 @@ class Options:
     paraloom's re-run: all of it, 1; an early-stopping checkpoint: proj only, 1/2)."""
     p2p_scatter_gather: bool = False
     """Megatron's scatter/gather of inter-node p2p tensors over tp (Narayanan et al. 4.1)."""
+    flash_attention: bool = False
+    """Fused attention (FlashAttention, cuDNN; Transformer Engine's default): the ``s x s``
+    scores never reach HBM, so the softmax moves no bytes and selective recomputation has
+    nothing left to redo; the backward kernel recomputes ``QK^T`` itself (five attention GEMMs
+    against the forward's two: 2.5x, not 2x)."""
+    tp_comm_overlap: bool = False
+    """Megatron's ``--tp-comm-overlap`` (sp only): each linear layer's all-gather or
+    reduce-scatter is cut into chunks pipelined with its GEMM, forward and backward; only what
+    the GEMM cannot cover stays exposed."""
+    overlap_param_gather: bool = False
+    """Megatron's ``--overlap-param-gather`` (distributed optimizer): the parameter all-gather
+    runs bucket by bucket under the next forward; only the first bucket's is exposed."""
 
 
 def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
@@ -44,12 +57,20 @@ def spans_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
     return size > 1 and (stride * size > gpus_per_node or gpus_per_node % (stride * size) != 0)
 
 
-def collective_time(op: str, n: int, nbytes: float, hw: Hardware, inter: bool) -> float:
+def node_lanes(stride: int, size: int, gpus_per_node: int) -> int:
+    """Ranks of a group of ``size`` ranks ``stride`` apart that share one node."""
+    return max(1, min(size, gpus_per_node // stride))
+
+
+def collective_time(op: str, n: int, nbytes: float, hw: Hardware, inter: bool,
+                    lanes: int = 1) -> float:
     """Seconds for one collective of ``n`` ranks; ``nbytes``: the full tensor (all-reduce input,
-    all-gather output, reduce-scatter input, all-to-all input, p2p message)."""
+    all-gather output, reduce-scatter input, all-to-all input, p2p message). ``lanes``: for a
+    ring that leaves the node, its ranks per node (:meth:`Hardware.link`)."""
     if n <= 1 and op != "p2p":
         return 0.0
-    alpha, beta = hw.link(inter)
+    alpha, beta = hw.link(inter, lanes if op in ("all_reduce", "all_gather",
+                                                  "reduce_scatter") else 1)
     if op == "all_reduce":
         return 2 * (n - 1) * (alpha + nbytes / (n * beta))
     if op in ("all_gather", "reduce_scatter"):
@@ -116,7 +137,7 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     av = gemm_time(hw, s, d, c.seq_len, b * a / t)
     fwd = linears + qk + av
     outside = tokens / t if c.sp else tokens                 # tokens outside the tp regions
-    probs = b * a / t * s * c.seq_len
+    probs = 0 if o.flash_attention else b * a / t * s * c.seq_len
     elem_bytes = elementwise_bytes(tokens, outside, h, fc1, t, probs, e)
     elem = elem_bytes / (hw.hbm_bw * hw.mem_efficiency) + FWD_KERNELS * hw.op_overhead
     scale = min(1.0, hw.cores / ranks_per_node) if hw.cores else 1.0  # CPU: shared cores
@@ -127,6 +148,11 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     hide = hw.overlap_efficiency
     if t == 1:
         tp_fwd = tp_bwd = 0.0
+    elif c.sp and o.tp_comm_overlap:  # each collective pipelined with its own GEMM
+        ag = collective_time("all_gather", t, act, hw, inter)
+        rs = collective_time("reduce_scatter", t, act, hw, inter)
+        tp_fwd = 2 * max(0.0, ag + rs - hide * linears / 2)
+        tp_bwd = 2 * max(0.0, 2 * ag + rs - hide * linears)
     elif c.sp:
         ag = collective_time("all_gather", t, act, hw, inter)
         rs = collective_time("reduce_scatter", t, act, hw, inter)
@@ -149,9 +175,10 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     recompute = 0.0
     if c.recompute == "full":
         recompute = fwd + elem + o.recompute_comm * tp_fwd + cp_fwd + ep_fwd
-    elif c.recompute == "selective":
+    elif c.recompute == "selective" and not o.flash_attention:
         again = qk if o.early_stop and c.arch.attention == "core" else qk + av
         recompute = again + cp_fwd + 4 * e * probs / (hw.hbm_bw * hw.mem_efficiency * scale)
-    return {"gemm": 3 * fwd, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
+    flash = (qk + av) / 2 if o.flash_attention else 0.0    # QK^T again inside the bwd kernel
+    return {"gemm": 3 * fwd + flash, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
             * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd,
             "cp_comm": cp_fwd + cp_bwd, "ep_comm": ep_comm}

@@ -60,7 +60,7 @@ class Hardware:
     inter_bw: float
     """Bytes/s per GPU per direction between nodes (one InfiniBand NIC per GPU)."""
     inter_latency: float = 10e-6
-    gemm_efficiency: float = 0.76
+    gemm_efficiency: float = 0.73
     """Best fraction of ``peak_flops`` a large GEMM reaches (fitted, see validation)."""
     gemm_half_dim: float = 32.0
     """A GEMM dimension ``d`` costs a factor ``d / (d + gemm_half_dim)`` of efficiency: small
@@ -104,10 +104,14 @@ class Hardware:
                 raise ValueError(f"hardware {name} is a fraction of the peak (<= 1), got "
                                  f"{getattr(self, name)}")
 
-    def link(self, spans_nodes: bool) -> tuple[float, float]:
-        """``(alpha seconds, achievable bytes/s)`` of the link a group uses."""
+    def link(self, spans_nodes: bool, lanes: int = 1) -> tuple[float, float]:
+        """``(alpha seconds, achievable bytes/s)`` of the link a group uses. A ring that leaves
+        the node with ``lanes`` of its ranks in each node runs that many channels side by side,
+        each through its own GPU's NIC: the node's ``lanes`` NICs carry the traffic together,
+        up to what NVLink feeds them."""
         if spans_nodes:
-            return self.inter_latency, self.inter_bw * self.link_efficiency
+            bw = min(self.intra_bw, lanes * self.inter_bw)
+            return self.inter_latency, bw * self.link_efficiency
         return self.intra_latency, self.intra_bw * self.link_efficiency
 
     def to_dict(self) -> dict:

@@ -16,7 +16,10 @@ activation element):
   dp, pp with tp fastest: a group of stride ``S`` and size ``n`` stays inside a node when
   ``S n`` divides ``gpus_per_node``): ring all-reduce ``2(n-1)(alpha + B/(n beta))``,
   all-gather / reduce-scatter ``(n-1)(alpha + B/(n beta))`` of the full tensor ``B``,
-  all-to-all ``(n-1)(alpha + B/(n beta))``, p2p ``alpha + B/beta``.
+  all-to-all ``(n-1)(alpha + B/(n beta))``, p2p ``alpha + B/beta``. A ring that leaves the
+  node with ``k`` of its ranks in each node runs ``k`` channels side by side, one NIC each: its
+  ``beta`` is ``k`` NICs' (at most NVLink's), so dp at tp = 1 reduces over eight NICs a node and
+  at tp = 8 over one.
 * **Overlap**: tp forward reductions are exposed; in backward the column layers' input-grad
   all-reduce (async dgrad, or the sp reduce-scatter) hides under the wgrad GEMM and the sp
   re-gather under dgrad; pipeline p2p is exposed unless ``overlap_p2p``; the data-parallel bucket
@@ -46,7 +49,7 @@ change the GEMM shapes; model and hardware FLOPs come from :mod:`~paraloom.analy
 
 from __future__ import annotations
 
-from .costs import Options, collective_time, gemm_time, layer_time, spans_nodes
+from .costs import Options, collective_time, gemm_time, layer_time, node_lanes, spans_nodes
 from .flops import hardware_flops, model_flops
 from .hardware import Hardware
 from .layout import bucket_size_of, layers_per_stage, params_per_rank
@@ -83,7 +86,7 @@ def step_time(c: CommConfig, hw: Hardware, o: Options | None = None) -> dict:
     busiest = sum(parts.values()) + (logits + head if p > 1 else 0.0) + accum
     p2p = _p2p(c, hw, o, tokens)
     bubble = o.bubble_scale * (p - 1) / v * (busiest + p2p)
-    reduce, gather = _dp_comm(c, hw, params, experts, parts["gemm"])
+    reduce, gather = _dp_comm(c, hw, o, params, experts, parts["gemm"])
     out = {"compute": m * (parts["gemm"] + parts["elementwise"] + accum
                            + (logits if p > 1 else 0.0)),
            "recompute": m * parts["recompute"],
@@ -161,26 +164,32 @@ def _busiest_params(c: CommConfig) -> tuple[int, int]:
     return params, max(x["expert_params"] for x in extra.values())
 
 
-def _dp_comm(c: CommConfig, hw: Hardware, params: int, experts: int,
+def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
              gemm: float) -> tuple[float, float]:
     """Exposed data-parallel time: the gradient reduction (all-reduce, or ZeRO's
     reduce-scatter) over dp x cp ranks (Megatron's data-parallel group with cp), the experts'
     over their ``edp = dp / ep`` ranks, and ZeRO's parameter all-gather. With
     ``overlap_grad_reduce`` the buckets hide under the last microbatch's backward (``gemm``:
-    one microbatch's GEMM time on this stage) but the last."""
+    one microbatch's GEMM time on this stage) but the last; with ``overlap_param_gather`` the
+    parameter all-gather hides under the first microbatch's forward but the first bucket."""
     reduce = gather = 0.0
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
     for n_par, n, stride in ((params - experts, c.dp * c.cp, c.tp),
                              (experts, edp, c.tp * c.cp * c.dp // edp)):
         inter = spans_nodes(stride, n, hw.gpus_per_node)
+        lanes = node_lanes(stride, n, hw.gpus_per_node)
         if c.distributed_optimizer:
-            reduce += collective_time("reduce_scatter", n, n_par * c.grad_bytes, hw, inter)
-            gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter)
+            reduce += collective_time("reduce_scatter", n, n_par * c.grad_bytes, hw, inter,
+                                      lanes)
+            gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter, lanes)
         else:
-            reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter)
+            reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter, lanes)
     if c.overlap_grad_reduce and c.dp > 1:
         buckets = -(-params // bucket_size_of(c))
         reduce = max(reduce / buckets, reduce - hw.overlap_efficiency * gemm * 2 / 3)
+    if o.overlap_param_gather and c.distributed_optimizer and c.dp > 1:
+        buckets = -(-params // bucket_size_of(c))
+        gather = max(gather / buckets, gather - hw.overlap_efficiency * gemm / 3)
     return reduce, gather
 
 
