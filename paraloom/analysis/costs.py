@@ -1,6 +1,12 @@
 """The parts step time is built from (:mod:`.steptime`): one collective, one GEMM, the
 element-wise traffic and one transformer layer of one microbatch on one rank, on described
-hardware, and the software :class:`Options` that change them."""
+hardware, and the software :class:`Options` that change them.
+
+Fused attention (``--attention sdpa``: FlashAttention, cuDNN, Transformer Engine's default on
+GPUs): the ``s x s`` scores never reach HBM, so the softmax moves no bytes; a causal kernel skips
+the blocks the mask hides (half the score GEMMs' work); its backward recomputes ``QK^T`` itself
+(five attention GEMMs against the forward's two: 2.5x, not 2x); selective recomputation runs
+the kernel's forward again."""
 
 from __future__ import annotations
 
@@ -38,11 +44,6 @@ class Options:
     paraloom's re-run: all of it, 1; an early-stopping checkpoint: proj only, 1/2)."""
     p2p_scatter_gather: bool = False
     """Megatron's scatter/gather of inter-node p2p tensors over tp (Narayanan et al. 4.1)."""
-    flash_attention: bool = False
-    """Fused attention (FlashAttention, cuDNN; Transformer Engine's default): the ``s x s``
-    scores never reach HBM, so the softmax moves no bytes and selective recomputation has
-    nothing left to redo; the backward kernel recomputes ``QK^T`` itself (five attention GEMMs
-    against the forward's two: 2.5x, not 2x)."""
     tp_comm_overlap: bool = False
     """Megatron's ``--tp-comm-overlap`` (sp only): each linear layer's all-gather or
     reduce-scatter is cut into chunks pipelined with its GEMM, forward and backward; only what
@@ -135,9 +136,12 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         linears += gemm_time(hw, tokens, fc1 / t, h) + gemm_time(hw, tokens, h, f / t)
     qk = gemm_time(hw, s, c.seq_len, d, b * a / t)
     av = gemm_time(hw, s, d, c.seq_len, b * a / t)
+    fused = c.arch.attention == "sdpa"  # flash attention (see the module docstring)
+    if fused:  # causal: the fused kernel skips the masked half of the scores
+        qk, av = qk / 2, av / 2
     fwd = linears + qk + av
     outside = tokens / t if c.sp else tokens                 # tokens outside the tp regions
-    probs = 0 if o.flash_attention else b * a / t * s * c.seq_len
+    probs = 0 if fused else b * a / t * s * c.seq_len
     elem_bytes = elementwise_bytes(tokens, outside, h, fc1, t, probs, e)
     elem = elem_bytes / (hw.hbm_bw * hw.mem_efficiency) + FWD_KERNELS * hw.op_overhead
     scale = min(1.0, hw.cores / ranks_per_node) if hw.cores else 1.0  # CPU: shared cores
@@ -175,10 +179,10 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     recompute = 0.0
     if c.recompute == "full":
         recompute = fwd + elem + o.recompute_comm * tp_fwd + cp_fwd + ep_fwd
-    elif c.recompute == "selective" and not o.flash_attention:
+    elif c.recompute == "selective":  # fused: the kernel's forward again, no score bytes
         again = qk if o.early_stop and c.arch.attention == "core" else qk + av
         recompute = again + cp_fwd + 4 * e * probs / (hw.hbm_bw * hw.mem_efficiency * scale)
-    flash = (qk + av) / 2 if o.flash_attention else 0.0    # QK^T again inside the bwd kernel
+    flash = (qk + av) / 2 if fused else 0.0    # QK^T again inside the backward kernel
     return {"gemm": 3 * fwd + flash, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
             * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd,
             "cp_comm": cp_fwd + cp_bwd, "ep_comm": ep_comm}

@@ -60,9 +60,9 @@ class Hardware:
     inter_bw: float
     """Bytes/s per GPU per direction between nodes (one InfiniBand NIC per GPU)."""
     inter_latency: float = 10e-6
-    gemm_efficiency: float = 0.73
+    gemm_efficiency: float = 0.85
     """Best fraction of ``peak_flops`` a large GEMM reaches (fitted, see validation)."""
-    gemm_half_dim: float = 32.0
+    gemm_half_dim: float = 192.0
     """A GEMM dimension ``d`` costs a factor ``d / (d + gemm_half_dim)`` of efficiency: small
     hidden-per-tp or few tokens make small, inefficient GEMMs (fitted)."""
     link_efficiency: float = 0.90
@@ -119,17 +119,20 @@ class Hardware:
 
 
 GB = 1e9
+H100_GEMM_EFFICIENCY = 0.57
+"""The H100's ``gemm_efficiency``, fitted on one published H100 row (the other fitted numbers
+are the A100's); H200 and B200 reuse it, no published rows of theirs being in the fit."""
 GPUS: dict[str, Hardware] = {h.name: h for h in (
     Hardware(name="a100-40gb", peak_flops=312e12, hbm_bytes=40e9, hbm_bw=1555 * GB,
              intra_bw=300 * GB, inter_bw=25 * GB),
     Hardware(name="a100-80gb", peak_flops=312e12, hbm_bytes=80e9, hbm_bw=2039 * GB,
              intra_bw=300 * GB, inter_bw=25 * GB),
     Hardware(name="h100-sxm", peak_flops=989e12, hbm_bytes=80e9, hbm_bw=3350 * GB,
-             intra_bw=450 * GB, inter_bw=50 * GB),
+             intra_bw=450 * GB, inter_bw=50 * GB, gemm_efficiency=H100_GEMM_EFFICIENCY),
     Hardware(name="h200", peak_flops=989e12, hbm_bytes=141e9, hbm_bw=4800 * GB,
-             intra_bw=450 * GB, inter_bw=50 * GB),
+             intra_bw=450 * GB, inter_bw=50 * GB, gemm_efficiency=H100_GEMM_EFFICIENCY),
     Hardware(name="b200", peak_flops=2250e12, hbm_bytes=180e9, hbm_bw=8000 * GB,
-             intra_bw=900 * GB, inter_bw=50 * GB),
+             intra_bw=900 * GB, inter_bw=50 * GB, gemm_efficiency=H100_GEMM_EFFICIENCY),
 )}
 """The presets of ``--gpu`` (DGX-class nodes of 8 GPUs)."""
 

@@ -36,16 +36,22 @@ def render_row(r: dict) -> str:
     role = "used for calibration" if r["calibration"] else "predicted, not calibrated on"
     recompute = {"full": "full recomputation", "selective": "selective recomputation"}.get(
         lay["recompute"], "no recomputation")
+    extras = [text for key, text in (
+        ("sequence_parallel", "sequence parallel"), ("distributed_optimizer",
+         "distributed optimizer"), ("fused_attention", "fused attention"),
+        ("tp_comm_overlap", "tp comm overlap")) if lay.get(key)]
+    if not lay["overlap_grad_reduce"]:
+        extras.append("gradients reduced after backward")
     lines = [
         f"{r['row']}  ({r['source']}; {role})",
         f"layout: GPT L={lay['layers']} h={lay['hidden']} heads={lay['heads']} "
-        f"s={lay['seq_len']} V={lay['vocab']}; tp {lay['tp']}, pp {lay['pp']}, dp {lay['dp']} "
-        f"on {lay['gpus']} x {r['hardware']}; global batch {lay['global_batch']} = "
-        f"{lay['microbatches']} microbatches of {lay['micro_batch']} per pipeline; {recompute}"
-        + ("; sequence parallel" if lay["sequence_parallel"] else "")
-        + ("" if lay["overlap_grad_reduce"] else "; gradients reduced after backward"),
-        f"published  {r['published']:8.1f} {r['unit']:<16} -> step {r['published_step_s']:.3f} s",
-        f"predicted  {r['predicted']:8.1f} {r['unit']:<16} -> step {r['predicted_step_s']:.3f} s"
+        f"s={lay['seq_len']} V={lay['vocab']}; tp {lay['tp']}, pp {lay['pp']}"
+        + (f" (interleaved, {lay['vpp']} virtual stages)" if lay.get("vpp", 1) > 1 else "")
+        + f", dp {lay['dp']} on {lay['gpus']} x {r['hardware']}; global batch "
+        f"{lay['global_batch']} = {lay['microbatches']} microbatches of {lay['micro_batch']} "
+        f"per pipeline; " + "; ".join([recompute] + extras),
+        f"published  {r['published']:8.4g} {r['unit']:<16} -> step {r['published_step_s']:.3f} s",
+        f"predicted  {r['predicted']:8.4g} {r['unit']:<16} -> step {r['predicted_step_s']:.3f} s"
         f"  ({r['error']:+.1%})",
         f"the model is {abs(r['gap_s']):.3f} s too {'fast' if r['gap_s'] < 0 else 'slow'}; "
         "each part of the predicted step, and what it alone would need to close the gap:",
@@ -59,10 +65,11 @@ def render_row(r: dict) -> str:
 
 def render_all(rows: list[dict], s: dict) -> str:
     """The validation table, then the error on the rows not used for calibration."""
-    lines = [f"{'row':<20} {'published':>9} {'predicted':>9} {'error':>7}  calibration",
-             "-" * 60]
-    lines += [f"{r['row']:<20} {r['published']:9.1f} {r['predicted']:9.1f} "
+    lines = [f"{'row':<24} {'published':>9} {'predicted':>9} {'unit':<16} {'error':>7}  "
+             "calibration", "-" * 82]
+    lines += [f"{r['row']:<24} {r['published']:9.4g} {r['predicted']:9.4g} {r['unit']:<16} "
               f"{r['error']:+7.1%}  {'yes' if r['calibration'] else ''}" for r in rows]
+    lines.append("error: predicted over published throughput - 1 (+: the model is too fast)")
     lines.append(f"{s['rows']} rows not used for calibration: mean |error| "
                  f"{s['mean_abs_error']:.1%}, worst {s['worst_abs_error']:.1%} "
                  f"({s['worst_row']}); `plan --explain-error ROW` for one row's breakdown")

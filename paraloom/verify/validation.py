@@ -1,7 +1,7 @@
 """The step-time model against published Megatron throughput, and the fit of what hardware
 descriptions cannot know.
 
-Rows (all GPT, ``s = 2048``, ``V = 51200``, A100 80GB SXM in DGX A100 nodes: 8 GPUs, NVSwitch,
+A100 rows (GPT, ``s = 2048``, ``V = 51200``, A100 80GB SXM in DGX A100 nodes: 8 GPUs, NVSwitch,
 8 x 200 Gb/s HDR InfiniBand):
 
 * ``narayanan-*``: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
@@ -14,12 +14,27 @@ Rows (all GPT, ``s = 2048``, ``V = 51200``, A100 80GB SXM in DGX A100 nodes: 8 G
   Models", MLSys 2023, Table 3 configurations and the model FLOPs utilisation they report (also in
   Megatron-LM's README: 22B 41.5%, 175B 51.4%, 530B 56.0%, 1T 56.3%): sequence parallelism +
   selective recomputation, data-parallel size 1, micro batch 1.
+* ``korthikanti-full-*``: the same paper's Table 5, end-to-end seconds per iteration of the same
+  four configurations with full recomputation and no sequence parallelism (its baseline: 1.42,
+  18.13, 49.05, 94.42 s, against 1.10, 13.75, 37.83, 71.49 s for the rows above).
 
-Calibrated (only these three numbers of :class:`~paraloom.analysis.hardware.Hardware`):
-``gemm_efficiency``, ``gemm_half_dim`` (the GEMM efficiency curve) and ``link_efficiency``
-(achievable share of NVLink / InfiniBand bandwidth), by :func:`fit` on the rows in
-:data:`CALIBRATION_ROWS`; every other row is a prediction. The a100-80gb preset carries the fitted
-values, and the other presets reuse them (no published rows of the same kind for them here).
+H100 rows (``h100-*``; GPT, ``s = 4096``, ``V = 131072``, DGX H100: 8 x 400 Gb/s NDR): the
+weak-scaling table of Megatron-LM's README (Megatron-Core r0.8.0, 1.7B to 462B on 48 to 6,144
+H100s, data-parallel size 48; commit f2e5db4, July 2024), MFU against 989 TFLOP/s. The README
+names the overlaps (``--overlap-grad-reduce --overlap-param-gather``, so the distributed
+optimizer; ``--tp-comm-overlap``, so sequence parallelism); it does not give the micro batch,
+interleaving, recomputation or attention kernel (asked in NVIDIA/Megatron-LM#1571, unanswered).
+Assumed here, the same for every row: micro batch 1, plain 1F1B, no recomputation, fused
+attention (Transformer Engine's default), gradients reduced in fp32 (Megatron's default for bf16).
+
+Calibrated: the A100's ``gemm_efficiency``, ``gemm_half_dim`` (the GEMM efficiency curve) and
+``link_efficiency`` (achievable share of NVLink / InfiniBand bandwidth), by :func:`fit` on three
+A100 rows, and the H100's ``gemm_efficiency`` alone on one H100 row (its curve and links the
+A100's): the four rows of :data:`CALIBRATION_ROWS`; every other row is a prediction. The H100 row
+is ``h100-7.1B``, chosen before looking at errors as the row the unpublished settings touch least
+(no pipeline, and its gradients reduce over eight NICs a node: compute is 99% of its step). The
+a100-80gb and a100-40gb presets carry the A100 fit, h100-sxm, h200 and b200 the H100 one (no
+published rows of the same kind for the last two here).
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ from itertools import product
 
 from ..analysis.formulas import CommConfig
 from ..analysis.hardware import GPUS, Hardware
+from ..analysis.spec import Architecture
 from ..analysis.steptime import Options, step_time
 
 __all__ = ["Row", "ROWS", "CALIBRATION_ROWS", "predict_row", "validate", "fit",
@@ -48,12 +64,28 @@ class Row:
     gpus: int
     batch: int
     published: float
-    """Narayanan: TFLOP/s per GPU (eq. (3)); Korthikanti: MFU in percent."""
+    """Narayanan: TFLOP/s per GPU (eq. (3)); Korthikanti and H100: MFU in percent;
+    Korthikanti full recomputation: seconds per iteration."""
     source: str
+
+    @property
+    def kind(self) -> str:
+        return self.name.rsplit("-", 1)[0]
+
+    @property
+    def gpu(self) -> str:
+        return "h100-sxm" if self.kind == "h100" else "a100-80gb"
+
+    @property
+    def unit(self) -> str:
+        return {"narayanan": "TFLOP/s per GPU", "korthikanti-full": "s per iteration"}.get(
+            self.kind, "MFU %")
 
 
 _N = "Narayanan et al. SC'21 Table 1"
 _K = "Korthikanti et al. 2022 (MFU; Megatron-LM README)"
+_KT = "Korthikanti et al. 2022 Table 5 (full recompute)"
+_H = "Megatron-LM README, H100 weak scaling (Megatron-Core r0.8.0)"
 ROWS = (
     Row("narayanan-1.7B", 24, 2304, 24, 1, 1, 32, 512, 137, _N),
     Row("narayanan-3.6B", 32, 3072, 30, 2, 1, 64, 512, 138, _N),
@@ -69,29 +101,70 @@ ROWS = (
     Row("korthikanti-175B", 96, 12288, 96, 8, 8, 64, 64, 51.4, _K),
     Row("korthikanti-530B", 128, 20480, 105, 8, 35, 280, 280, 56.0, _K),
     Row("korthikanti-1T", 160, 25600, 128, 8, 64, 512, 512, 56.3, _K),
+    Row("korthikanti-full-22B", 64, 6144, 48, 8, 1, 8, 4, 1.42, _KT),
+    Row("korthikanti-full-175B", 96, 12288, 96, 8, 8, 64, 64, 18.13, _KT),
+    Row("korthikanti-full-530B", 128, 20480, 105, 8, 35, 280, 280, 49.05, _KT),
+    Row("korthikanti-full-1T", 160, 25600, 128, 8, 64, 512, 512, 94.42, _KT),
+    Row("h100-1.7B", 16, 2048, 24, 1, 1, 48, 192, 41.3, _H),
+    Row("h100-7.1B", 32, 4096, 30, 2, 1, 96, 192, 47.1, _H),
+    Row("h100-16B", 48, 6144, 32, 4, 1, 192, 192, 49.5, _H),
+    Row("h100-32B", 56, 7168, 48, 8, 1, 384, 192, 46.5, _H),
+    Row("h100-70B", 64, 8192, 84, 8, 2, 768, 384, 42.4, _H),
+    Row("h100-119B", 80, 10240, 92, 8, 4, 1536, 768, 42.5, _H),
+    Row("h100-177B", 96, 12288, 96, 8, 6, 2304, 1152, 43.8, _H),
+    Row("h100-314B", 128, 16384, 96, 8, 8, 3072, 1536, 48.0, _H),
+    Row("h100-462B", 144, 18432, 112, 8, 16, 6144, 3072, 46.5, _H),
 )
-CALIBRATION_ROWS = ("narayanan-1.7B", "narayanan-18.4B", "narayanan-1008.0B",
-                    "korthikanti-175B")
-"""The rows :func:`fit` sees; the other ten are predictions."""
+"""The H100 MFU figures are the README's per-GPU TFLOP/s over 989 (its MFU column rounds
+them to whole percents)."""
+CALIBRATION_ROWS = ("narayanan-1008.0B", "korthikanti-1T", "korthikanti-full-1T", "h100-7.1B")
+"""The rows :func:`fit` sees; the others are predictions."""
 
 
 def _layout(row: Row) -> tuple[CommConfig, Options]:
     dp = row.gpus // (row.tp * row.pp)
-    common = dict(layers=row.layers, hidden=row.hidden, heads=row.heads, seq_len=2048,
-                  vocab=51200, tp=row.tp, pp=row.pp, dp=dp, micro_batch=1,
-                  num_microbatches=row.batch // dp, dtype_bytes=2, buckets=(1,))
-    if row.name.startswith("narayanan"):
-        return (CommConfig(recompute="full", overlap_grad_reduce=False, grad_bytes=2, **common),
+    h100 = row.kind == "h100"
+    common = dict(layers=row.layers, hidden=row.hidden, heads=row.heads,
+                  seq_len=4096 if h100 else 2048, vocab=131072 if h100 else 51200,
+                  tp=row.tp, pp=row.pp, dp=dp, dtype_bytes=2)
+    # one micro batch per rank where no pipeline asks for more (the H100 rows without pp)
+    mbs = row.batch // dp if h100 and row.pp == 1 else 1
+    common.update(micro_batch=mbs, num_microbatches=row.batch // dp // mbs)
+    if row.kind == "narayanan":
+        return (CommConfig(recompute="full", overlap_grad_reduce=False, grad_bytes=2,
+                           buckets=(1,), **common),
                 Options(early_stop=False, recompute_comm=1.0, p2p_scatter_gather=True))
-    return (CommConfig(recompute="selective", sequence_parallel=True, **common),
-            Options(early_stop=False, recompute_comm=1.0))
+    if row.kind == "korthikanti":
+        return (CommConfig(recompute="selective", sequence_parallel=True, buckets=(1,),
+                           **common), Options(early_stop=False, recompute_comm=1.0))
+    if row.kind == "korthikanti-full":
+        return (CommConfig(recompute="full", buckets=(1,), **common),
+                Options(early_stop=False, recompute_comm=1.0))
+    vpp = row.layers // row.pp if row.pp > 1 else None  # one layer per virtual stage
+    return (CommConfig(sequence_parallel=True, distributed_optimizer=True, grad_bytes=4,
+                       vpp=vpp, arch=Architecture(attention="sdpa"), **common),
+            Options(tp_comm_overlap=True, overlap_param_gather=True, overlap_p2p=True))
 
 
 def _figure(row: Row, r: dict) -> float:
     """A step-time prediction ``r`` as the row's figure (its unit)."""
-    if row.name.startswith("narayanan"):
+    if row.kind == "narayanan":
         return r["hardware_tflops_per_gpu"]
+    if row.kind == "korthikanti-full":
+        return r["step_time_s"]
     return 100 * r["mfu"]
+
+
+def _error(row: Row, predicted: float) -> float:
+    """Relative error as throughput: positive when the model is too fast."""
+    if row.kind == "korthikanti-full":
+        return row.published / predicted - 1
+    return predicted / row.published - 1
+
+
+def hardware_for(row: Row, fitted: dict[str, Hardware] | None = None) -> Hardware:
+    """The preset a row runs on (or its fitted stand-in)."""
+    return (fitted or GPUS)[row.gpu]
 
 
 def predict_row(row: Row, hw: Hardware) -> float:
@@ -107,26 +180,31 @@ def explain_row(name: str, hw: Hardware | None = None) -> dict:
     rows = {r.name: r for r in ROWS}
     if name not in rows:
         raise ValueError(f"no published row {name!r}; the rows: {', '.join(rows)}")
-    row, hw = rows[name], hw or GPUS["a100-80gb"]
+    row = rows[name]
+    hw = hw or hardware_for(row)
     config, options = _layout(row)
     r = step_time(config, hw, options)
     predicted = _figure(row, r)
-    total = r["step_time_s"]
-    published_s = total * predicted / row.published
+    total, error = r["step_time_s"], _error(row, predicted)
+    published_s = total * (1 + error)
     gap = total - published_s  # negative: the model is too fast
     parts = [{"part": k, "seconds": v, "share": v / total, "alone": (v - gap) / v}
              for k, v in r["breakdown_s"].items() if v > 0]
     return {"row": row.name, "source": row.source, "calibration": name in CALIBRATION_ROWS,
-            "unit": "TFLOP/s per GPU" if row.name.startswith("narayanan") else "MFU %",
+            "unit": row.unit,
             "layout": {"layers": row.layers, "hidden": row.hidden, "heads": row.heads,
-                       "seq_len": 2048, "vocab": 51200, "tp": row.tp, "pp": row.pp,
-                       "dp": config.dp, "gpus": row.gpus, "global_batch": row.batch,
-                       "microbatches": config.num_microbatches, "micro_batch": 1,
+                       "seq_len": config.seq_len, "vocab": config.vocab, "tp": row.tp,
+                       "pp": row.pp, "dp": config.dp, "gpus": row.gpus,
+                       "global_batch": row.batch, "microbatches": config.num_microbatches,
+                       "micro_batch": config.micro_batch, "vpp": config.v,
                        "recompute": config.recompute,
                        "sequence_parallel": config.sequence_parallel,
-                       "overlap_grad_reduce": config.overlap_grad_reduce},
+                       "overlap_grad_reduce": config.overlap_grad_reduce,
+                       "distributed_optimizer": config.distributed_optimizer,
+                       "fused_attention": config.arch.attention == "sdpa",
+                       "tp_comm_overlap": options.tp_comm_overlap},
             "hardware": hw.name, "published": row.published, "predicted": predicted,
-            "error": predicted / row.published - 1, "published_step_s": published_s,
+            "error": error, "published_step_s": published_s,
             "predicted_step_s": total, "gap_s": gap, "parts": parts}
 
 
@@ -138,28 +216,45 @@ def summary(rows: list[dict]) -> dict:
             "worst_abs_error": abs(worst["error"]), "worst_row": worst["row"]}
 
 
-def validate(hw: Hardware | None = None) -> list[dict]:
-    """Predicted vs published, per row, with the relative error and whether it was fitted."""
-    hw = hw or GPUS["a100-80gb"]
+def validate(fitted: dict[str, Hardware] | None = None) -> list[dict]:
+    """Predicted vs published, per row, with the relative error (as throughput: positive when
+    the model is too fast) and whether it was fitted; ``fitted``: hardware per preset name
+    (default: the presets)."""
     out = []
     for row in ROWS:
-        pred = predict_row(row, hw)
-        out.append({"row": row.name, "source": row.source, "published": row.published,
-                    "predicted": pred, "error": pred / row.published - 1,
-                    "calibration": row.name in CALIBRATION_ROWS})
+        pred = predict_row(row, hardware_for(row, fitted))
+        out.append({"row": row.name, "source": row.source, "gpu": row.gpu,
+                    "unit": row.unit, "published": row.published, "predicted": pred,
+                    "error": _error(row, pred), "calibration": row.name in CALIBRATION_ROWS})
     return out
 
 
-def fit(hw: Hardware | None = None) -> tuple[Hardware, float]:
-    """Grid search of (gemm_efficiency, gemm_half_dim, link_efficiency) minimising the largest
-    relative error on :data:`CALIBRATION_ROWS`; returns the fitted hardware and that error."""
-    hw = hw or GPUS["a100-80gb"]
+def _worst(rows: list[Row], hw: Hardware) -> float:
+    return max(abs(_error(r, predict_row(r, hw))) for r in rows)
+
+
+def fit() -> tuple[dict[str, Hardware], float]:
+    """Grid search minimising the largest relative error on :data:`CALIBRATION_ROWS`: the A100's
+    (gemm_efficiency, gemm_half_dim, link_efficiency) on its rows, then the H100's
+    gemm_efficiency on its row with the A100's curve and links. Returns the fitted hardware per
+    preset name and the largest error on the calibration rows."""
     rows = [r for r in ROWS if r.name in CALIBRATION_ROWS]
-    best = (float("inf"), hw)
-    for eff, d0, link in product([x / 100 for x in range(70, 91)], (32, 64, 96, 128, 192),
+    a100 = [r for r in rows if r.gpu == "a100-80gb"]
+    h100 = [r for r in rows if r.gpu == "h100-sxm"]
+    best = (float("inf"), GPUS["a100-80gb"])
+    for eff, d0, link in product([x / 100 for x in range(60, 91)], (32, 64, 96, 128, 192),
                                  [x / 20 for x in range(10, 19)]):
-        cand = replace(hw, gemm_efficiency=eff, gemm_half_dim=float(d0), link_efficiency=link)
-        worst = max(abs(predict_row(r, cand) / r.published - 1) for r in rows)
+        cand = replace(GPUS["a100-80gb"], gemm_efficiency=eff, gemm_half_dim=float(d0),
+                       link_efficiency=link)
+        worst = _worst(a100, cand)
         if worst < best[0] - 1e-12:
             best = (worst, cand)
-    return best[1], best[0]
+    a = best[1]
+    best_h = (float("inf"), GPUS["h100-sxm"])
+    for eff in (x / 100 for x in range(40, 91)):
+        cand = replace(GPUS["h100-sxm"], gemm_efficiency=eff, gemm_half_dim=a.gemm_half_dim,
+                       link_efficiency=a.link_efficiency)
+        worst = _worst(h100, cand)
+        if worst < best_h[0] - 1e-12:
+            best_h = (worst, cand)
+    return {"a100-80gb": a, "h100-sxm": best_h[1]}, max(best[0], best_h[0])
