@@ -42,6 +42,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved)")
     a("--sequence-parallel", action="store_true")
     a("--distributed-optimizer", action="store_true")
+    a("--overlap-param-gather", action="store_true",
+      help="the distributed optimizer's parameter all-gather in the next forward (pre-hooks)")
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--no-align-grad-reduce", dest="align_grad_reduce", action="store_false")
     a("--bucket-size", type=int, default=None, help="gradient bucket size (elements)")
@@ -98,6 +100,7 @@ def build(args):
     ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
                                             use_distributed_optimizer=args.distributed_optimizer,
                                             bucket_size=args.bucket_size,
+                                            overlap_param_gather=args.overlap_param_gather,
                                             grad_reduce_in_fp32=True)  # Megatron-LM, for bf16
     if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
         from megatron.core.transformer.module import Float16Module
@@ -205,8 +208,16 @@ def main(argv=None) -> None:
     install_hooks(cfg, model, args)
     step_fn = get_forward_backward_func()
     iterators = [batches(args) for _ in model]
+    hooks = False  # Megatron-LM's train(): the pre-hooks off until a step has succeeded
+    if args.overlap_param_gather:
+        for chunk in model:
+            chunk.disable_forward_pre_hook(param_sync=False)
     for step in range(args.steps):
         loss, norm, ok = train_step(step_fn, iterators, model, optimizer, args)
+        if args.overlap_param_gather and ok and not hooks:
+            for chunk in model:
+                chunk.enable_forward_pre_hook()
+            hooks = True
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f"step {step + 1}: loss {loss:.4f}  grad_norm {norm:.3f}"
                   + ("" if ok else "  (skipped)"), flush=True)

@@ -9,7 +9,8 @@ tied embeddings) and layout with Megatron-Core's blocking p2p batches. For each 
 tp2 x dp2 with sequence parallelism, pp2 x dp2 with the distributed optimizer, interleaved pp4
 (vpp 2, 8 layers), tp2 x pp2 with full recomputation, tp2 x dp2 with sp in bf16, and three that
 once differed (plain 1F1B on 3 stages, dp4 with the distributed optimizer and 3000-element buckets,
-tp2 x dp2 with sp and full recomputation) — ``paraloom
+tp2 x dp2 with sp and full recomputation), and ``--overlap-param-gather`` on dp4 with small
+buckets and on pp2 x dp2 — ``paraloom
 diff --step 2 --ignore-names`` exits 0 (the steady state), and so does ``--step 1`` (the first
 iteration, where Megatron's DDP launches no bucket from its hooks).
 The two programs share nothing but the configuration; any of the differences the Megatron
@@ -57,6 +58,17 @@ LAYOUTS = {  # name: (the example's flags, paraloom train's flags)
     "tp2-dp2-sp-recompute": ("--tp 2 --sequence-parallel --recompute",
                              "--tp 2 --pp 1 --dp 2 --sequence-parallel --recompute full "
                              "--global-batch-size 16"),
+    # --overlap-param-gather: the parameter all-gathers in the next forward, bucket after
+    # bucket from the forward pre-hooks (none in step 1); small buckets make a chain of them,
+    # pp 2 puts the last stage's tied embedding in a bucket of its own
+    "dp4-distopt-opg-small-buckets": ("--distributed-optimizer --bucket-size 3000 "
+                                      "--overlap-param-gather",
+                                      "--tp 1 --pp 1 --dp 4 --distributed-optimizer "
+                                      "--bucket-size 3000 --overlap-param-gather "
+                                      "--global-batch-size 32"),
+    "pp2-dp2-distopt-opg": ("--pp 2 --distributed-optimizer --overlap-param-gather",
+                            "--tp 1 --pp 2 --dp 2 --distributed-optimizer "
+                            "--overlap-param-gather --global-batch-size 16"),
 }
 WORLD = {"pp3": 3}
 """Ranks of a layout that does not use 4."""
@@ -112,6 +124,8 @@ def test_megatron_whole_step_equals_paraloom_train(runs, name, capsys):
     if "distopt" in name:
         assert {e["op"] for e in events if e["kind"] == "dp"} == \
             {"reduce_scatter", "all_gather", "all_reduce"}  # buckets, parameters, the loss
+        gathers = {e["phase"] for e in events if e["op"] == "all_gather" and e["kind"] == "dp"}
+        assert gathers == ({"forward"} if "opg" in name else {"optimizer"}), gathers
     # the names differ (two implementations): without --ignore-names they are compared
     assert main(["diff", str(megatron), str(ours), "--step", "2"]) == 1
 

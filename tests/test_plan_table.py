@@ -1,6 +1,6 @@
 """``paraloom plan --table``: one rank's step-1 communication order derived from the layout
 alone equals, row for row, what ``paraloom table RUN --step 1`` shows for the same flags run
-small (parallel type, split object, primitive, trigger location), on every rank of seven
+small (parallel type, split object, primitive, trigger location), on every rank of eight
 layouts; and it prints at full size, where nothing can run."""
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ LAYOUTS = {
     "pp with vpp": ["--tp", "2", "--pp", "2", "--dp", "1", "--vpp", "2", "--layers", "4"],
     "dp with the distributed optimizer": ["--tp", "2", "--pp", "1", "--dp", "2",
                                           "--distributed-optimizer", "--steps", "2"],
+    # --overlap-param-gather: step 1 gathers no parameters (the pre-hooks start after it)
+    "pp with dp, overlapped parameter gather": ["--tp", "1", "--pp", "2", "--dp", "2",
+                                                "--distributed-optimizer",
+                                                "--overlap-param-gather"],
     # the second stage's buckets launched by the schedule (Megatron-LM's grad_sync_func)
     "pp with dp": ["--tp", "1", "--pp", "2", "--dp", "2"],
     # rotary positions: the embedding reduce-scattered; the layers re-run before backward

@@ -147,7 +147,8 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
 
     * the data-parallel bucket reductions (:func:`_bucket_phase`; under the distributed
       optimizer every bucket reduce-scattered, and after the update every bucket's parameter
-      shard all-gathered),
+      shard all-gathered — with ``overlap_param_gather`` in the forward of the next step
+      instead, when ``param_gather_forward``),
     * ``finalize_model_grads``: one coalesced all-reduce over tp of the sequence-parallel
       grads, one over the embedding group of the tied word embedding,
     * the optimizer's gradient norm: one fp32 ``[1]`` over its grad-stats group (``mp`` = tp x
@@ -168,7 +169,11 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
             if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
                 continue
             add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1, n * c.grad_bytes)
-            if c.distributed_optimizer and c.optimizer_step:
+            if not c.distributed_optimizer:
+                continue
+            if c.overlap_param_gather and c.param_gather_forward:  # ahead of first use
+                add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
+            elif not c.overlap_param_gather and c.optimizer_step:  # after the update
                 add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
     if c.tp > 1 and sp_elems(c, r):  # LayerNorms etc. under sp; MoE: experts' fc2 biases
         add("sp", "all_reduce", "optimizer", 1, sp_elems(c, r) * c.grad_bytes)

@@ -233,7 +233,7 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
         _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
                split="whether any rank has separately-normed parameters")
     for b in [b for ch in range(r.v) for b in chunk_buckets(c, r.pp_rank, ch)] \
-            if zero and p.dp * p.cp > 1 else []:
+            if zero and p.dp * p.cp > 1 and not cfg.overlap_param_gather else []:
         _event(out, **ev, kind="dp", op="all_gather", site="DistributedOptimizer.step:param_shards",
                shape=[b.numel // (p.dp * p.cp)], split="parameter bucket, 1/dp contiguous shard")
     if r.tp * r.pp > 1:

@@ -94,6 +94,13 @@ class CommConfig:
     forward communication runs again in backward, all of it, as Megatron's re-run)."""
     distributed_optimizer: bool = False
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
+    overlap_param_gather: bool = False
+    """``--overlap-param-gather``: the parameter shards are all-gathered in the next forward
+    (phase ``forward``, :mod:`paraloom.data_parallel.param_gather`), not after the update."""
+    param_gather_forward: bool = False
+    """With ``overlap_param_gather``: this step's forward gathers every bucket (the hooks are
+    on: an earlier step of the process succeeded; and no checkpoint gathered them since the last
+    step). A run's view has it on; :func:`paraloom.verify.check.step_config` decides per step."""
     grad_sync: bool = True
     """The step is a train step: it reduces gradients (data-parallel buckets,
     ``finalize_model_grads``), the gradient norm and the step's agreements and loss; ``False``

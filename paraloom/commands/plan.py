@@ -28,7 +28,7 @@ import sys
 from ..analysis.order import step_one_events
 from ..analysis.plan import human_bytes, plan, render_plan
 from ..analysis.search import memory_fit
-from ..analysis.steptime import render_step_time, step_time
+from ..analysis.steptime import Options, render_step_time, step_time
 from ..analysis.view import comm_view
 from ..config import TrainConfig
 from ..device import default_backend
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         return _table(cfg, config, args)
     result = plan(config)
-    result["step_time"] = step_time(config, hw)
+    result["step_time"] = step_time(config, hw, Options(
+        overlap_param_gather=config.overlap_param_gather))
     result["hardware"] = hw.to_dict()
     fit = result["memory_fit"] = memory_fit(config, hw)
     result["config"] = cfg.to_dict()

@@ -81,6 +81,14 @@ class TrainConfig:
                                          "--use-distributed-optimizer",
                                          help="ZeRO-1: optimizer states sharded over dp")
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
+    overlap_param_gather: bool = option(False, "--overlap-param-gather", negatable=True,
+                                        help="with --distributed-optimizer: all-gather each "
+                                             "parameter bucket in the next forward, ahead of "
+                                             "its first use, instead of in the optimizer step")
+    """Megatron's ``--overlap-param-gather``: the distributed optimizer's parameter all-gather
+    leaves the optimizer step; from the second step of a process on, forward pre-hooks gather
+    each bucket before its parameters' first use and start the next bucket's gather
+    asynchronously (:mod:`paraloom.data_parallel.param_gather`)."""
     align_grad_reduce: bool = option(True, "--align-grad-reduce", negatable=True,
                                      help="with --overlap-grad-reduce, pipeline stages after "
                                           "the first launch their gradient reduction once "
@@ -135,10 +143,29 @@ class TrainConfig:
         self._check_schedule()
         if self.bucket_size is not None:
             positive_int("bucket_size (--bucket-size, elements)", self.bucket_size)
+        self._check_param_gather()
         if isinstance(self.bucket_tail_splits, bool) or not isinstance(
                 self.bucket_tail_splits, int) or not 0 <= self.bucket_tail_splits <= 8:
             raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
                              f"from 0 to 8, got {self.bucket_tail_splits!r}")
+
+    def _check_param_gather(self) -> None:
+        """Megatron-LM's own conditions for ``--overlap-param-gather``."""
+        if not self.overlap_param_gather:
+            return
+        if not self.distributed_optimizer:
+            raise ValueError("--overlap-param-gather needs --distributed-optimizer (there is no "
+                             "parameter all-gather to overlap without it; Megatron-LM refuses "
+                             "it too)")
+        if not self.overlap_grad_reduce:
+            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce, got "
+                             "--no-overlap-grad-reduce (Megatron-LM: 'Must use "
+                             "--overlap-param-gather with --overlap-grad-reduce')")
+        if (self.parallel.vpp or 1) > 1:
+            raise ValueError(f"--overlap-param-gather with interleaving (vpp = "
+                             f"{self.parallel.vpp}) is not supported yet: Megatron-LM then "
+                             f"aligns the gathers with its schedule (--align-param-gather), "
+                             f"which paraloom does not run; use vpp 1 or leave the flag out")
 
     def _check_schedule(self) -> None:
         p = self.parallel

@@ -10,7 +10,9 @@ from .optimizer import (
     adam_update_,
     no_weight_decay_cond,
 )
+from .param_gather import ParamGather, force_param_sync, paused
 
 __all__ = ["DistributedDataParallel", "finalize_model_grads", "GradBuffer", "Bucket",
            "default_bucket_size", "DistributedOptimizer", "MainParamsOptimizer", "adam_step_",
-           "adam_update_", "no_weight_decay_cond"]
+           "adam_update_", "no_weight_decay_cond", "ParamGather", "force_param_sync",
+           "paused"]

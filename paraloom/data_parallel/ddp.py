@@ -86,6 +86,8 @@ class DistributedDataParallel(nn.Module):
         tail_splits: paraloom's halving of the last buckets of backward (off: 0).
     """
 
+    param_gather = None  # a ParamGather (.param_gather) under --overlap-param-gather
+
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *, overlap_grad_reduce: bool = True,
                  bucket_size: int | None = None, average_in_collective: bool = False,
                  grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,

@@ -68,6 +68,8 @@ def finalize_model_grads(model_chunks, mesh: ParallelMesh) -> None:
     for chunk in chunks:
         if isinstance(chunk, DistributedDataParallel):
             chunk.finish_grad_sync()
+            if chunk.param_gather is not None:  # Megatron's finish_grad_sync: gather again
+                chunk.param_gather.reset()
     modules = [c.module if isinstance(c, DistributedDataParallel) else c for c in chunks]
     named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
     sp = [(n, p) for n, p in named if getattr(p, "sequence_parallel", False)]

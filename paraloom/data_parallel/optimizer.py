@@ -245,12 +245,15 @@ class DistributedOptimizer(_AdamBase):
 
     @torch.no_grad()
     def step(self) -> None:
-        """Update this rank's shards, then all-gather every bucket's parameters."""
+        """Update this rank's shards, then all-gather every bucket's parameters (under
+        ``--overlap-param-gather`` the next forward gathers them: :mod:`.param_gather`)."""
         self._update()
         for bucket, lo, hi, master, _, _, copy in self.shards:
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)
+        if self.ddp.param_gather is not None:
+            return  # the next forward gathers them
         for bucket, lo, hi, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
             expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}  # synchronous
             full = comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase="optimizer",

@@ -45,9 +45,9 @@ class Embedding(nn.Module):
         if mesh.pp.size > 1 and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings.weight.shared_embedding = True
         self.position_embeddings = None
-        if positions:
-            self.position_embeddings = nn.Module()
-            self.position_embeddings.weight = nn.Parameter(init(
+        if positions:  # a module of its own, called in forward (as Megatron's nn.Embedding):
+            # --overlap-param-gather gathers a parameter in its module's forward pre-hook
+            self.position_embeddings = nn.Embedding(cfg.seq_length, cfg.hidden_size, _weight=init(
                 "embedding.position_embeddings.weight", (cfg.seq_length, cfg.hidden_size), None,
                 dtype=opt.params_dtype))
 
@@ -57,9 +57,8 @@ class Embedding(nn.Module):
             return dropout(x, self.dropout, self.training, self.sp)
         if self.position_embeddings is not None:
             if position_ids is None:                         # [s, h], broadcast over b
-                pos = self.position_embeddings.weight[: tokens.shape[1]]
-            else:                                            # global positions [(b,) s]
-                pos = self.position_embeddings.weight[position_ids]
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device)
+            pos = self.position_embeddings(position_ids)     # global positions [(b,) s]
             x = x + pos                                      # [b, s, h]
         x = x.transpose(0, 1).contiguous()                   # [s, b, h]
         if self.sp:                                          # [s/tp, b, h]: this rank's slice

@@ -188,6 +188,7 @@ class GPTModel(nn.Module):
         self.sp = opt.uses_sequence_parallel(mesh)
         layer_ids = range(cfg.num_layers) if layer_ids is None else layer_ids
         self.input_tensor, tied = None, not cfg.untie_embeddings_and_output_weights
+        self.output_weight_hooks: list = []  # called with the output weight before its use
         learned = cfg.position_embedding_type == "learned_absolute"
         if pre_process:
             self.embedding = Embedding(cfg, mesh, opt, positions=learned)
@@ -239,6 +240,8 @@ class GPTModel(nn.Module):
         are padding)."""
         weight = (self.output_layer.weight if hasattr(self, "output_layer")
                   else self.embedding.word_embeddings.weight)
+        for hook in self.output_weight_hooks:  # the output layer is no module call here: what
+            hook(weight)                       # Megatron's output_layer pre-hook does, done now
         return parallel_lm_logits(x, weight, self.mesh.tp, sequence_parallel=self.sp,
                                   async_grad_allreduce=self.opt.async_grad_allreduce)
 

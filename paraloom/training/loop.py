@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .. import comm
 from ..config import TrainConfig
 from ..data import Corpus, eval_batches, load_tokens
+from ..data_parallel import force_param_sync
 from ..device import get_device, timing_event_type, tune_allocator
 from ..heartbeat import Heartbeat
 from ..ledger import Ledger, merge, recording
@@ -72,6 +73,7 @@ def _resume(run, path: str) -> tuple[int, Path, dict]:
 
 
 def _save(run, out: Path, step: int) -> None:
+    force_param_sync(run.ddps)  # Megatron-LM's, before a checkpoint
     entries, _ = state_entries(run, for_save=True)
     meta = {"step": step, "tokens": run.tokens, "optimizer_steps": run.optimizers[0].step_count,
             "config": run.cfg.to_dict(), "format": FORMAT}
@@ -164,6 +166,7 @@ def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recor
     scalars = None
     writer = dist.get_rank() == run.mesh.world.size - 1  # it holds the loss: the last stage
     written: list[dict] = []  # the metric lines, for rank 0 if this node is not its folder's
+    gathered = False  # under --overlap-param-gather: a checkpoint just gathered the parameters
     if writer and r.tensorboard_dir:
         scalars = ScalarLog(r.tensorboard_dir, r.tensorboard_log_interval, cfg.steps)
     beat = Heartbeat(ledger, out, unflushed=lambda: ledger.events).start() \
@@ -187,6 +190,8 @@ def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recor
             line = {"step": iteration, **metrics, "tokens": run.tokens, "time_s": elapsed}
             if step == start:  # Megatron's first iteration communicates differently
                 line["first_of_process"] = True
+            if gathered:  # the checkpoint before this step gathered the parameters
+                line["params_gathered_at_save"] = True
             write_json_lines(out / METRICS, [line], mode="a")
             written.append(line)
             tok_s = cfg.tokens_per_step / max(elapsed, 1e-9)
@@ -196,14 +201,19 @@ def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recor
             if metrics.get("skipped"):
                 print(f"step {iteration}: non-finite gradient norm ({metrics['grad_norm']}; loss "
                       f"{metrics['loss']}): update skipped", file=sys.stderr, flush=True)
+        if not metrics.get("skipped"):  # Megatron-LM: the pre-hooks on once a step succeeded
+            for gather in [d.param_gather for d in run.ddps if d.param_gather is not None]:
+                gather.enable()
         bad = bad + 1 if metrics.get("skipped") else 0
         if bad >= r.max_bad_steps:
             raise FloatingPointError(
                 f"stopping at step {iteration}: {bad} consecutive steps with a non-finite loss "
                 f"or gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
+        gathered = False
         if save_every and (iteration % save_every == 0 or iteration == cfg.steps):
             _save(run, out, iteration)
+            gathered = cfg.overlap_param_gather
     if beat is not None:
         beat.stop()
     if scalars is not None:

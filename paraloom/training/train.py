@@ -26,8 +26,10 @@ from ..data_parallel import (
     DistributedDataParallel,
     DistributedOptimizer,
     MainParamsOptimizer,
+    ParamGather,
     finalize_model_grads,
     no_weight_decay_cond,
+    paused,
 )
 from ..data_parallel.clip_grads import GradNorm
 from ..device import get_device
@@ -109,6 +111,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
                                     disable_bucketing=c > 0, tail_splits=cfg.bucket_tail_splits)
             for c, chunk in enumerate(chunks)]
+    for d in ddps if cfg.overlap_param_gather else []:
+        ParamGather(d)  # its hooks on after the first successful step (loop.py)
     opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
     optimizers = [opt_cls(d, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                           weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
@@ -283,10 +287,11 @@ def evaluate(run: Run, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> floa
     forward only."""
     mesh = run.mesh
     total = torch.zeros(2, dtype=torch.float64, device=run.device)  # [sum, tokens]
-    for tokens, labels in batches:
-        batch = torch.cat([tokens, labels[:, -1:]], dim=1)  # back to [b, s + 1] windows
-        losses = _run_schedule(run, batch, forward_only=True)
-        if losses and mesh.tp.rank == 0:
-            total += torch.stack(losses).double().sum(0)
+    with paused(run.ddps):  # Megatron-LM's evaluate: parameters gathered, pre-hooks off
+        for tokens, labels in batches:
+            batch = torch.cat([tokens, labels[:, -1:]], dim=1)  # back to [b, s + 1] windows
+            losses = _run_schedule(run, batch, forward_only=True)
+            if losses and mesh.tp.rank == 0:
+                total += torch.stack(losses).double().sum(0)
     comm.all_reduce(total, mesh.world, phase="forward", kind="loss", site="evaluate:loss")
     return (total[0] / total[1]).item()

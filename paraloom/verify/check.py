@@ -132,8 +132,25 @@ def step_config(config: CommConfig, step: int, metrics: dict[int, dict]) -> Comm
     last = step == config.total_steps \
         or bool(metrics.get(step + 1, {}).get("first_of_process", False))
     return replace(config, optimizer_step=not line.get("skipped", False), first_step=first,
+                   param_gather_forward=_param_gather_forward(config, step, metrics),
                    timer_barriers=logged_iteration(step, config.log_interval, first),
                    last_step=last)
+
+
+def _param_gather_forward(config: CommConfig, step: int, metrics: dict[int, dict]) -> bool:
+    """Under ``--overlap-param-gather``, whether ``step``'s forward gathers the parameters: the
+    hooks are on once a step of the process succeeded (Megatron-LM's ``train()``), and a
+    checkpoint's gather (``params_gathered_at_save`` on the step's line) leaves nothing to
+    gather until the next step's gradients are reduced."""
+    if not config.overlap_param_gather or metrics.get(step, {}).get("params_gathered_at_save"):
+        return False
+    for earlier in range(step - 1, 0, -1):  # back to the first step of this process
+        line = metrics.get(earlier, {})
+        if not line.get("skipped", False):
+            return True
+        if line.get("first_of_process", earlier == 1):
+            return False
+    return False
 
 
 def load_run(run_dir: str) -> tuple[dict, list[dict], dict[int, dict]]:

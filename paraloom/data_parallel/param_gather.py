@@ -1,0 +1,185 @@
+"""Megatron's ``overlap_param_gather``: the distributed optimizer's parameter all-gather moved
+from the optimizer step into the next forward, bucket by bucket, ahead of each bucket's first use.
+
+Under :class:`~paraloom.data_parallel.optimizer.DistributedOptimizer` each data-parallel rank
+updates only its ``1/dp`` shard of every bucket; without overlap the step then all-gathers every
+bucket at once, synchronously. With a :class:`ParamGather` on the
+:class:`~paraloom.data_parallel.ddp.DistributedDataParallel` the step gathers nothing, and a
+forward pre-hook on every module of the wrapped chunk makes sure the buckets holding the
+module's own parameters are gathered before it runs (Megatron-Core's
+``_make_forward_pre_hook`` / ``finish_param_sync``):
+
+* paraloom's GPT reads its output layer's weight (the last stage's copy of tied embeddings, or an
+  untied ``output_layer.weight``) without calling a module of its own: it calls
+  ``output_weight_hooks`` instead, where the gather of that bucket happens (Megatron's
+  ``output_layer`` is a module: its pre-hook). Another model must use every parameter inside
+  its own module's forward, as Megatron's hooks require;
+* the first hook that meets a bucket not yet dispatched this step launches its all-gather and
+  waits for it — in a step, the bucket of the first module that runs (the embedding: buckets
+  hold the parameters in reverse registration order, so forward meets the last bucket first);
+* a bucket's gather, once complete, launches the next one's asynchronously: bucket ``i`` is
+  followed by bucket ``i - 1`` (dense and expert buckets each a chain of their own), which then
+  runs while the modules of bucket ``i`` compute;
+* :func:`~paraloom.data_parallel.finalize.finalize_model_grads` marks every bucket undispatched
+  again (Megatron's ``finish_grad_sync``): each step's first forward gathers each bucket once.
+
+As Megatron-LM's ``train()`` drives it, the hooks are off until a training step has succeeded
+(:meth:`enable` after it): that step's update is the first the hooks gather. :meth:`sync` is
+Megatron's ``start_param_sync(force_sync=True)``: every bucket gathered now, synchronously
+(dense buckets first), for a checkpoint or an evaluation; the next forward then gathers nothing
+until the next step's gradients are reduced.
+
+Every gather is kind ``dp``, site ``DistributedDataParallel.start_param_sync:param_shards``,
+phase ``forward`` from the hooks (``async`` but for the first of a step, which is waited for at
+once) and ``optimizer`` from :meth:`sync`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import comm
+from .grad_buffer import Bucket
+
+__all__ = ["ParamGather", "force_param_sync", "paused"]
+
+SITE = "DistributedDataParallel.start_param_sync:param_shards"
+
+
+class ParamGather:
+    """The overlapped parameter all-gathers of one :class:`DistributedDataParallel` (one model
+    chunk); it registers itself as ``ddp.param_gather``. The hooks start disabled."""
+
+    def __init__(self, ddp) -> None:
+        if not ddp.use_distributed_optimizer:
+            raise ValueError("ParamGather needs DistributedDataParallel(..., "
+                             "use_distributed_optimizer=True): without the distributed "
+                             "optimizer there is no parameter all-gather to overlap")
+        self.ddp = ddp
+        self._owner = {id(p): b for b in ddp.buckets for p in b.params}
+        dense = [b for b in ddp.buckets if b.axis is ddp.dp]
+        expert = [b for b in ddp.buckets if b.axis is not ddp.dp]
+        self._order = dense + expert
+        self._next: dict[int, Bucket] = {}
+        for chain in (dense, expert):
+            for earlier, later in zip(chain, chain[1:], strict=False):
+                self._next[later.index] = earlier  # forward meets the buckets last to first
+        self._dispatched: set[int] = set()
+        self._pending: dict[int, comm.Handle] = {}
+        self._hooks: list = []
+        self._names = {id(m): n or "module" for n, m in ddp.module.named_modules()}
+        ddp.param_gather = self
+        if hasattr(ddp.module, "output_weight_hooks"):  # paraloom's GPTModel (models/gpt.py)
+            ddp.module.output_weight_hooks.append(self._output_weight)
+
+    # -- Megatron-LM's training loop ---------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return bool(self._hooks)
+
+    def enable(self) -> None:
+        """Register the forward pre-hooks (Megatron's ``enable_forward_pre_hook``)."""
+        if not self._hooks:
+            self._hooks = [m.register_forward_pre_hook(self._hook)
+                           for m in self.ddp.module.modules()]
+
+    def disable(self, param_sync: bool = True) -> None:
+        """Remove the hooks, gathering every bucket first unless ``param_sync`` is False
+        (Megatron's ``disable_forward_pre_hook``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if param_sync:
+            self.sync()
+
+    def sync(self) -> None:
+        """Gather every bucket now, synchronously; a gather in flight is waited for instead."""
+        for bucket in self._order:
+            if bucket.index in self._pending:
+                self._land(bucket, self._pending.pop(bucket.index).wait())
+            else:
+                self._land(bucket, self._launch(bucket, "optimizer", async_op=False))
+            self._dispatched.add(bucket.index)
+
+    def reset(self) -> None:
+        """A step's gradients are reduced: the next forward gathers every bucket again."""
+        for index in list(self._pending):  # a gather no module waited for (an unused bucket)
+            self._land(self._bucket(index), self._pending.pop(index).wait())
+        self._dispatched.clear()
+
+    # -- the hooks ---------------------------------------------------------------------------
+    def _hook(self, module: nn.Module, _args) -> None:
+        for param in module.parameters(recurse=False):
+            bucket = self._owner.get(id(param))
+            if bucket is not None:
+                self._finish(bucket, self._names.get(id(module)))
+
+    def _output_weight(self, weight: torch.Tensor) -> None:
+        """The output layer's weight, read without a module call of its own: its bucket
+        gathered now, as Megatron's ``output_layer`` pre-hook gathers it."""
+        bucket = self._owner.get(id(weight))
+        if self._hooks and bucket is not None:
+            self._finish(bucket, "output_layer")
+
+    def _finish(self, bucket: Bucket, module: str | None) -> None:
+        """Megatron's ``finish_param_sync``: this bucket gathered before ``module`` runs, and
+        the next bucket's gather started behind it (both recorded at ``module``)."""
+        if bucket.index not in self._dispatched:
+            self._start(bucket, module)
+        handle = self._pending.pop(bucket.index, None)
+        if handle is None:
+            return
+        self._land(bucket, handle.wait())
+        later = self._next.get(bucket.index)
+        if later is not None and later.index not in self._dispatched:
+            self._start(later, module)
+
+    def _start(self, bucket: Bucket, module: str | None) -> None:
+        self._pending[bucket.index] = self._launch(bucket, "forward", True, module)
+        self._dispatched.add(bucket.index)
+
+    @torch.no_grad()
+    def _launch(self, bucket: Bucket, phase: str, async_op: bool, module: str | None = None):
+        lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
+        expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}
+        return comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase=phase, kind="dp",
+                               site=SITE, module=module,
+                               split="parameter bucket, 1/dp contiguous shard",
+                               async_op=async_op, bucket=bucket.index,
+                               params=list(bucket.names), **expert)
+
+    @staticmethod
+    @torch.no_grad()
+    def _land(bucket: Bucket, full: torch.Tensor) -> None:
+        if full.data_ptr() != bucket.param_data.data_ptr():
+            bucket.param_data.copy_(full)
+
+    def _bucket(self, index: int) -> Bucket:
+        return next(b for b in self.ddp.buckets if b.index == index)
+
+
+class paused:  # noqa: N801 (a context manager, named for how it reads)
+    """Megatron-LM's ``disable_forward_pre_hook`` ... ``enable_forward_pre_hook`` around an
+    evaluation or a checkpoint: every enabled chunk's buckets gathered first (:meth:`sync`), its
+    hooks off inside, on again after."""
+
+    def __init__(self, ddps) -> None:
+        self.gathers = [d.param_gather for d in ddps
+                        if d.param_gather is not None and d.param_gather.enabled]
+
+    def __enter__(self):
+        for gather in self.gathers:
+            gather.disable(param_sync=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for gather in self.gathers:
+            gather.enable()
+
+
+def force_param_sync(ddps) -> None:
+    """Megatron-LM's ``force_param_sync`` before a checkpoint: every enabled chunk's buckets
+    gathered now (the hooks stay on; the next forward then gathers nothing)."""
+    for gather in paused(ddps).gathers:
+        gather.sync()
