@@ -101,6 +101,8 @@ def build(args):
                                             use_distributed_optimizer=args.distributed_optimizer,
                                             bucket_size=args.bucket_size,
                                             overlap_param_gather=args.overlap_param_gather,
+                                            # Megatron-LM: on with interleaving, else off
+                                            align_param_gather=bool(args.vpp),
                                             grad_reduce_in_fp32=True)  # Megatron-LM, for bf16
     if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
         from megatron.core.transformer.module import Float16Module
@@ -208,8 +210,8 @@ def main(argv=None) -> None:
     install_hooks(cfg, model, args)
     step_fn = get_forward_backward_func()
     iterators = [batches(args) for _ in model]
-    hooks = False  # Megatron-LM's train(): the pre-hooks off until a step has succeeded
-    if args.overlap_param_gather:
+    hooks = False  # Megatron-LM's train(): the pre-hooks (and with interleaving the schedule's
+    if args.overlap_param_gather:  # param_sync_func) off until a step has succeeded
         for chunk in model:
             chunk.disable_forward_pre_hook(param_sync=False)
     for step in range(args.steps):
@@ -217,6 +219,8 @@ def main(argv=None) -> None:
         if args.overlap_param_gather and ok and not hooks:
             for chunk in model:
                 chunk.enable_forward_pre_hook()
+            if args.vpp:  # --align-param-gather: the schedule launches each chunk's gathers
+                cfg.param_sync_func = [chunk.start_param_sync for chunk in model]
             hooks = True
         if dist.get_rank() == dist.get_world_size() - 1:
             print(f"step {step + 1}: loss {loss:.4f}  grad_norm {norm:.3f}"

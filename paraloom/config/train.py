@@ -88,7 +88,8 @@ class TrainConfig:
     """Megatron's ``--overlap-param-gather``: the distributed optimizer's parameter all-gather
     leaves the optimizer step; from the second step of a process on, forward pre-hooks gather
     each bucket before its parameters' first use and start the next bucket's gather
-    asynchronously (:mod:`paraloom.data_parallel.param_gather`)."""
+    asynchronously; with interleaving the schedule launches them (Megatron-LM's
+    ``--align-param-gather``) (:mod:`paraloom.data_parallel.param_gather`)."""
     align_grad_reduce: bool = option(True, "--align-grad-reduce", negatable=True,
                                      help="with --overlap-grad-reduce, pipeline stages after "
                                           "the first launch their gradient reduction once "
@@ -161,11 +162,6 @@ class TrainConfig:
             raise ValueError("--overlap-param-gather needs --overlap-grad-reduce, got "
                              "--no-overlap-grad-reduce (Megatron-LM: 'Must use "
                              "--overlap-param-gather with --overlap-grad-reduce')")
-        if (self.parallel.vpp or 1) > 1:
-            raise ValueError(f"--overlap-param-gather with interleaving (vpp = "
-                             f"{self.parallel.vpp}) is not supported yet: Megatron-LM then "
-                             f"aligns the gathers with its schedule (--align-param-gather), "
-                             f"which paraloom does not run; use vpp 1 or leave the flag out")
 
     def _check_schedule(self) -> None:
         p = self.parallel

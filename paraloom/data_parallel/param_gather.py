@@ -23,6 +23,12 @@ module's own parameters are gathered before it runs (Megatron-Core's
 * :func:`~paraloom.data_parallel.finalize.finalize_model_grads` marks every bucket undispatched
   again (Megatron's ``finish_grad_sync``): each step's first forward gathers each bucket once.
 
+With interleaving (``aligned``: Megatron-LM's ``--align-param-gather``, its default there) the
+schedule launches the gathers instead: every bucket of chunks 0 and 1 as it starts, of chunk
+``c > 1`` at the forward step whose virtual microbatch plus the pipeline rank is chunk
+``c - 1``'s first (the same moment on every stage), through :meth:`start_all`; the hooks then
+only wait.
+
 As Megatron-LM's ``train()`` drives it, the hooks are off until a training step has succeeded
 (:meth:`enable` after it): that step's update is the first the hooks gather. :meth:`sync` is
 Megatron's ``start_param_sync(force_sync=True)``: every bucket gathered now, synchronously
@@ -51,12 +57,12 @@ class ParamGather:
     """The overlapped parameter all-gathers of one :class:`DistributedDataParallel` (one model
     chunk); it registers itself as ``ddp.param_gather``. The hooks start disabled."""
 
-    def __init__(self, ddp) -> None:
+    def __init__(self, ddp, *, aligned: bool = False) -> None:
         if not ddp.use_distributed_optimizer:
             raise ValueError("ParamGather needs DistributedDataParallel(..., "
                              "use_distributed_optimizer=True): without the distributed "
                              "optimizer there is no parameter all-gather to overlap")
-        self.ddp = ddp
+        self.ddp, self.aligned = ddp, aligned
         self._owner = {id(p): b for b in ddp.buckets for p in b.params}
         dense = [b for b in ddp.buckets if b.axis is ddp.dp]
         expert = [b for b in ddp.buckets if b.axis is not ddp.dp]
@@ -102,6 +108,16 @@ class ParamGather:
                 self._land(bucket, self._launch(bucket, "optimizer", async_op=False))
             self._dispatched.add(bucket.index)
 
+    def start_all(self, *_unused) -> None:
+        """Launch every bucket's gather now, asynchronously (Megatron's ``start_param_sync``,
+        the interleaved schedule's ``param_sync_func`` under ``--align-param-gather``); the
+        hooks then only wait for them."""
+        for bucket in self._order:
+            if bucket.index in self._pending:
+                raise RuntimeError(f"bucket {bucket.index}'s parameter all-gather is already "
+                                   f"in flight")
+            self._start(bucket, None)
+
     def reset(self) -> None:
         """A step's gradients are reduced: the next forward gathers every bucket again."""
         for index in list(self._pending):  # a gather no module waited for (an unused bucket)
@@ -131,7 +147,7 @@ class ParamGather:
         if handle is None:
             return
         self._land(bucket, handle.wait())
-        later = self._next.get(bucket.index)
+        later = None if self.aligned else self._next.get(bucket.index)
         if later is not None and later.index not in self._dispatched:
             self._start(later, module)
 

@@ -82,7 +82,8 @@ def _overlap(requested, device, variable_seq_lengths) -> bool:
 def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatches, seq_length,
              micro_batch_size, forward_only, *, mesh, hidden_size, dtype=torch.float32,
              sequence_parallel=False, variable_seq_lengths=False, stats=None, no_sync_func=None,
-             finalize_model_grads_func=None, overlap_p2p_comm=None, grad_sync_func=None):
+             finalize_model_grads_func=None, overlap_p2p_comm=None, grad_sync_func=None,
+             param_sync_func=None):
     """Run ``p2p_plan(schedule, ...)`` for this stage; the one engine behind every schedule.
 
     ``overlap_p2p_comm`` (default: on for gloo without ``variable_seq_lengths``) runs the
@@ -95,7 +96,13 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
     and calls it after its last ``send_backward`` (the first stage keeps the hooks of its last
     backward); interleaved runs every backward in ``no_sync`` and, right after the backward of
     virtual microbatch ``k``, syncs the chunk whose last backward was virtual microbatch
-    ``k - pp_rank`` (so every stage launches at the same moment), the rest at the end."""
+    ``k - pp_rank`` (so every stage launches at the same moment), the rest at the end.
+
+    ``param_sync_func`` (one per chunk; interleaved only: Megatron-LM's ``--align-param-gather``
+    with ``--overlap-param-gather``) launches a chunk's parameter all-gathers: chunks 0 and 1
+    before the first step, chunk ``c > 1`` before the forward of virtual microbatch ``k`` when
+    ``k + pp_rank`` is chunk ``c - 1``'s first microbatch (Megatron-Core's
+    ``forward_step_helper_preprocess``)."""
     p, rank, v, m = mesh.pp.size, mesh.pp.rank, len(chunks), num_microbatches
     validate(schedule, p, m, v)
     if schedule == "interleaved" and v != mesh.vpp:
@@ -121,7 +128,11 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
                               sequence_parallel),
         dtype=dtype, device=device, variable_seq_lengths=variable_seq_lengths,
         stats=stats if stats is not None else PipelineStats(), no_sync=no_sync,
-        grad_sync=grad_sync)
+        grad_sync=grad_sync, param_sync=param_sync_func if schedule == "interleaved"
+        and not forward_only else None)
+    if stage.param_sync is not None:  # Megatron: "synchronize params for first two chunks"
+        stage.param_sync[0]()
+        stage.param_sync[1]()
     for i, step in enumerate(plan):
         _STEPS[step[0]](stage, i, step)
     stage.finish()
@@ -150,6 +161,7 @@ class _Stage:
     stats: PipelineStats
     no_sync: list
     grad_sync: list | None
+    param_sync: list | None = None
     received: dict = field(default_factory=dict)
     outbox: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
@@ -159,6 +171,7 @@ class _Stage:
     losses: list = field(default_factory=list)
     synced: set = field(default_factory=set)
     done_b: int = 0
+    done_f: int = 0
 
     def __post_init__(self) -> None:
         p = self.mesh.pp.size
@@ -166,6 +179,7 @@ class _Stage:
         # (and, zero bubble, its last W: the deferred weight gradients become final there)
         self.last = {(s[0], s[2]): i for i, s in enumerate(self.plan) if s[0] in ("B", "W")}
         self.backwards = [(s[1], s[2]) for s in self.plan if s[0] == "B"]  # (mb, chunk)
+        self.forwards = [(s[1], s[2]) for s in self.plan if s[0] == "F"]
         self.split = self.schedule == "zb-h1"
         self.where = "pipeline" if p > 1 else "microbatch"  # the compute spans' site
         self.last_vs = p * len(self.chunks) - 1
@@ -223,6 +237,11 @@ def _forward(st: _Stage, i: int, step) -> None:
     own_backward) can split their backward."""
     _, mb, c = step
     vs = c * st.mesh.pp.size + st.mesh.pp.rank
+    ahead = st.done_f + st.mesh.pp.rank  # the chunk after the one that starts there: gathered
+    st.done_f += 1
+    if st.param_sync is not None and ahead < len(st.forwards) and st.forwards[ahead][0] == 0 \
+            and 1 < st.forwards[ahead][1] + 1 < len(st.chunks):
+        st.param_sync[st.forwards[ahead][1] + 1]()
     with _at(mb), _ledger.span(f"{st.where}.forward", phase="forward", **st.span(c)):
         inp = st.received.pop(("act", mb, vs - 1)) if vs > 0 else None  # [s, b, h]
         st.chunks[c].set_input_tensor(inp)
