@@ -24,8 +24,10 @@ activation element):
   all-reduce (async dgrad, or the sp reduce-scatter) hides under the wgrad GEMM and the sp
   re-gather under dgrad; pipeline p2p is exposed unless ``overlap_p2p``; the data-parallel bucket
   reductions hide under the last microbatch's backward (``overlap_grad_reduce``) except the last
-  bucket; ZeRO's parameter all-gather, the tied-embedding reduction and the optimizer are not
-  hidden; the gradient norm, the step's agreements (over tp x pp) and the loss (over dp) are
+  bucket — interleaved, each chunk's under the other chunks' backward of the last microbatch
+  group but the first chunk's own; ZeRO's parameter all-gather hides likewise under forward with
+  ``overlap_param_gather`` (else exposed); the tied-embedding reduction and the optimizer are not
+  hidden; ``tp_comm_overlap`` pipelines the sp collectives with their GEMMs; the gradient norm, the step's agreements (over tp x pp) and the loss (over dp) are
   counted with the embedding's.
   The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
   pass ``bubble_scale``).
@@ -52,7 +54,7 @@ from __future__ import annotations
 from .costs import Options, collective_time, gemm_time, layer_time, node_lanes, spans_nodes
 from .flops import hardware_flops, model_flops
 from .hardware import Hardware
-from .layout import bucket_size_of, layers_per_stage, params_per_rank
+from .layout import bucket_size_of, chunk_params, layers_per_stage, params_per_rank
 from .moe_formulas import moe_layers_on_rank, moe_plan
 from .spec import CommConfig
 
@@ -171,7 +173,10 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
     over their ``edp = dp / ep`` ranks, and ZeRO's parameter all-gather. With
     ``overlap_grad_reduce`` the buckets hide under the last microbatch's backward (``gemm``:
     one microbatch's GEMM time on this stage) but the last; with ``overlap_param_gather`` the
-    parameter all-gather hides under the first microbatch's forward but the first bucket."""
+    parameter all-gather hides under the first microbatch's forward but the first bucket.
+    Interleaved (``vpp`` chunks), each chunk's reduction starts once its own last backward is
+    done, under the other chunks' backward of the last group of ``min(pp, m)`` microbatches
+    (Megatron's ``grad_sync_func``), the gathers symmetrically in the first group's forward."""
     reduce = gather = 0.0
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
     for n_par, n, stride in ((params - experts, c.dp * c.cp, c.tp),
@@ -184,12 +189,23 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
             gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter, lanes)
         else:
             reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter, lanes)
+    v, hide = c.v, hw.overlap_efficiency
+    if v > 1:  # interleaved: a chunk's buckets go once its last backward is done (the gathers
+        # as its first forward nears), under the other chunks' work of the last (first) group
+        # of min(pp, m) microbatches; the last chunk's (first chunk's) share stays exposed
+        group = (v - 1) / v * min(c.pp, c.num_microbatches) * gemm
+        first = min(1.0, sum(q.numel for q in chunk_params(c, 0, 0)) / params)  # + embedding
+        if c.overlap_grad_reduce and c.dp > 1:
+            reduce = max(reduce * first, reduce - hide * group * 2 / 3)
+        if o.overlap_param_gather and c.distributed_optimizer and c.dp > 1:
+            gather = max(gather * first, gather - hide * group / 3)
+        return reduce, gather
     if c.overlap_grad_reduce and c.dp > 1:
         buckets = -(-params // bucket_size_of(c))
-        reduce = max(reduce / buckets, reduce - hw.overlap_efficiency * gemm * 2 / 3)
+        reduce = max(reduce / buckets, reduce - hide * gemm * 2 / 3)
     if o.overlap_param_gather and c.distributed_optimizer and c.dp > 1:
         buckets = -(-params // bucket_size_of(c))
-        gather = max(gather / buckets, gather - hw.overlap_efficiency * gemm / 3)
+        gather = max(gather / buckets, gather - hide * gemm / 3)
     return reduce, gather
 
 
