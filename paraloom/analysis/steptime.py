@@ -27,8 +27,8 @@ activation element):
   bucket — interleaved, each chunk's under the other chunks' backward of the last microbatch
   group but the first chunk's own; ZeRO's parameter all-gather hides likewise under forward with
   ``overlap_param_gather`` (else exposed); the tied-embedding reduction and the optimizer are not
-  hidden; ``tp_comm_overlap`` pipelines the sp collectives with their GEMMs; the gradient norm, the step's agreements (over tp x pp) and the loss (over dp) are
-  counted with the embedding's.
+  hidden; ``tp_comm_overlap`` pipelines the sp collectives with their GEMMs; the gradient norm,
+  the step's agreements (over tp x pp) and the loss (over dp) are counted with the embedding's.
   The pipeline bubble is ``(p-1)/v`` microbatch-stage times (zero-bubble schedules:
   pass ``bubble_scale``).
 * **Optimizer**: Adam over this rank's parameters (divided by dp under ZeRO) at
