@@ -36,7 +36,7 @@ MODEL = "--hidden 64 --heads 4 --seq-len 32 --micro-batch-size 2"
 
 def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recompute=False,
             bf16=False, bucket=None, overlap=True, align=True, microbatches=4, hidden=64,
-            heads=4):
+            heads=4, opg=False):
     """(world size, the example's flags, paraloom train's flags) of one layout."""
     ex = [f"--tp {tp}", f"--pp {pp}", f"--layers {layers}", f"--microbatches {microbatches}",
           f"--hidden {hidden}", f"--heads {heads}"]
@@ -46,6 +46,7 @@ def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recom
     for on, e, o in ((vpp, f"--vpp {vpp}", f"--vpp {vpp}"),
                      (sp, "--sequence-parallel", "--sequence-parallel"),
                      (distopt, "--distributed-optimizer", "--distributed-optimizer"),
+                     (opg, "--overlap-param-gather", "--overlap-param-gather"),
                      (recompute, "--recompute", "--recompute full"),
                      (bf16, "--bf16", "--dtype bf16"),
                      (bucket, f"--bucket-size {bucket}", f"--bucket-size {bucket}"),
@@ -107,6 +108,16 @@ LAYOUTS = {
     "pp2-dp2-small-buckets-no-align": _layout(pp=2, dp=2, bucket=3000, align=False),
     "tp2-dp2-no-overlap-distopt": _layout(tp=2, dp=2, distopt=True, overlap=False),
     "dp2-tp2-small-buckets-sp": _layout(tp=2, dp=2, sp=True, bucket=3000),
+    # --overlap-param-gather: the parameter all-gathers in the next forward
+    "dp4-distopt-opg": _layout(dp=4, distopt=True, opg=True),
+    "small-buckets-dp4-distopt-opg": _layout(dp=4, distopt=True, bucket=3000, opg=True),
+    "pp2-dp2-distopt-opg": _layout(pp=2, dp=2, distopt=True, opg=True),
+    "tp2-dp2-sp-distopt-opg": _layout(tp=2, dp=2, sp=True, distopt=True, opg=True),
+    "dp4-bf16-distopt-opg": _layout(dp=4, distopt=True, bf16=True, opg=True),
+    # six ranks: interleaving with dp and the distributed optimizer (a known difference:
+    # Megatron's coalesced bucket group on the stage holding the tied embedding)
+    "pp3-vpp2-dp2-distopt": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
+                                    distopt=True),
 }
 
 

@@ -9,11 +9,6 @@ forward pre-hook on every module of the wrapped chunk makes sure the buckets hol
 module's own parameters are gathered before it runs (Megatron-Core's
 ``_make_forward_pre_hook`` / ``finish_param_sync``):
 
-* paraloom's GPT reads its output layer's weight (the last stage's copy of tied embeddings, or an
-  untied ``output_layer.weight``) without calling a module of its own: it calls
-  ``output_weight_hooks`` instead, where the gather of that bucket happens (Megatron's
-  ``output_layer`` is a module: its pre-hook). Another model must use every parameter inside
-  its own module's forward, as Megatron's hooks require;
 * the first hook that meets a bucket not yet dispatched this step launches its all-gather and
   waits for it — in a step, the bucket of the first module that runs (the embedding: buckets
   hold the parameters in reverse registration order, so forward meets the last bucket first);
@@ -21,7 +16,12 @@ module's own parameters are gathered before it runs (Megatron-Core's
   followed by bucket ``i - 1`` (dense and expert buckets each a chain of their own), which then
   runs while the modules of bucket ``i`` compute;
 * :func:`~paraloom.data_parallel.finalize.finalize_model_grads` marks every bucket undispatched
-  again (Megatron's ``finish_grad_sync``): each step's first forward gathers each bucket once.
+  again (Megatron's ``finish_grad_sync``): each step's first forward gathers each bucket once;
+* paraloom's GPT reads its output layer's weight (the last stage's copy of tied embeddings, or an
+  untied ``output_layer.weight``) without calling a module of its own: it calls
+  ``output_weight_hooks`` instead, where the gather of that bucket happens (Megatron's
+  ``output_layer`` is a module: its pre-hook). Another model must use every parameter inside
+  its own module's forward, as Megatron's hooks require.
 
 With interleaving (``aligned``: Megatron-LM's ``--align-param-gather``, its default there) the
 schedule launches the gathers instead: every bucket of chunks 0 and 1 as it starts, of chunk
@@ -36,8 +36,8 @@ Megatron's ``start_param_sync(force_sync=True)``: every bucket gathered now, syn
 until the next step's gradients are reduced.
 
 Every gather is kind ``dp``, site ``DistributedDataParallel.start_param_sync:param_shards``,
-phase ``forward`` from the hooks (``async`` but for the first of a step, which is waited for at
-once) and ``optimizer`` from :meth:`sync`.
+phase ``forward`` from the hooks and the schedule (all launched asynchronously; the first of a
+step is waited for at once) and ``optimizer`` from :meth:`sync`.
 """
 
 from __future__ import annotations
