@@ -46,6 +46,7 @@ def parse(argv=None) -> argparse.Namespace:
       help="the distributed optimizer's parameter all-gather in the next forward (pre-hooks)")
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--no-align-grad-reduce", dest="align_grad_reduce", action="store_false")
+    a("--no-align-param-gather", dest="align_param_gather", action="store_false")
     a("--bucket-size", type=int, default=None, help="gradient bucket size (elements)")
     a("--recompute", action="store_true", help="full recomputation of every layer")
     a("--bf16", action="store_true", help="bf16 parameters and activations (fp32 main grads)")
@@ -102,7 +103,8 @@ def build(args):
                                             bucket_size=args.bucket_size,
                                             overlap_param_gather=args.overlap_param_gather,
                                             # Megatron-LM: on with interleaving, else off
-                                            align_param_gather=bool(args.vpp),
+                                            align_param_gather=bool(args.vpp)
+                                            and args.align_param_gather,
                                             grad_reduce_in_fp32=True)  # Megatron-LM, for bf16
     if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
         from megatron.core.transformer.module import Float16Module
@@ -219,7 +221,7 @@ def main(argv=None) -> None:
         if args.overlap_param_gather and ok and not hooks:
             for chunk in model:
                 chunk.enable_forward_pre_hook()
-            if args.vpp:  # --align-param-gather: the schedule launches each chunk's gathers
+            if args.vpp and args.align_param_gather:  # the schedule launches the gathers
                 cfg.param_sync_func = [chunk.start_param_sync for chunk in model]
             hooks = True
         if dist.get_rank() == dist.get_world_size() - 1:

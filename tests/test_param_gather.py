@@ -45,6 +45,9 @@ LAYOUTS = {
     # and 1 at its start, chunk 2 at the forward step Megatron's preprocess names
     "pp2-vpp3-dp2": ["--tp", "1", "--pp", "2", "--dp", "2", "--vpp", "3", "--layers", "6",
                      "--global-batch-size", "8"],
+    # --no-align-param-gather: each chunk's own pre-hooks launch its chain
+    "pp2-vpp3-dp2-no-align": ["--tp", "1", "--pp", "2", "--dp", "2", "--vpp", "3", "--layers",
+                              "6", "--global-batch-size", "8", "--no-align-param-gather"],
 }
 SAVED = "dp4-small-buckets"
 """Its run with the flag saves after step 2: step 3's forward finds the parameters gathered."""
@@ -106,8 +109,10 @@ def test_the_flag_moves_the_parameter_gathers_into_the_next_forward(runs, name):
         assert {e["site"] for e in moved} == \
             {"DistributedDataParallel.start_param_sync:param_shards"}
         assert all(e["microbatch"] == 0 for e in moved)
-        if "vpp" not in name:  # at the module whose pre-hook launched it
+        if "vpp" not in name or "no-align" in name:  # at the module whose pre-hook launched it
             assert all(e["module"] for e in moved)
+        else:  # launched by the schedule (--align-param-gather), outside any module
+            assert all(e["module"] is None for e in moved)
     if name == SAVED:  # buckets gathered one after the other: several per rank, in order
         ranks0 = [e["bucket"] for e in _comms(on, 2) if e["op"] == "all_gather"
                   and e["rank"] == 0]

@@ -90,6 +90,13 @@ class TrainConfig:
     each bucket before its parameters' first use and start the next bucket's gather
     asynchronously; with interleaving the schedule launches them (Megatron-LM's
     ``--align-param-gather``) (:mod:`paraloom.data_parallel.param_gather`)."""
+    align_param_gather: bool = option(True, "--align-param-gather", negatable=True,
+                                      help="with --overlap-param-gather and interleaving, the "
+                                           "schedule launches each chunk's parameter "
+                                           "all-gathers at the same step on every stage "
+                                           "(default: on, as Megatron-LM; off: each chunk's "
+                                           "forward pre-hooks launch them)")
+    """Megatron-LM's ``--align-param-gather`` (on by default; it only acts with interleaving)."""
     align_grad_reduce: bool = option(True, "--align-grad-reduce", negatable=True,
                                      help="with --overlap-grad-reduce, pipeline stages after "
                                           "the first launch their gradient reduction once "

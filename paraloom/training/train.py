@@ -112,7 +112,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                                     disable_bucketing=c > 0, tail_splits=cfg.bucket_tail_splits)
             for c, chunk in enumerate(chunks)]
     for d in ddps if cfg.overlap_param_gather else []:  # hooks on after a successful step
-        ParamGather(d, aligned=cfg.schedule == "interleaved")  # (loop.py)
+        ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather)
     opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
     optimizers = [opt_cls(d, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                           weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
@@ -168,7 +168,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
                   finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))
         if cfg.overlap_grad_reduce and cfg.align_grad_reduce:  # Megatron-LM's grad_sync_func
             kw["grad_sync_func"] = [d.start_grad_sync for d in run.ddps]
-        if interleaved and run.ddps[0].param_gather and run.ddps[0].param_gather.enabled:
+        gather = run.ddps[0].param_gather  # --align-param-gather: the schedule launches them
+        if gather is not None and gather.aligned and gather.enabled:
             kw["param_sync_func"] = [d.param_gather.start_all for d in run.ddps]
     for chunk in run.chunks:
         chunk.train(not forward_only)
