@@ -32,8 +32,8 @@ import math
 
 import torch
 
-from .. import comm
 from .ddp import DistributedDataParallel
+from .param_gather import gather_bucket, land
 
 __all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer",
            "no_weight_decay_cond"]
@@ -254,11 +254,6 @@ class DistributedOptimizer(_AdamBase):
                 shard.copy_(master)
         if self.ddp.param_gather is not None:
             return  # the next forward gathers them
-        for bucket, lo, hi, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
-            expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}  # synchronous
-            full = comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase="optimizer",
-                                   kind="dp", site="DistributedOptimizer.step:param_shards",
-                                   split="parameter bucket, 1/dp contiguous shard",
-                                   bucket=bucket.index, params=list(bucket.names), **expert)
-            if full.data_ptr() != bucket.param_data.data_ptr():
-                bucket.param_data.copy_(full)
+        for bucket, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
+            land(bucket, gather_bucket(self.ddp, bucket, phase="optimizer",  # synchronous
+                                       site="DistributedOptimizer.step:param_shards"))

@@ -103,9 +103,9 @@ class ParamGather:
         """Gather every bucket now, synchronously; a gather in flight is waited for instead."""
         for bucket in self._order:
             if bucket.index in self._pending:
-                self._land(bucket, self._pending.pop(bucket.index).wait())
+                land(bucket, self._pending.pop(bucket.index).wait())
             else:
-                self._land(bucket, self._launch(bucket, "optimizer", async_op=False))
+                land(bucket, self._launch(bucket, "optimizer", async_op=False))
             self._dispatched.add(bucket.index)
 
     def start_all(self, *_unused) -> None:
@@ -121,7 +121,7 @@ class ParamGather:
     def reset(self) -> None:
         """A step's gradients are reduced: the next forward gathers every bucket again."""
         for index in list(self._pending):  # a gather no module waited for (an unused bucket)
-            self._land(self._bucket(index), self._pending.pop(index).wait())
+            land(self._bucket(index), self._pending.pop(index).wait())
         self._dispatched.clear()
 
     # -- the hooks ---------------------------------------------------------------------------
@@ -146,7 +146,7 @@ class ParamGather:
         handle = self._pending.pop(bucket.index, None)
         if handle is None:
             return
-        self._land(bucket, handle.wait())
+        land(bucket, handle.wait())
         later = None if self.aligned else self._next.get(bucket.index)
         if later is not None and later.index not in self._dispatched:
             self._start(later, module)
@@ -155,24 +155,36 @@ class ParamGather:
         self._pending[bucket.index] = self._launch(bucket, "forward", True, module)
         self._dispatched.add(bucket.index)
 
-    @torch.no_grad()
     def _launch(self, bucket: Bucket, phase: str, async_op: bool, module: str | None = None):
-        lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-        expert = {"expert": True} if bucket.axis is not self.ddp.dp else {}
-        return comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase=phase, kind="dp",
-                               site=SITE, module=module,
-                               split="parameter bucket, 1/dp contiguous shard",
-                               async_op=async_op, bucket=bucket.index,
-                               params=list(bucket.names), **expert)
-
-    @staticmethod
-    @torch.no_grad()
-    def _land(bucket: Bucket, full: torch.Tensor) -> None:
-        if full.data_ptr() != bucket.param_data.data_ptr():
-            bucket.param_data.copy_(full)
+        return gather_bucket(self.ddp, bucket, phase=phase, site=SITE, async_op=async_op,
+                             module=module)
 
     def _bucket(self, index: int) -> Bucket:
         return next(b for b in self.ddp.buckets if b.index == index)
+
+
+@torch.no_grad()
+def gather_bucket(ddp, bucket: Bucket, *, phase: str, site: str, async_op: bool = False,
+                  module: str | None = None):
+    """All-gather one bucket's parameters from every rank's ``1/dp`` shard of it (kind ``dp``,
+    over the bucket's axis): the full flat bucket, or a Handle with ``async_op``."""
+    lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
+    expert = {"expert": True} if bucket.axis is not ddp.dp else {}
+    return comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase=phase, kind="dp",
+                           site=site, module=module,
+                           split="parameter bucket, 1/dp contiguous shard", async_op=async_op,
+                           bucket=bucket.index, params=list(bucket.names), **expert)
+
+
+@torch.no_grad()
+def land(bucket: Bucket, full: torch.Tensor) -> None:
+    """A gathered bucket into the parameters' flat buffer (nothing when it is the buffer)."""
+    if full.data_ptr() != bucket.param_data.data_ptr():
+        bucket.param_data.copy_(full)
+
+
+def _enabled(ddps) -> list[ParamGather]:
+    return [d.param_gather for d in ddps if d.param_gather is not None and d.param_gather.enabled]
 
 
 class paused:  # noqa: N801 (a context manager, named for how it reads)
@@ -181,8 +193,7 @@ class paused:  # noqa: N801 (a context manager, named for how it reads)
     hooks off inside, on again after."""
 
     def __init__(self, ddps) -> None:
-        self.gathers = [d.param_gather for d in ddps
-                        if d.param_gather is not None and d.param_gather.enabled]
+        self.gathers = _enabled(ddps)
 
     def __enter__(self):
         for gather in self.gathers:
@@ -197,5 +208,5 @@ class paused:  # noqa: N801 (a context manager, named for how it reads)
 def force_param_sync(ddps) -> None:
     """Megatron-LM's ``force_param_sync`` before a checkpoint: every enabled chunk's buckets
     gathered now (the hooks stay on; the next forward then gathers nothing)."""
-    for gather in paused(ddps).gathers:
+    for gather in _enabled(ddps):
         gather.sync()
