@@ -116,6 +116,7 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
     dict(num_experts=4, moe_router_topk=2),             # GPT-2 with MoE in every layer
     dict(num_query_groups=2, untie_embeddings_and_output_weights=True, num_experts=4,
          moe_router_topk=1, moe_layer_freq=2, num_layers=3),  # MoE every other layer, GQA
+    dict(LLAMA, num_experts=4, moe_router_topk=2, moe_layer_freq=2),  # Mixtral: SwiGLU experts
 ])
 def test_llama_and_moe_flops_equal_a_counted_step(model_cfg):
     from paraloom.analysis.flops import hardware_flops, model_flops
@@ -136,6 +137,7 @@ def test_llama_and_moe_flops_equal_a_counted_step(model_cfg):
     # the GPT-2 formulas are the special case
     gpt = _comm_config(_counted_step(shape, "none")[1], "none", 2)
     assert model_flops(gpt) == model_flops_per_iteration(2, 32, 2, 64, gpt.vocab, 96)
-    if model_cfg.get("swiglu"):  # GQA's K/V are smaller, SwiGLU adds a third matrix
+    if model_cfg.get("swiglu") and not model_cfg.get("num_experts"):
+        # GQA's K/V are smaller, SwiGLU adds a third matrix
         g, n, d = model_cfg["num_query_groups"], 2 * 32, 64 // 8
         assert model_flops(c) - model_flops(gpt) == 3 * 2 * 2 * n * (64 * 96 - 2 * (8 - g) * d * 64)

@@ -94,8 +94,12 @@ def _reference(layer, x, proj, cfg):
     for g in range(e):
         ex = layer.experts[str(g)]
         rows = chosen[:, g].nonzero().flatten()
-        hmid = F.gelu(tokens[rows] @ ex.fc1.weight.t() + ex.fc1.bias, approximate="tanh")
-        out = hmid @ ex.fc2.weight.t() + ex.fc2.bias
+        if cfg.swiglu:  # fc1 = [gate; up], no biases
+            gate, up = (tokens[rows] @ ex.fc1.weight.t()).chunk(2, -1)
+            out = (F.silu(gate) * up) @ ex.fc2.weight.t()
+        else:
+            hmid = F.gelu(tokens[rows] @ ex.fc1.weight.t() + ex.fc1.bias, approximate="tanh")
+            out = hmid @ ex.fc2.weight.t() + ex.fc2.bias
         y = y.index_add(0, rows, out * weight[rows, g:g + 1])
     p = torch.softmax(logits, -1)
     before = torch.zeros(n, e).scatter(1, idx, 1.0).sum(0)
@@ -105,7 +109,7 @@ def _reference(layer, x, proj, cfg):
     return y, (y * proj).sum() + aux + z
 
 
-def layer_vs_loop(tp, ep, sp, capacity):
+def layer_vs_loop(tp, ep, sp, capacity, swiglu=False):
     from paraloom.mesh import ParallelMesh
     from paraloom.models.gpt import ParallelOptions
     from paraloom.moe import MoELayer
@@ -113,7 +117,8 @@ def layer_vs_loop(tp, ep, sp, capacity):
     from paraloom.utils import divide
 
     torch.manual_seed(0)
-    cfg = ModelConfig(**{**CFG.__dict__, "moe_expert_capacity_factor": capacity})
+    cfg = ModelConfig(**{**CFG.__dict__, "moe_expert_capacity_factor": capacity,
+                         "swiglu": swiglu, "add_bias_linear": not swiglu})
     world = dist.get_world_size()
     mesh = ParallelMesh(tp=tp, dp=world // tp, ep=ep)
     opt = ParallelOptions(sequence_parallel=sp)
@@ -153,10 +158,15 @@ def layer_vs_loop(tp, ep, sp, capacity):
         mine, theirs = layer.experts[str(gid)], ref.experts[str(gid)]
         f = divide(cfg.ffn, tp)
         r = slice(mesh.tp.rank * f, (mesh.tp.rank + 1) * f)
-        torch.testing.assert_close(mine.fc1.weight.grad, theirs.fc1.weight.grad[r], rtol=1e-5,
-                                   atol=1e-6)
+        rows = theirs.fc1.weight.grad[r]
+        if swiglu:  # this rank's gate rows, then its up rows (partition_stride 2)
+            assert mine.fc1.weight.shape == (2 * f, cfg.hidden_size) and mine.fc1.bias is None
+            rows = torch.cat([rows, theirs.fc1.weight.grad[cfg.ffn:][r]])
+        torch.testing.assert_close(mine.fc1.weight.grad, rows, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(mine.fc2.weight.grad, theirs.fc2.weight.grad[:, r], rtol=1e-5,
                                    atol=1e-6)
+        if swiglu:
+            continue
         b2 = mine.fc2.bias.grad
         if tp > 1:
             dist.all_reduce(b2, group=mesh.tp.group)
@@ -165,11 +175,13 @@ def layer_vs_loop(tp, ep, sp, capacity):
             "dropped": int(layer.stats["dropped"]), "local": list(layer.local_ids)}
 
 
-@pytest.mark.parametrize("tp,ep,sp,capacity", [
-    (1, 2, False, None), (1, 4, False, None), (2, 2, True, None), (2, 2, False, None),
-    (1, 2, False, 0.5), (2, 2, True, 0.75)])
-def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity):
-    res = world4.run(layer_vs_loop, tp, ep, sp, capacity)
+@pytest.mark.parametrize("tp,ep,sp,capacity,swiglu", [
+    (1, 2, False, None, False), (1, 4, False, None, False), (2, 2, True, None, False),
+    (2, 2, False, None, False), (1, 2, False, 0.5, False), (2, 2, True, 0.75, False),
+    # SwiGLU experts without biases (Mixtral's): gate and up rows split over tp with stride 2
+    (2, 2, True, None, True), (1, 4, False, None, True)])
+def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity, swiglu):
+    res = world4.run(layer_vs_loop, tp, ep, sp, capacity, swiglu)
     n = CFG.seq_length * 2 * CFG.moe_router_topk
     for r in res:
         assert r["kept"] + r["dropped"] == (n if r["kept"] else 0) or r["kept"] == 0
@@ -215,11 +227,20 @@ def assert_same_training(got, want, rtol=1e-5, loss=True):
         assert a.get("dropped_tokens") == b.get("dropped_tokens")
 
 
+# Mixtral's shape: SwiGLU experts without biases, RMSNorm, rotary positions, grouped-query
+# attention, untied output layer
+MIXTRAL_MODEL = replace(TRAIN_MODEL, swiglu=True, add_bias_linear=False, normalization="RMSNorm",
+                        position_embedding_type="rope", num_query_groups=2,
+                        untie_embeddings_and_output_weights=True)
+
+
 @pytest.fixture(scope="module")
 def single():
     """One process (the pytest process itself, no torch.distributed): the oracle."""
-    return {cf: train_steps(_cfg(replace(TRAIN_MODEL, moe_expert_capacity_factor=cf)))
-            for cf in (None, 1.0)}
+    out = {cf: train_steps(_cfg(replace(TRAIN_MODEL, moe_expert_capacity_factor=cf)))
+           for cf in (None, 1.0)}
+    out["mixtral"] = train_steps(_cfg(MIXTRAL_MODEL))
+    return out
 
 
 @pytest.mark.parametrize("layout", [
@@ -238,6 +259,19 @@ def test_every_expert_layout_trains_the_same_model(world4, single, layout):
     assert first["aux_loss"] > 0 and got[-1][-1]["loss"] < first["loss"]
     assert set(first["tokens_per_expert"]) == {"0", "2"}  # moe_layer_freq 2
     assert all(sum(v) == 4 * 16 * 2 for v in first["tokens_per_expert"].values())
+
+
+@pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=4, zero=True), dict(tp=2, dp=2, ep=2, sp=True), dict(pp=2, dp=2, ep=2),
+    dict(tp=2, cp=2, ep=2, sp=True)], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_swiglu_experts_without_biases_train_the_same_model(world4, single, layout):
+    """Mixtral-style experts (SwiGLU, no biases; ``[gate_r; up_r]`` fc1 rows on tp rank r) in a
+    Llama-family model: every layout trains what one process trains."""
+    got = world4.run(train_steps, _cfg(MIXTRAL_MODEL, **layout))
+    pp = layout.get("pp", 1)
+    for rank, rank_metrics in enumerate(got):
+        assert_same_training(rank_metrics, single["mixtral"], loss=rank >= 4 - 4 // pp)
+    assert single["mixtral"][0]["loss"] != pytest.approx(single[None][0]["loss"], rel=1e-3)
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4),
@@ -280,6 +314,20 @@ def test_plan_and_layout_count_the_real_experts():
     c2 = replace(c, dp=2, moe=replace(moe, ep=2))
     experts = sum(n for name, n in real.items() if ".experts." in name)
     assert plan(c2)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2
+    # Mixtral's shape: SwiGLU experts (fc1 2f rows) without biases, in a Llama-family model
+    from paraloom.analysis.spec import Architecture
+    mixtral = GPTModel(MIXTRAL_MODEL, ParallelMesh())
+    real = {n: p.numel() for n, p in mixtral.named_parameters()}
+    arch = Architecture(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                        position_embedding_type="rope", num_query_groups=2,
+                        untie_embeddings_and_output_weights=True)
+    c3 = replace(c, arch=arch, ffn=MIXTRAL_MODEL.ffn)
+    assert [(p.name, p.numel) for p in chunk_params(c3, 0)] == list(real.items())
+    assert plan(c3)["parameters"]["total"] == sum(real.values())
+    assert real["layers.0.mlp.experts.0.fc1.weight"] == 2 * real["layers.1.mlp.fc2.weight"]
+    experts = sum(n for name, n in real.items() if ".experts." in name)
+    c4 = replace(c3, dp=2, moe=replace(moe, ep=2))
+    assert plan(c4)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2
 
 
 def empty_all_to_all():

@@ -11,6 +11,8 @@ all-gathers and the sequence-parallel sums come out exact):
 * no biases (``add_bias_linear = False``): no QKV/proj/fc1/fc2 biases;
 * RMSNorm: one weight, no bias;
 * rope: no position-embedding table;
+* mixture of experts: a MoE layer's router and experts in place of its MLP
+  (:func:`~.moe_formulas.moe_layer_params`: SwiGLU experts have ``2f``-row fc1s, no biases);
 * untied output layer: ``output_layer.weight`` on the last chunk, the word embedding only on the
   first; no embedding-group all-reduce (tied: the last chunk's copy of the word embedding comes
   after its final norm, where the output layer would be).
@@ -18,6 +20,7 @@ all-gathers and the sequence-parallel sums come out exact):
 
 from __future__ import annotations
 
+from .moe_formulas import moe_layer_params
 from .spec import Architecture
 
 __all__ = ["Architecture", "arch_chunk_params", "layer_param_count"]
@@ -66,6 +69,9 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
         if bias:
             out.append(param_cls(p + "attention.qkv.bias", qkv // t))
         norm(p + "ln2")
+        if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
+            out += moe_layer_params(c, p + "mlp.")
+            continue
         out.append(param_cls(p + "mlp.fc1.weight", fc1 // t * h))
         if bias:
             out.append(param_cls(p + "mlp.fc1.bias", fc1 // t))

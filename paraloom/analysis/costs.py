@@ -130,8 +130,8 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         m = c.moe
         rows = tokens * m.topk * m.ep / m.num_experts
         linears += gemm_time(hw, tokens, m.num_experts, h) + m.num_experts / m.ep * (
-            gemm_time(hw, rows, f / t, h) + gemm_time(hw, rows, h, f / t))
-        fc1 = m.topk * f
+            gemm_time(hw, rows, fc1 / t, h) + gemm_time(hw, rows, h, f / t))
+        fc1 = m.topk * fc1
     else:
         linears += gemm_time(hw, tokens, fc1 / t, h) + gemm_time(hw, tokens, h, f / t)
     qk = gemm_time(hw, s, c.seq_len, d, b * a / t)

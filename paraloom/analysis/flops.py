@@ -54,7 +54,8 @@ def layer_forward_flops(c, index: int = 0, batch: int | None = None) -> dict:
     linear = 2 * n * h * (a + 2 * g) * (h // a) + 2 * n * h * h
     attention = 4 * n * s * h
     if index >= 0 and _is_moe(c, index):
-        mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * 4 * n * h * f
+        fc1 = 2 * f if c.arch.swiglu else f  # every routed token runs one expert's MLP
+        mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * (2 * n * h * fc1 + 2 * n * f * h)
     else:
         mlp = 2 * n * h * (2 * f if c.arch.swiglu else f) + 2 * n * f * h
     return {"linear": linear, "attention": attention, "mlp": mlp}

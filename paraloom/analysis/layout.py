@@ -157,11 +157,13 @@ _COUNTS: dict = {}
 
 
 def arch_params_per_rank(c, pp_rank: int) -> int:
-    """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks)."""
+    """Parameters one rank of pipeline stage ``pp_rank`` stores (all of its chunks) in the dense
+    model: as for GPT-2, what MoE layers change is :func:`~.moe_formulas.moe_plan`'s to add."""
     key = (c.arch, c.layers, c.hidden, c.heads, c.f, c.seq_len, c.vocab, c.tp, c.pp, c.v, c.sp,
-           c.moe, pp_rank)
+           pp_rank)
     if key not in _COUNTS:
-        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(c, pp_rank, k))
+        dense = replace(c, moe=None)
+        _COUNTS[key] = sum(p.numel for k in range(c.v) for p in chunk_params(dense, pp_rank, k))
     return _COUNTS[key]
 
 

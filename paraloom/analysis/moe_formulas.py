@@ -32,8 +32,7 @@ from ..moe.router import expert_capacity
 from .spec import MoECommConfig, Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
-           "check_all_to_all", "moe_from_run", "expert_params", "moe_param_bytes", "moe_plan",
-           "split_bytes"]
+           "check_all_to_all", "moe_from_run", "expert_mlp_params", "moe_plan", "split_bytes"]
 
 
 
@@ -60,27 +59,30 @@ def _padded_rows(model: dict, micro_batch: int) -> int:
 
 def moe_layer_params(c, prefix: str) -> list[Param]:
     """One MoE layer's parameters on one rank, in registration order: the router, then this ep
-    rank's ``E / ep`` experts (named by local index here; sizes are the same on every rank)."""
+    rank's ``E / ep`` experts (named by local index here; sizes are the same on every rank).
+    An expert is the architecture's MLP: fc1 ``2f`` rows with SwiGLU, biases only with
+    ``add_bias_linear``."""
     t, h, f, m = c.tp, c.hidden, c.f, c.moe
+    fc1, bias = (2 * f if c.arch.swiglu else f), c.arch.add_bias_linear
     out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp)]
     for g in range(m.num_experts // m.ep):
         e = f"{prefix}experts.{g}."
-        out += [Param(e + "fc1.weight", f // t * h, expert=True),
-                Param(e + "fc1.bias", f // t, expert=True),
-                Param(e + "fc2.weight", h * (f // t), expert=True),
-                Param(e + "fc2.bias", h, sp=t > 1, expert=True)]
+        out.append(Param(e + "fc1.weight", fc1 // t * h, expert=True))
+        if bias:
+            out.append(Param(e + "fc1.bias", fc1 // t, expert=True))
+        out.append(Param(e + "fc2.weight", h * (f // t), expert=True))
+        if bias:
+            out.append(Param(e + "fc2.bias", h, sp=t > 1, expert=True))
     return out
 
 
-def expert_params(hidden: int, ffn: int, num_experts: int) -> int:
-    """Parameters of all experts of one layer (each a GeLU MLP ``h -> ffn -> h`` with biases)."""
-    return num_experts * (2 * hidden * ffn + ffn + hidden)
-
-
-def moe_param_bytes(hidden: int, ffn: int, num_experts: int, moe_layers: int, *, tp: int,
-                    ep: int, bytes_per_param: int) -> int:
-    """Bytes of the expert weights one rank stores: ``E / ep`` experts per MoE layer, tp-split."""
-    return moe_layers * expert_params(hidden, ffn, num_experts) // (ep * tp) * bytes_per_param
+def expert_mlp_params(arch, hidden: int, ffn: int, tp: int = 1) -> int:
+    """Parameters of one MLP (an expert, or the dense MLP it replaces) on one tp rank: fc1
+    (``2f`` rows with SwiGLU) and fc2, plus their biases with ``add_bias_linear`` (fc2's bias
+    whole on every rank)."""
+    fc1 = 2 * ffn if arch.swiglu else ffn
+    weights = (fc1 + ffn) * hidden // tp
+    return weights + (fc1 // tp + hidden if arch.add_bias_linear else 0)
 
 
 def moe_layers_on_rank(c, pp_rank: int) -> int:
@@ -191,21 +193,23 @@ def moe_plan(c, pp_rank: int) -> dict:
     * ``params``: router ``E h`` plus ``E / ep`` tp-split experts instead of one dense MLP, per
       MoE layer;
     * ``activation_bytes``: per microbatch in flight, the ``k - 1`` extra copies of each token's
-      MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``, 16-bit units) and the
-      combine's ``k h`` rows, scaled to the dtype;
+      MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``; SwiGLU: fc1's ``2 f / t``,
+      silu's and the product's ``f / t`` each; 16-bit units) and the combine's ``k h`` rows,
+      scaled to the dtype;
     * ``expert_params`` (sharded over ``edp`` by ZeRO) and ``total_params`` (what MoE adds to
       the whole model's count);
     * ``ep_bytes`` / ``ep_ops``: the all-to-alls of a step, each token all-to-all moving
       ``N k h B`` per rank when every rank receives as much as it sends."""
     m, t, h, f = c.moe, c.tp, c.hidden, c.f
     layers = moe_layers_on_rank(c, pp_rank)
-    dense = 2 * h * f // t + f // t + h
-    expert = 2 * h * f // t + f // t + h
+    expert = dense = expert_mlp_params(c.arch, h, f, t)  # an expert is the dense MLP's shape
     params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense)
     all_layers = sum(1 for i in range(c.layers) if m.is_moe_layer(i))
-    total = all_layers * (m.num_experts * h + (m.num_experts - 1) * (2 * h * f + f + h))
+    total = all_layers * (m.num_experts * h
+                          + (m.num_experts - 1) * expert_mlp_params(c.arch, h, f))
     n_tok = c.seq_len * c.micro_batch  # activations: plan applies the cp factor itself
-    act = layers * n_tok * ((m.topk - 1) * (2 * h + 4 * f / t) + 2 * m.topk * h) \
+    mlp_act = 8 * f / t if c.arch.swiglu else 4 * f / t  # SwiGLU: fc1 2f, silu f, product f
+    act = layers * n_tok * ((m.topk - 1) * (2 * h + mlp_act) + 2 * m.topk * h) \
         * c.dtype_bytes / 2
     mm = layers * c.num_microbatches
     ep_ops = 5 * mm if m.ep > 1 else 0

@@ -188,10 +188,6 @@ def _check_moe(m: ModelConfig) -> None:
     if cf is not None and not cf > 0:
         raise ValueError(f"moe_expert_capacity_factor must be positive (or None: dropless), "
                          f"got {cf}")
-    if m.swiglu or not m.add_bias_linear:
-        raise ValueError(f"num_experts = {m.num_experts} with swiglu = {m.swiglu} and "
-                         f"add_bias_linear = {m.add_bias_linear}: experts are GeLU MLPs with "
-                         f"biases (as GPT-2's MLP) for now; use the GPT-2 MLP flags with MoE")
     if m.moe_pad_expert_input_to_capacity and cf is None:
         raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor "
                          "(padding is to the capacity); give --moe-expert-capacity-factor")

@@ -12,9 +12,8 @@ SwiGLU's layout-independent initialisation.
   Korthikanti et al. count) and :class:`SDPAttention` (``scaled_dot_product_attention``: flash or
   memory-efficient kernels, saves no ``s x s`` tensor). Both take ``q [b, a/tp, s, d]`` and
   ``k, v [b, g/tp, s, d]`` (grouped-query attention: ``a/g`` query heads share a key/value head).
-* :class:`SwiGLUInit` -- fc1 of a SwiGLU MLP holds ``[gate; up]`` globally and ``[gate_r; up_r]``
-  on tp rank ``r`` (Megatron's layout, ``partition_stride = 2``); the initializer evaluates each
-  rank's rows at their *global* indices, so every layout starts from the same weights.
+* :class:`SwiGLUInit`, :func:`swiglu` -- from :mod:`paraloom.tensor_parallel.swiglu` (the MoE
+  experts use them too).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..tensor_parallel import get_rng_tracker
+from ..tensor_parallel.swiglu import SwiGLUInit, swiglu
 
 __all__ = ["RMSNorm", "make_norm", "RotaryEmbedding", "apply_rotary", "CoreAttention",
            "SDPAttention", "make_core_attention", "SwiGLUInit", "swiglu", "drop", "dropout"]
@@ -146,28 +146,3 @@ class SDPAttention(nn.Module):
 def make_core_attention(kind: str, dropout: float) -> nn.Module:
     """``core`` (written out) or ``sdpa`` (PyTorch's fused attention)."""
     return SDPAttention(dropout) if kind == "sdpa" else CoreAttention(dropout)
-
-
-class SwiGLUInit:
-    """Initializer for a SwiGLU fc1 ``[2f, h]``: rank ``r`` of ``t`` gets global rows
-    ``[r f/t, (r+1) f/t)`` (gate) and ``f + [r f/t, (r+1) f/t)`` (up), each at its global index."""
-
-    def __init__(self, base) -> None:
-        self.base = base
-
-    def __call__(self, name: str, global_shape, ranges, *, dtype=torch.float32, device=None):
-        if ranges is None:
-            return self.base(name, global_shape, ranges, dtype=dtype, device=device)
-        (lo, hi), rest = ranges[0], tuple(ranges[1:])
-        half, f = (hi - lo) // 2, global_shape[0] // 2
-        rank = lo // (hi - lo)
-        parts = [self.base(name, global_shape, ((start, start + half),) + rest, dtype=dtype,
-                           device=device)
-                 for start in (rank * half, f + rank * half)]
-        return torch.cat(parts, 0)
-
-
-def swiglu(x):
-    """``silu(gate) * up`` for fc1's output ``[..., 2f/tp]`` = ``[gate_r | up_r]``."""
-    gate, up = x.chunk(2, -1)
-    return F.silu(gate) * up

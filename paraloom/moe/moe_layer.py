@@ -76,7 +76,8 @@ class MoELayer(nn.Module):
         self.local_ids = local_expert_ids(e, mesh.ep.size, mesh.ep.rank)
         self.experts = nn.ModuleDict({
             str(g): Expert(cfg.hidden_size, cfg.ffn, mesh, f"{name}.experts.{g}", init, out_init,
-                           dtype) for g in self.local_ids})
+                           dtype, swiglu=cfg.swiglu, bias=cfg.add_bias_linear)
+            for g in self.local_ids})
         self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, module=name)
         self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
         self.stats: dict = {}
