@@ -99,7 +99,9 @@ def _comm_config(cfg, recompute: str, b: int):
 
     arch = Architecture.from_model({k: getattr(cfg, k) for k in Architecture.__dataclass_fields__})
     moe = MoECommConfig(num_experts=cfg.num_experts, topk=cfg.moe_router_topk,
-                        layer_freq=cfg.moe_layer_freq) if cfg.num_experts else None
+                        layer_freq=cfg.moe_layer_freq,
+                        shared_ffn=cfg.moe_shared_expert_intermediate_size or 0,
+                        shared_gate=cfg.moe_shared_expert_gate) if cfg.num_experts else None
     return CommConfig(layers=cfg.num_layers, hidden=cfg.hidden_size,
                       heads=cfg.num_attention_heads, seq_len=cfg.seq_length,
                       vocab=cfg.padded_vocab(1), ffn=cfg.ffn, micro_batch=b,
@@ -117,6 +119,8 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
     dict(num_query_groups=2, untie_embeddings_and_output_weights=True, num_experts=4,
          moe_router_topk=1, moe_layer_freq=2, num_layers=3),  # MoE every other layer, GQA
     dict(LLAMA, num_experts=4, moe_router_topk=2, moe_layer_freq=2),  # Mixtral: SwiGLU experts
+    dict(LLAMA, num_experts=4, moe_router_topk=2, moe_shared_expert_intermediate_size=48,
+         moe_shared_expert_gate=True),                  # a gated shared expert beside them
 ])
 def test_llama_and_moe_flops_equal_a_counted_step(model_cfg):
     from paraloom.analysis.flops import hardware_flops, model_flops

@@ -234,12 +234,18 @@ MIXTRAL_MODEL = replace(TRAIN_MODEL, swiglu=True, add_bias_linear=False, normali
                         untie_embeddings_and_output_weights=True)
 
 
+# DeepSeek's / Qwen-MoE's shape: a gated shared expert every token runs beside the routed ones
+SHARED_MODEL = replace(MIXTRAL_MODEL, moe_shared_expert_intermediate_size=48,
+                       moe_shared_expert_gate=True)
+
+
 @pytest.fixture(scope="module")
 def single():
     """One process (the pytest process itself, no torch.distributed): the oracle."""
     out = {cf: train_steps(_cfg(replace(TRAIN_MODEL, moe_expert_capacity_factor=cf)))
            for cf in (None, 1.0)}
     out["mixtral"] = train_steps(_cfg(MIXTRAL_MODEL))
+    out["shared"] = train_steps(_cfg(SHARED_MODEL))
     return out
 
 
@@ -272,6 +278,22 @@ def test_swiglu_experts_without_biases_train_the_same_model(world4, single, layo
     for rank, rank_metrics in enumerate(got):
         assert_same_training(rank_metrics, single["mixtral"], loss=rank >= 4 - 4 // pp)
     assert single["mixtral"][0]["loss"] != pytest.approx(single[None][0]["loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize("layout", [
+    dict(tp=2, dp=2, ep=2, sp=True), dict(tp=2, dp=2, ep=2, zero=True), dict(pp=2, dp=2, ep=2),
+    dict(dp=4, ep=4, zero=True), dict(tp=2, cp=2, ep=2, sp=True)],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_shared_expert_with_gate_trains_the_same_model(world4, single, layout):
+    """``--moe-shared-expert-intermediate-size`` with ``--moe-shared-expert-gate``: the shared
+    expert (a tp-split MLP every token runs, its gate replicated and summed over tp under sp)
+    gives every layout what one process trains."""
+    got = world4.run(train_steps, _cfg(SHARED_MODEL, **layout))
+    pp = layout.get("pp", 1)
+    for rank, rank_metrics in enumerate(got):
+        assert_same_training(rank_metrics, single["shared"], loss=rank >= 4 - 4 // pp)
+    shared, routed = single["shared"][0]["grad_norm"], single["mixtral"][0]["grad_norm"]
+    assert shared != pytest.approx(routed, rel=1e-4)  # the shared expert is in the model
 
 
 @pytest.mark.parametrize("layout", [dict(tp=2, dp=2, ep=2, sp=True), dict(dp=4, ep=4),
@@ -328,6 +350,16 @@ def test_plan_and_layout_count_the_real_experts():
     experts = sum(n for name, n in real.items() if ".experts." in name)
     c4 = replace(c3, dp=2, moe=replace(moe, ep=2))
     assert plan(c4)["parameters"]["per_gpu"] == sum(real.values()) - experts // 2
+    # a gated shared expert, tp = 2: its gate replicated, fc1/fc2 split
+    shared = GPTModel(SHARED_MODEL, ParallelMesh())
+    real = {n: p.numel() for n, p in shared.named_parameters()}
+    c5 = replace(c3, moe=replace(moe, shared_ffn=48, shared_gate=True))
+    assert [(p.name, p.numel) for p in chunk_params(c5, 0)] == list(real.items())
+    assert plan(c5)["parameters"]["total"] == plan(c5)["parameters"]["per_gpu"] == \
+        sum(real.values())
+    c6 = replace(c5, tp=2, sequence_parallel=True)  # the layout's list and plan's count agree
+    assert plan(c6)["parameters"]["per_gpu"] == sum(p.numel for p in chunk_params(c6, 0))
+    assert plan(c6)["parameters"]["per_gpu"] < sum(real.values())
 
 
 def empty_all_to_all():

@@ -103,11 +103,18 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
         assert counts
 
 
-def test_mixtral_style_experts_train_check_and_reshard(tmp_path, capsys):
+@pytest.mark.parametrize("extra", [
+    ["--sequence-parallel", "--distributed-optimizer"],
+    ["--moe-shared-expert-intermediate-size", "48", "--moe-shared-expert-gate"],
+    ["--moe-shared-expert-intermediate-size", "48", "--sequence-parallel"]],
+    ids=["mixtral-sp-zero", "shared-expert-gate-tp", "shared-expert-sp"])
+def test_mixtral_style_experts_train_check_and_reshard(tmp_path, capsys, extra):
     """SwiGLU experts without biases in a Llama-family model (Mixtral's shape) under
-    tp2-sp-dp2-ep2 with ZeRO: ``paraloom check`` exact (the experts' buckets, the tp/sp
-    traffic), and the step-2 checkpoint resumed at tp1-dp4-ep4 (each expert's ``[gate_r; up_r]``
-    fc1 rows rejoined from tp 2) continues the same model."""
+    tp2-dp2-ep2: with sp and ZeRO; with a shared expert, gated without sp (its fc2's all-reduce
+    forward, fc1's backward) or under sp (its gathers and reduce-scatters). ``paraloom check`` is
+    exact (the experts' buckets, the tp/sp traffic), and the step-2 checkpoint resumed at
+    tp1-dp4-ep4 (each expert's ``[gate_r; up_r]`` fc1 rows rejoined from tp 2) continues the
+    same model."""
     import json
 
     from paraloom.commands.check import main as check_main
@@ -118,10 +125,9 @@ def test_mixtral_style_experts_train_check_and_reshard(tmp_path, capsys):
              "--micro-batch-size", "1", "--ledger-steps", "1", "--normalization", "RMSNorm",
              "--position-embedding-type", "rope", "--swiglu", "--disable-bias-linear",
              "--group-query-attention", "--num-query-groups", "2",
-             "--untie-embeddings-and-output-weights"]
-    assert main(["train", "--tp", "2", "--dp", "2", "--ep", "2", "--sequence-parallel",
-                 "--distributed-optimizer", "--steps", "4", "--save-every", "2", *shape,
-                 "--out", str(run)]) == 0
+             "--untie-embeddings-and-output-weights", *extra]
+    assert main(["train", "--tp", "2", "--dp", "2", "--ep", "2", "--steps", "4",
+                 "--save-every", "2", *shape, "--out", str(run)]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     config = json.loads((run / "config.json").read_text())["model"]
     assert config["swiglu"] and not config["add_bias_linear"]

@@ -14,11 +14,19 @@ SMALL = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--seq-len", "40
          "--global-batch-size", "512", "--micro-batch-size", "1"]
 
 
+def test_plan_counts_mixtral_8x7b(capsys):
+    """Mixtral 8x7B's shape (SwiGLU experts without biases, GQA, untied): 46,702,792,704
+    parameters (its published count), plus the 256 padding rows of the two vocabulary tables at
+    tp = 4 (32000 -> 32256, Megatron's padding)."""
+    argv = [*SMALL, "--arch", "llama", "--group-query-attention", "--num-query-groups", "8",
+            "--ffn", "14336", "--vocab", "32000", "--num-experts", "8", "--tp", "4", "--pp", "4",
+            "--dp", "8", "--ep", "8", "--json"]
+    assert plan_main(argv) == 0
+    params = json.loads(capsys.readouterr().out)["parameters"]
+    assert params["total"] == 46_702_792_704 + 2 * (32256 - 32000) * 4096
+
+
 @pytest.mark.parametrize("extra, message", [
-    # Mixtral's shape: SwiGLU experts were counted as GeLU ones (33.6B instead of 46.7B)
-    (["--arch", "llama", "--group-query-attention", "--num-query-groups", "8", "--ffn", "14336",
-      "--vocab", "32000", "--num-experts", "8", "--tp", "4", "--pp", "4", "--dp", "8", "--ep",
-      "8"], "num_experts = 8 with swiglu = True"),
     (["--pp", "1", "--vpp", "2"], "vpp = 2 needs pipeline parallelism"),
     (["--pp", "4", "--vpp", "2", "--dp", "1", "--global-batch-size", "6"],
      "the interleaved schedule needs the number of microbatches (6) to be a multiple of pp"),

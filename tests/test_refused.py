@@ -297,6 +297,16 @@ def test_moe_flags_without_experts_are_noted(capsys):
      "moe_router_topk = 5 is larger than num_experts = 4"),
     (["--dp", "2", "--ep", "4", "--num-experts", "4"], r"ep = 4 does not divide dp \* cp = 2"),
     (["--dp", "2", "--ep", "2"], "ep = 2 needs an MoE model"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "64"],
+     "moe_shared_expert_intermediate_size = 64 with add_bias_linear = True: shared experts "
+     "have no biases"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-gate"],
+     "moe_shared_expert_gate needs moe_shared_expert_intermediate_size"),
+    (["--disable-bias-linear", "--moe-shared-expert-intermediate-size", "64"],
+     "moe_shared_expert_intermediate_size = 64 and moe_shared_expert_gate = False need "
+     "num_experts"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+      "0"], "moe_shared_expert_intermediate_size must be a positive integer, got 0"),
 ])
 def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flags, message):
     out = tmp_path / "bad"

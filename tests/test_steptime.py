@@ -409,5 +409,12 @@ def test_search_llama_keeps_gqa_groups_whole(capsys):
             "--seq-len", "2048", "--global-batch-size", "32", "--arch", "llama",
             "--group-query-attention", "--num-query-groups", "2", "--top", "2"]
     assert plan_main(argv) == 0 and "fastest" in capsys.readouterr().out
-    assert plan_main(argv + ["--num-experts", "4"]) == 2
-    assert "experts are GeLU MLPs" in capsys.readouterr().err
+    # Mixtral's shape (SwiGLU experts) is searched too, ep among the layouts; a shared expert
+    # makes every step slower
+    assert plan_main(argv + ["--num-experts", "4", "--json"]) == 0
+    moe = json.loads(capsys.readouterr().out)["ranked"]
+    assert any(x["ep"] > 1 for x in moe)
+    shared = ["--moe-shared-expert-intermediate-size", "2816"]
+    assert plan_main(argv + ["--num-experts", "4", "--json", *shared]) == 0
+    with_shared = json.loads(capsys.readouterr().out)["ranked"]
+    assert with_shared[0]["step_time_s"] > moe[0]["step_time_s"]

@@ -132,6 +132,11 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         linears += gemm_time(hw, tokens, m.num_experts, h) + m.num_experts / m.ep * (
             gemm_time(hw, rows, fc1 / t, h) + gemm_time(hw, rows, h, f / t))
         fc1 = m.topk * fc1
+        if m.shared_ffn:  # the shared expert: a dense MLP of width shared_ffn on every token
+            sf = m.shared_ffn
+            shared_fc1 = 2 * sf if c.arch.swiglu else sf
+            linears += gemm_time(hw, tokens, shared_fc1 / t, h) + gemm_time(hw, tokens, h, sf / t)
+            fc1 += shared_fc1
     else:
         linears += gemm_time(hw, tokens, fc1 / t, h) + gemm_time(hw, tokens, h, f / t)
     qk = gemm_time(hw, s, c.seq_len, d, b * a / t)

@@ -56,6 +56,10 @@ def layer_forward_flops(c, index: int = 0, batch: int | None = None) -> dict:
     if index >= 0 and _is_moe(c, index):
         fc1 = 2 * f if c.arch.swiglu else f  # every routed token runs one expert's MLP
         mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * (2 * n * h * fc1 + 2 * n * f * h)
+        sf = c.moe.shared_ffn  # the shared expert: every token, plus its gate's 2 n h
+        if sf:
+            mlp += 2 * n * h * (2 * sf if c.arch.swiglu else sf) + 2 * n * sf * h \
+                + (2 * n * h if c.moe.shared_gate else 0)
     else:
         mlp = 2 * n * h * (2 * f if c.arch.swiglu else f) + 2 * n * f * h
     return {"linear": linear, "attention": attention, "mlp": mlp}

@@ -14,6 +14,10 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
 * tp > 1 differs from the dense MLP: the router logits (``N x E`` fp32) are gathered with the
   tokens (sp: one more all-gather forward, a reduce-scatter of their gradient backward, and no
   re-gather of a saved input; without sp: one more all-reduce backward).
+* a shared expert (``moe_shared_expert_intermediate_size``) adds one dense MLP's tp/sp
+  traffic (sp: its fc1's all-gather and fc2's reduce-scatter forward, two all-gathers and a
+  reduce-scatter backward; without sp an all-reduce each way); its gate's gradient joins the
+  sequence-parallel sums.
 * cp > 1: ``N = (s / cp) b`` tokens per rank, and one all-reduce over cp of the router's
   counts (``E + 1`` int64: tokens per expert and tokens) so the aux loss counts the whole
   microbatch (repeated by full recomputation); with a capacity factor instead one all-gather
@@ -32,7 +36,8 @@ from ..moe.router import expert_capacity
 from .spec import MoECommConfig, Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
-           "check_all_to_all", "moe_from_run", "expert_mlp_params", "moe_plan", "split_bytes"]
+           "check_all_to_all", "moe_from_run", "expert_mlp_params", "shared_expert_params",
+           "moe_plan", "split_bytes"]
 
 
 
@@ -44,7 +49,9 @@ def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommCo
     return MoECommConfig(num_experts=model["num_experts"], topk=model.get("moe_router_topk", 2),
                          ep=parallel.get("ep", 1), layer_freq=model.get("moe_layer_freq", 1),
                          capacity=model.get("moe_expert_capacity_factor") is not None,
-                         padded_rows=_padded_rows(model, micro_batch))
+                         padded_rows=_padded_rows(model, micro_batch),
+                         shared_ffn=model.get("moe_shared_expert_intermediate_size") or 0,
+                         shared_gate=bool(model.get("moe_shared_expert_gate")))
 
 
 def _padded_rows(model: dict, micro_batch: int) -> int:
@@ -73,7 +80,23 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
         out.append(Param(e + "fc2.weight", h * (f // t), expert=True))
         if bias:
             out.append(Param(e + "fc2.bias", h, sp=t > 1, expert=True))
+    if m.shared_ffn:  # the shared expert: its gate (a direct parameter) first, then fc1, fc2
+        e, sf = prefix + "shared_experts.", m.shared_ffn
+        if m.shared_gate:
+            out.append(Param(e + "gate_weight", h, sp=c.sp))
+        out += [Param(e + "fc1.weight", (2 * sf if c.arch.swiglu else sf) // t * h),
+                Param(e + "fc2.weight", h * (sf // t))]
     return out
+
+
+def shared_expert_params(c, tp: int) -> int:
+    """The shared expert's parameters on one tp rank (0 without one): an MLP of width
+    ``shared_ffn`` without biases, plus the gate's ``h``."""
+    m = c.moe
+    if not m.shared_ffn:
+        return 0
+    fc1 = 2 * m.shared_ffn if c.arch.swiglu else m.shared_ffn
+    return (fc1 + m.shared_ffn) * c.hidden // tp + (c.hidden if m.shared_gate else 0)
 
 
 def expert_mlp_params(arch, hidden: int, ffn: int, tp: int = 1) -> int:
@@ -114,6 +137,19 @@ def moe_comm(c, pp_rank: int, add) -> None:
     elif t > 1:
         add("tp", "all_reduce", "backward", mm, logits)       # the logits' copy region
         add("tp", "all_reduce", "recompute", again, act)      # the output's all-reduce
+    if t > 1 and m.shared_ffn:  # the shared expert: one more dense MLP's tp/sp traffic
+        shard = act // t
+        if c.sp:  # fc1 gathers its input, fc2 reduce-scatters; backward as a dense MLP's
+            add("sp", "all_gather", "forward", mm, shard)
+            add("sp", "reduce_scatter", "forward", mm, act)
+            add("sp", "all_gather", "backward", 2 * mm, shard)
+            add("sp", "reduce_scatter", "backward", mm, act)
+            add("sp", "all_gather", "recompute", again, shard)
+            add("sp", "reduce_scatter", "recompute", again, act)
+        else:
+            add("tp", "all_reduce", "forward", mm, act)
+            add("tp", "all_reduce", "backward", mm, act)
+            add("tp", "all_reduce", "recompute", again, act)
     if getattr(c, "cp", 1) > 1 and m.capacity:  # the router logits, gathered over cp
         add("cp", "all_gather", "forward", mm, logits)
         add("cp", "all_gather", "recompute", again, logits)
@@ -190,8 +226,8 @@ def _row(rank, phase, exp_n, rec_n, exp_b, rec_b) -> dict:
 def moe_plan(c, pp_rank: int) -> dict:
     """What MoE adds to ``paraloom plan`` for one pipeline rank (estimates for balanced routing):
 
-    * ``params``: router ``E h`` plus ``E / ep`` tp-split experts instead of one dense MLP, per
-      MoE layer;
+    * ``params``: router ``E h`` plus ``E / ep`` tp-split experts (and the shared expert) instead
+      of one dense MLP, per MoE layer;
     * ``activation_bytes``: per microbatch in flight, the ``k - 1`` extra copies of each token's
       MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``; SwiGLU: fc1's ``2 f / t``,
       silu's and the product's ``f / t`` each; 16-bit units) and the combine's ``k h`` rows,
@@ -203,13 +239,16 @@ def moe_plan(c, pp_rank: int) -> dict:
     m, t, h, f = c.moe, c.tp, c.hidden, c.f
     layers = moe_layers_on_rank(c, pp_rank)
     expert = dense = expert_mlp_params(c.arch, h, f, t)  # an expert is the dense MLP's shape
-    params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense)
+    params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense
+                       + shared_expert_params(c, t))
     all_layers = sum(1 for i in range(c.layers) if m.is_moe_layer(i))
-    total = all_layers * (m.num_experts * h
+    total = all_layers * (m.num_experts * h + shared_expert_params(c, 1)
                           + (m.num_experts - 1) * expert_mlp_params(c.arch, h, f))
     n_tok = c.seq_len * c.micro_batch  # activations: plan applies the cp factor itself
     mlp_act = 8 * f / t if c.arch.swiglu else 4 * f / t  # SwiGLU: fc1 2f, silu f, product f
-    act = layers * n_tok * ((m.topk - 1) * (2 * h + mlp_act) + 2 * m.topk * h) \
+    sf = m.shared_ffn / t  # the shared expert: one more MLP's input and activations
+    shared_act = (2 * h + (8 if c.arch.swiglu else 4) * sf) if m.shared_ffn else 0
+    act = layers * n_tok * ((m.topk - 1) * (2 * h + mlp_act) + 2 * m.topk * h + shared_act) \
         * c.dtype_bytes / 2
     mm = layers * c.num_microbatches
     ep_ops = 5 * mm if m.ep > 1 else 0

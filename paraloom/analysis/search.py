@@ -150,6 +150,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
            ffn: int | None = None,
            dtype_bytes: int = 2, fit_fraction: float = FIT_FRACTION, cps=None, cp_comm_type="p2p",
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
+           moe_shared_ffn: int = 0, moe_shared_gate: bool = False,
            arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
     """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
@@ -165,7 +166,8 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
         eps = [e for e in divisors(dp) if num_experts % e == 0] if num_experts else [1]
         for ep in eps:
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
-                                layer_freq=moe_layer_freq) if num_experts else None
+                                layer_freq=moe_layer_freq, shared_ffn=moe_shared_ffn,
+                                shared_gate=moe_shared_gate) if num_experts else None
             c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                            vocab=padded_vocab_rows(vocab, vocab_multiple, tp), ffn=ffn,
                            micro_batch=b,

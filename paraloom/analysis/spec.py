@@ -58,6 +58,11 @@ class MoECommConfig:
     padded_rows: int = 0
     """With ``moe_pad_expert_input_to_capacity``: rows every dispatch sends (``E x capacity``,
     fixed); the token counts are then not exchanged. 0: not padded."""
+    shared_ffn: int = 0
+    """Width of the shared expert (``moe_shared_expert_intermediate_size``; 0: none): a dense
+    tp-split MLP in every MoE layer."""
+    shared_gate: bool = False
+    """The shared expert's sigmoid gate (``gate_weight [1, h]``, replicated)."""
 
     def is_moe_layer(self, index: int) -> bool:
         return index % self.layer_freq == 0

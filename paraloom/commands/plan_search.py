@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                            dtype_bytes=2 if cfg.dtype == "bf16" else 4, arch=arch,
                            cps=cp_sizes(a.gpus, m.seq_length, a.max_cp),
                            cp_comm_type=cfg.parallel.cp_comm_type, num_experts=m.num_experts,
-                           moe_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq)
+                           moe_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq,
+                           moe_shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+                           moe_shared_gate=m.moe_shared_expert_gate)
     took = time.perf_counter() - tic
     if a.json:
         print(json.dumps({"hardware": hw.to_dict(), "layouts_fitting": len(fits),

@@ -114,6 +114,18 @@ class ModelConfig:
     """With a capacity factor, pad every expert's input to exactly its capacity (Megatron's
     ``--moe-pad-expert-input-to-capacity``): the all-to-all splits are then fixed, so the token
     counts are not exchanged; padded rows carry weight 0 and change no result."""
+    moe_shared_expert_intermediate_size: int | None = option(
+        None, "--moe-shared-expert-intermediate-size",
+        help="a shared expert of this MLP width in every MoE layer, run on every token beside "
+             "the routed ones (needs --disable-bias-linear)")
+    """Width of the shared expert (Megatron's ``moe_shared_expert_intermediate_size``): a dense
+    MLP, split over tp like the model's, that every token runs before routing; its output is
+    added to the routed experts'. No biases (as Megatron's). ``None``: no shared expert."""
+    moe_shared_expert_gate: bool = option(
+        False, "--moe-shared-expert-gate",
+        help="scale the shared expert's output per token by sigmoid(x w), w [h] learned")
+    """Multiply the shared expert's output by ``sigmoid(x @ gate_weight)`` per token (Megatron's
+    ``moe_shared_expert_gate``; ``gate_weight [1, h]``, replicated over tp)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -129,6 +141,11 @@ class ModelConfig:
         self._check_architecture()
         if self.num_experts is not None:
             _check_moe(self)
+        elif self.moe_shared_expert_intermediate_size or self.moe_shared_expert_gate:
+            raise ValueError(f"moe_shared_expert_intermediate_size = "
+                             f"{self.moe_shared_expert_intermediate_size} and "
+                             f"moe_shared_expert_gate = {self.moe_shared_expert_gate} need "
+                             "num_experts (a shared expert belongs to a MoE layer)")
 
     def _check_architecture(self) -> None:
         for name, valid in (("normalization", ("LayerNorm", "RMSNorm")),
@@ -191,9 +208,25 @@ def _check_moe(m: ModelConfig) -> None:
     if m.moe_pad_expert_input_to_capacity and cf is None:
         raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor "
                          "(padding is to the capacity); give --moe-expert-capacity-factor")
+    _check_shared_expert(m)
     if m.moe_token_drop_policy not in ("probs", "position"):
         raise ValueError(f"moe_token_drop_policy must be probs or position, got "
                          f"{m.moe_token_drop_policy!r}")
+
+
+def _check_shared_expert(m: ModelConfig) -> None:
+    """Megatron's shared-expert rules: a positive width, no biases, the gate only with one."""
+    size = m.moe_shared_expert_intermediate_size
+    if size is None:
+        if m.moe_shared_expert_gate:
+            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size "
+                             "(the gate scales the shared expert's output)")
+        return
+    positive_int("moe_shared_expert_intermediate_size", size)
+    if m.add_bias_linear:
+        raise ValueError(f"moe_shared_expert_intermediate_size = {size} with add_bias_linear = "
+                         "True: shared experts have no biases (Megatron asserts it); add "
+                         "--disable-bias-linear")
 
 
 def mlp_width(hidden: int, swiglu: bool, ffn_hidden_size: int | None = None) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -113,11 +114,18 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     """fc1 column-parallel (``4h/tp`` per rank), tanh-GeLU, fc2 row-parallel. With ``swiglu``
-    fc1 is ``2f`` wide, ``[gate_r; up_r]`` on rank ``r`` (``partition_stride = 2``)."""
+    fc1 is ``2f`` wide, ``[gate_r; up_r]`` on rank ``r`` (``partition_stride = 2``).
+
+    As a MoE layer's shared expert (Megatron's ``SharedExpertMLP``): ``ffn`` is
+    ``moe_shared_expert_intermediate_size``, and with ``gate`` the output is scaled per token by
+    ``sigmoid(x @ gate_weight)`` (``gate_weight [1, h]``, replicated, ``sequence_parallel`` under
+    sp: its gradient is a partial sum over the sequence slices)."""
 
     def __init__(self, cfg: ModelConfig, mesh: ParallelMesh, name: str, opt: ParallelOptions,
-                 init, out_init) -> None:
+                 init, out_init, *, ffn: int | None = None, gate: bool = False) -> None:
         super().__init__()
+        if ffn is not None:
+            cfg = replace(cfg, ffn_hidden_size=ffn)
         h, sp, common = cfg.hidden_size, opt.sequence_parallel, _common(mesh, opt)
         bias, self.swiglu = cfg.add_bias_linear, cfg.swiglu
         width, fc1_init = (2 * cfg.ffn, SwiGLUInit(init)) if cfg.swiglu else (cfg.ffn, init)
@@ -131,11 +139,18 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(cfg.ffn, h, bias=bias, input_is_parallel=True,
                                      sequence_parallel=sp, init_method=out_init,
                                      name=f"{name}.fc2", **common)
+        self.gate_weight = None
+        if gate:
+            self.gate_weight = nn.Parameter(init(f"{name}.gate_weight", (1, h), None,
+                                                 dtype=opt.params_dtype))
+            self.gate_weight.sequence_parallel = sp and mesh.tp.size > 1
 
     def forward(self, x):
         h, _ = self.fc1(x)                                   # [s, b, 4h/tp]
         act = swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")
         out, _ = self.fc2(act)                               # [s(/tp), b, h]
+        if self.gate_weight is not None:                     # a shared expert's gate
+            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
         return out
 
 
@@ -158,8 +173,13 @@ class TransformerLayer(nn.Module):
         self.ln1 = make_norm(*norm)
         self.attention = SelfAttention(cfg, mesh, f"{name}.attention", opt, init, out_init)
         self.ln2 = make_norm(*norm)
-        mlp = MoELayer if is_moe_layer(cfg, index) else MLP
-        self.mlp = mlp(cfg, mesh, f"{name}.mlp", opt, init, out_init)
+        if is_moe_layer(cfg, index):
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoELayer(cfg, mesh, f"{name}.mlp", opt, init, out_init, shared_experts=(
+                MLP(cfg, mesh, f"{name}.mlp.shared_experts", opt, init, out_init, ffn=shared,
+                    gate=cfg.moe_shared_expert_gate) if shared else None))
+        else:
+            self.mlp = MLP(cfg, mesh, f"{name}.mlp", opt, init, out_init)
 
     def _forward(self, x, rope=None):                        # [s(/tp), b, h]
         x = x + dropout(self.attention(self.ln1(x), rope), self.dropout, self.training, self.sp)

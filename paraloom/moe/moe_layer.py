@@ -11,6 +11,8 @@ so ``TransformerLayer`` swaps it in for MoE layers. One forward::
     dispatcher: permute -> all-to-all counts -> all-to-all tokens -> local experts (tp shards)
                 -> reverse all-to-all -> unpermute (weighted sum)
     tp:  the experts' partial sums reduced over tp (sp: reduce-scatter; else all-reduce)
+    shared expert (``moe_shared_expert_intermediate_size``): a dense tp MLP every token runs,
+         computed first (Megatron's order), its output added to the routed experts'
 
 With context parallelism a rank holds only its cp chunks of each sequence: the counts the aux
 loss needs (tokens per expert, tokens) are summed over cp (one all-reduce, kind ``cp``), and the
@@ -65,7 +67,8 @@ def _in_backward() -> bool:
 class MoELayer(nn.Module):
     """Top-k routed experts in place of the dense MLP (see the module docstring)."""
 
-    def __init__(self, cfg, mesh, name: str, opt, init, out_init) -> None:
+    def __init__(self, cfg, mesh, name: str, opt, init, out_init, *,
+                 shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         self.cfg, self.mesh, self.name = cfg, mesh, name
         self.sp = opt.uses_sequence_parallel(mesh)
@@ -78,6 +81,7 @@ class MoELayer(nn.Module):
             str(g): Expert(cfg.hidden_size, cfg.ffn, mesh, f"{name}.experts.{g}", init, out_init,
                            dtype, swiglu=cfg.swiglu, bias=cfg.add_bias_linear)
             for g in self.local_ids})
+        self.shared_experts = shared_experts  # registered after the experts, as Megatron's
         self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, module=name)
         self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
         self.stats: dict = {}
@@ -96,6 +100,8 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [s(/tp), b, h]
         cfg, tp = self.cfg, self.mesh.tp
         s_local, b, h = x.shape
+        # Megatron computes the shared expert first (its own tp/sp traffic), then routes
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
         n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch (cp: ours)
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
         logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
@@ -125,6 +131,8 @@ class MoELayer(nn.Module):
             kw = dict(site="MoELayer.output", module=self.name, split="expert outputs")
             y = reduce_scatter_to_sequence_parallel_region(y, tp, **kw) if self.sp else \
                 reduce_from_tensor_model_parallel_region(y, tp, **kw)
+        if shared is not None:
+            y = y + shared
         if self.training:
             y = MoEAuxLossAutoScaler.apply(y, aux if zl is None else aux + zl)
         if not _in_backward():
