@@ -1,17 +1,20 @@
-"""Context parallelism on a long sequence: cp = 2 vs cp = 1, one transformer layer on gloo.
+"""Context parallelism on a long sequence: cp = 2 (the ring, the all-gather, Ulysses' all-to-all)
+vs cp = 1, one transformer layer on gloo.
 
-Two ranks run both layouts, alternating iterations so both see the same machine state: cp = 1 is
-a (dp = 2) mesh, each rank the whole sequence; cp = 2 is one sequence split over both ranks
-(load-balanced chunks, ring attention or ``--cp-comm-type all_gather``). Printed per layout:
-the bytes one training forward of the layer saves for backward on a rank
-(:class:`paraloom.measure.memory.SavedTensors`: storages, parameters excluded), and the median
-forward + backward time; then the ratios cp2 / cp1. cp = 1 runs paraloom's ``CoreAttention``,
-which saves the ``s x s`` probabilities; the ring keeps only q, k, v, the output and its
-log-sum-exp, so the saved-bytes ratio is far below 1/cp unless ``--recompute selective`` takes
-the attention core out of both.
+Two ranks run every layout, rotating the order every iteration so all see the same machine
+state: cp = 1 is a (dp = 2) mesh, each rank the whole sequence; cp = 2 is one sequence split over
+both ranks (load-balanced chunks) with ``--cp-comm-type p2p`` (ring), ``all_gather`` or ``a2a``
+(Ulysses: Q, K, V all-to-all'd to head shards, the model's attention kernel on the whole
+sequence of half the heads, the output back). Printed per layout: the bytes one training forward
+of the layer saves for backward on a rank (:class:`paraloom.measure.memory.SavedTensors`:
+storages, parameters excluded), and the median forward + backward time; then the ratios to
+cp = 1 and Ulysses to the ring. With ``--attention core`` (written out) cp = 1 and Ulysses save
+the ``s x s`` probabilities of their heads (Ulysses: half the heads, the whole sequence) and the
+ring keeps only q, k, v, the output and its log-sum-exp; ``--attention sdpa`` (fused, as
+Megatron's Transformer Engine attention) saves no ``s x s`` tensor anywhere.
 
-    python benchmarks/cp.py                      # s = 4096, h = 256, 4 heads, b = 1
-    python benchmarks/cp.py --seq 8192 --iters 5 --cp-comm-type all_gather
+    python benchmarks/cp.py                      # s = 4096, h = 256, 4 heads, b = 1, core
+    python benchmarks/cp.py --attention sdpa --iters 5
 """
 
 from __future__ import annotations
@@ -35,34 +38,41 @@ def _step(layer, x) -> float:
     return time.perf_counter() - tic
 
 
+LAYOUTS = {"cp1": (1, "p2p"), "ring": (2, "p2p"), "all_gather": (2, "all_gather"),
+           "a2a": (2, "a2a")}
+
+
 def _rank(rank: int, world: int, args) -> None:
     cfg = ModelConfig(hidden_size=args.hidden, num_attention_heads=args.heads,
-                      seq_length=args.seq, num_layers=1)
+                      seq_length=args.seq, num_layers=1, attention=args.attention)
     opt = ParallelOptions(recompute=args.recompute)
-    meshes = {1: ParallelMesh(ParallelConfig(dp=2)),
-              2: ParallelMesh(ParallelConfig(cp=2, cp_comm_type=args.cp_comm_type))}
-    saved = {cp: layer_saved_tensors(cfg, m, opt, args.seq // cp, args.batch).nbytes
-             for cp, m in meshes.items()}
-    layers = {cp: TransformerLayer(cfg, m, 0, opt) for cp, m in meshes.items()}
+    meshes = {name: ParallelMesh(ParallelConfig(dp=2) if cp == 1 else
+                                 ParallelConfig(cp=cp, cp_comm_type=kind))
+              for name, (cp, kind) in LAYOUTS.items()}
+    saved = {name: layer_saved_tensors(cfg, m, opt, args.seq // LAYOUTS[name][0],
+                                       args.batch).nbytes for name, m in meshes.items()}
+    layers = {name: TransformerLayer(cfg, m, 0, opt) for name, m in meshes.items()}
     gen = torch.Generator().manual_seed(rank)
-    xs = {cp: torch.randn(args.seq // cp, args.batch, args.hidden, generator=gen,
-                          requires_grad=True) for cp in meshes}
-    times: dict[int, list[float]] = {1: [], 2: []}
+    xs = {name: torch.randn(args.seq // LAYOUTS[name][0], args.batch, args.hidden,
+                            generator=gen, requires_grad=True) for name in meshes}
+    names = list(LAYOUTS)
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.warmup + args.iters):
-        for cp in (1, 2) if i % 2 == 0 else (2, 1):
-            dt = _step(layers[cp], xs[cp])
+        for name in names[i % len(names):] + names[:i % len(names)]:  # rotated
+            dt = _step(layers[name], xs[name])
             if i >= args.warmup:
-                times[cp].append(dt)
+                times[name].append(dt)
     if rank == 0:
-        med = {cp: statistics.median(t) for cp, t in times.items()}
+        med = {name: statistics.median(t) for name, t in times.items()}
         print(f"s={args.seq} h={args.hidden} heads={args.heads} b={args.batch}, one layer, "
-              f"cp comm {args.cp_comm_type}, recompute {args.recompute}; {args.iters} "
-              f"alternating iterations after {args.warmup} warm-up, 1 thread per rank")
-        for cp in (1, 2):
-            print(f"cp={cp}: saved activations per rank {saved[cp] / 2**20:9.2f} MiB   "
-                  f"median forward+backward {med[cp] * 1e3:8.1f} ms")
-        print(f"ratio cp2/cp1: saved activations {saved[2] / saved[1]:.3f}, "
-              f"time {med[2] / med[1]:.3f}")
+              f"attention {args.attention}, recompute {args.recompute}; {args.iters} rotated "
+              f"iterations after {args.warmup} warm-up, 1 thread per rank")
+        for name in names:
+            print(f"{name:>10}: saved activations per rank {saved[name] / 2**20:9.2f} MiB   "
+                  f"median forward+backward {med[name] * 1e3:8.1f} ms   vs cp1: saved "
+                  f"{saved[name] / saved['cp1']:.3f}, time {med[name] / med['cp1']:.3f}")
+        print(f"Ulysses (a2a) / ring (p2p): saved activations "
+              f"{saved['a2a'] / saved['ring']:.3f}, time {med['a2a'] / med['ring']:.3f}")
 
 
 def main() -> None:
@@ -73,7 +83,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--cp-comm-type", choices=("p2p", "all_gather"), default="p2p")
+    ap.add_argument("--attention", choices=("core", "sdpa"), default="core")
     ap.add_argument("--recompute", choices=("none", "selective"), default="none",
                     help="selective: the attention core is recomputed, so cp = 1 keeps no "
                          "s x s scores either and the comparison is of the other activations")

@@ -56,7 +56,7 @@ def test_load_balanced_split():
 def test_bad_layouts_name_the_values():
     with pytest.raises(ValueError, match=r"seq_length = 12 is not divisible by 2 \* cp = 8"):
         check_layout(ModelConfig(seq_length=12), ParallelConfig(cp=4))
-    with pytest.raises(ValueError, match="cp_comm_type must be p2p or all_gather, got 'ring'"):
+    with pytest.raises(ValueError, match="cp_comm_type must be p2p, all_gather or a2a, got 'ring'"):
         ParallelConfig(cp=2, cp_comm_type="ring")
     with pytest.raises(ValueError, match=r"seq_length / cp = 6 is not divisible by tp = 4"):
         check_layout(ModelConfig(seq_length=12), ParallelConfig(cp=2, tp=4,
@@ -77,7 +77,7 @@ def attention_case(cp: int, comm_type: str):
     from paraloom.mesh import ParallelMesh
     mesh = ParallelMesh(cp=cp, dp=4 // cp)
     gen = torch.Generator().manual_seed(7)
-    b, a, s, d = 2, 3, 8 * cp, 5
+    b, a, s, d = 2, 4 if comm_type == "a2a" else 3, 8 * cp, 5  # a2a: heads divisible by cp
     q, k, v, up = (torch.randn(b, a, s, d, generator=gen, dtype=torch.float64).float()
                    for _ in range(4))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -96,13 +96,18 @@ def attention_case(cp: int, comm_type: str):
     return [(e["op"], e["phase"], e["kind"], e["site"], e["bytes"]) for e in led.events]
 
 
-@pytest.mark.parametrize("comm_type", ["p2p", "all_gather"])
+@pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_attention_matches_causal_attention(world4, cp, comm_type):
     events = world4.run(attention_case, cp, comm_type)[0]
     kv = 2 * 2 * 3 * 8 * 5 * 4   # [2, b, a, s/cp, d] fp32: two chunks of 4 tokens
     assert {e[2] for e in events} == {"cp"}
-    if comm_type == "p2p":
+    if comm_type == "a2a":  # Ulysses: Q, K, V to head shards, the output back; backward mirrored
+        one = 2 * 4 * 8 * 5 * 4  # [b, a, s/cp, d] fp32: each all-to-all moves a whole tensor
+        assert [(e[0], e[1], e[3].split(":")[1], e[4]) for e in events] == [
+            ("all_to_all", "forward", name, one) for name in ("q", "k", "v", "out")] + [
+            ("all_to_all", "backward", name, one) for name in ("dout", "dq", "dk", "dv")]
+    elif comm_type == "p2p":
         sends = [e for e in events if e[0] == "send"]
         fwd = [e for e in sends if e[1] == "forward"]
         assert len(fwd) == cp - 1 and len(sends) == (cp - 1) + (cp - 1) + cp

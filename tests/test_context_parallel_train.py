@@ -1,5 +1,6 @@
 """``paraloom train`` with context parallelism trains the (1,1,1) model: losses and gradient norms
-at rtol 1e-5 for cp in {2, 4} with tp+sp, pp, dp+ZeRO and both comm types; a resume that changes
+at rtol 1e-5 for cp in {2, 4} with tp+sp, pp, dp+ZeRO and the three comm types (ring,
+all-gather, Ulysses all-to-all); a resume that changes
 cp (DCP reshard cp=2 -> cp=1 and cp=1 -> cp=2) continues with the same losses; ``paraloom check``
 is exact on a CP run's ledger; a Hugging Face GPT-2 evaluated under cp = 2 scores as transformers.
 """
@@ -38,7 +39,12 @@ def reference(tmp_path_factory):
     dict(cp=2, pp=2, recompute="full"),
     dict(cp=2, dp=2, distributed_optimizer=True, comm="all_gather"),
     dict(cp=4),
-], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+    # Ulysses: Q, K, V all-to-all'd to head shards (heads / tp divisible by cp)
+    dict(tp=2, cp=2, sp=True, comm="a2a", recompute="selective"),
+    dict(cp=2, pp=2, comm="a2a", recompute="full"),
+    dict(cp=4, comm="a2a"),
+    dict(cp=2, dp=2, comm="a2a", model=replace(MODEL, attention="sdpa")),  # the fused kernel
+], ids=lambda d: "-".join(v.attention if k == "model" else f"{k}{v}" for k, v in d.items()))
 def test_cp_layouts_train_the_same_model(tmp_path, reference, layout):
     assert_same_metrics(train(tmp_path, "run", **layout), reference[1])
     assert check_main([str(tmp_path / "run"), "--only-diff"]) == 0  # the ledger, exactly
@@ -96,3 +102,8 @@ def test_llama_gqa_rope_under_cp_trains_the_same_model(tmp_path):
     got = train(tmp_path, "llama-tp2-cp2", tp=2, cp=2, sp=True, model=LLAMA)
     assert_same_metrics(got, want)
     assert check_main([str(tmp_path / "llama-tp2-cp2"), "--only-diff"]) == 0
+    # Ulysses with grouped-query attention: each cp rank gets one of the 2 K/V heads and the
+    # 2 query heads it serves
+    got = train(tmp_path, "llama-cp2-a2a", cp=2, comm="a2a", model=LLAMA)
+    assert_same_metrics(got, want)
+    assert check_main([str(tmp_path / "llama-cp2-a2a"), "--only-diff"]) == 0

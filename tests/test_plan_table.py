@@ -31,6 +31,11 @@ LAYOUTS = {
                                       "--sequence-parallel", "--recompute", "full"],
     # the K/V ring between each layer's regions; gradients reduced over dp x cp
     "cp ring with tp": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2"],
+    # Ulysses: Q, K, V to head shards and the output back, each way; re-run by recomputation
+    "cp a2a, selective recomputation": ["--tp", "1", "--pp", "1", "--dp", "1", "--cp", "2",
+                                        "--cp-comm-type", "a2a", "--recompute", "selective"],
+    "cp ring, tp, selective recomputation": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2",
+                                             "--recompute", "selective"],
 }
 
 

@@ -323,6 +323,13 @@ def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flag
      r"--cp 4 does not divide the world of 6 ranks \(--nprocs\)"),
     (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "0"],
      r"cp must be a positive integer, got 0"),
+    (["train", "--tp", "2", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a",
+      "--heads", "4", "--seq-len", "16"],
+     r"cp_comm_type a2a: num_attention_heads / tp = 4 / 2 = 2 is not divisible by cp = 4"),
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a",
+      "--arch", "llama", "--heads", "8", "--group-query-attention", "--num-query-groups", "2",
+      "--seq-len", "16"],
+     r"key/value heads \(num_query_groups\) / tp = 2 / 1 = 2 is not divisible by cp = 4"),
     (["plan", "--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "10",
       "--global-batch-size", "1", "--micro-batch-size", "1", "--cp", "2"],
      r"paraloom train would refuse this run: .*seq_length = 10 is not divisible by 2 \* cp = "

@@ -418,3 +418,23 @@ def test_search_llama_keeps_gqa_groups_whole(capsys):
     assert plan_main(argv + ["--num-experts", "4", "--json", *shared]) == 0
     with_shared = json.loads(capsys.readouterr().out)["ranked"]
     assert with_shared[0]["step_time_s"] > moe[0]["step_time_s"]
+
+
+def test_search_tries_each_cp_comm_type_where_it_applies(capsys):
+    """cp > 1 layouts come with the ring, the all-gather and Ulysses' all-to-all; a2a only where
+    cp divides a tp rank's key/value heads; ``--cp-comm-type`` pins one."""
+    job = dict(layers=8, hidden=1024, heads=16, seq_len=16384, global_batch=16)
+    fits, _ = search(16, A100, **job, cps=(1, 2, 4), cp_comm_types=("p2p", "all_gather", "a2a"))
+    kinds = {(x.cp > 1, x.cp_comm_type) for x in fits}
+    assert {(True, "p2p"), (True, "all_gather"), (True, "a2a")} <= kinds
+    from paraloom.analysis.arch import Architecture
+    gqa = Architecture(num_query_groups=2)
+    fits, _ = search(16, A100, **job, cps=(1, 2, 4), arch=gqa, cp_comm_types=("a2a", "p2p"))
+    assert all(2 // x.tp % x.cp == 0 for x in fits if x.cp_comm_type == "a2a" and x.cp > 1)
+    assert any(x.cp_comm_type == "a2a" and x.cp == 2 for x in fits)
+    argv = ["--search", "--gpus", "16", "--layers", "8", "--hidden", "1024", "--heads", "16",
+            "--seq-len", "16384", "--global-batch-size", "16", "--max-cp", "4", "--json",
+            "--top", "100000"]
+    assert plan_main(argv + ["--cp-comm-type", "a2a"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert {x["cp_comm_type"] for x in ranked if x["cp"] > 1} == {"a2a"}

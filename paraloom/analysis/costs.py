@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cp_formulas import cp_kv_bytes
+from .cp_formulas import cp_kv_bytes, cp_q_bytes
 from .hardware import Hardware
 from .spec import CommConfig
 
@@ -102,7 +102,9 @@ def cp_comm_time(c: CommConfig, hw: Hardware, attention: float) -> tuple[float, 
     """Exposed seconds of one layer's cp K/V exchange (:mod:`~paraloom.analysis.cp_formulas`):
     ``(forward, backward)``. The ring (``p2p``) sends ``cp - 1`` K/V chunks forward and
     ``2cp - 1`` backward, each step overlapping the attention of the chunk it already holds;
-    ``all_gather`` gathers K/V before attention and reduce-scatters their gradient after it."""
+    ``all_gather`` gathers K/V before attention and reduce-scatters their gradient after it;
+    ``a2a`` (Ulysses) all-to-alls Q, K, V before attention and the output after it (backward:
+    the output's gradient, then dQ, dK, dV), none of it hidden."""
     if c.cp == 1:
         return 0.0, 0.0
     kv, cp = cp_kv_bytes(c), c.cp
@@ -112,6 +114,11 @@ def cp_comm_time(c: CommConfig, hw: Hardware, attention: float) -> tuple[float, 
         hide = hw.overlap_efficiency * attention * (cp - 1) / cp  # the last chunk has no peer
         return (max(0.0, (cp - 1) * step - hide),
                 max(0.0, (2 * cp - 1) * step - 2 * hide))
+    if c.cp_comm_type == "a2a":  # Q, K, V and the output, each way, nothing to hide behind
+        q = cp_q_bytes(c)
+        each_way = sum(collective_time("all_to_all", cp, b, hw, inter) for b in (q, q, kv / 2,
+                                                                                  kv / 2))
+        return each_way, each_way
     return (collective_time("all_gather", cp, cp * kv, hw, inter),
             collective_time("reduce_scatter", cp, cp * kv, hw, inter))
 

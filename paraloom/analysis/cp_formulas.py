@@ -9,6 +9,9 @@ elements (``[2, b, a/t, s/cp, d]``) in the activation dtype:
   - 1`` sends and receives.
 * ``all_gather``: forward one all-gather of ``kv`` (the local shard); backward one reduce-scatter
   of the gathered gradient, ``cp * kv``.
+* ``a2a`` (Ulysses): forward four all-to-alls, Q (``b (s/cp) (a d/t)`` elements), K and V
+  (``b (s/cp) (g d/t)`` each) to head shards and the output (Q's size) back; backward the same
+  four sizes (the output's gradient, then dQ, dK, dV). Each moves its whole tensor.
 
 Recomputation (selective: the attention core; full: the layer, whose re-run includes the core)
 repeats the forward messages, keyed with phase ``recompute``. Elsewhere cp shortens every
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-__all__ = ["local_seq", "grad_sync_view", "add_cp_comm", "cp_kv_bytes", "cp_activation_factor"]
+__all__ = ["local_seq", "grad_sync_view", "add_cp_comm", "cp_kv_bytes", "cp_q_bytes",
+           "cp_activation_factor"]
 
 
 def local_seq(c) -> int:
@@ -55,10 +59,21 @@ def add_cp_comm(c, layer_passes: int, add) -> None:
             add("cp", "recv", phase, (cp - 1) * n, kv)
         add("cp", "send", "backward", (2 * cp - 1) * n, kv)
         add("cp", "recv", "backward", (2 * cp - 1) * n, kv)
+    elif c.cp_comm_type == "a2a":
+        q = cp_q_bytes(c)  # Q and the output; K and V are kv / 2 each
+        for phase in [*phases, "backward"]:
+            add("cp", "all_to_all", phase, 2 * n, q)
+            add("cp", "all_to_all", phase, 2 * n, kv // 2)
     else:
         for phase in phases:
             add("cp", "all_gather", phase, n, kv)
         add("cp", "reduce_scatter", "backward", n, cp * kv)
+
+
+def cp_q_bytes(c) -> int:
+    """Bytes of one rank's queries (or attention output) for one layer and microbatch:
+    ``b (s/cp) (a d / t)`` elements."""
+    return c.micro_batch * local_seq(c) * (c.hidden // c.tp) * c.dtype_bytes
 
 
 def cp_activation_factor(cp: int) -> float:

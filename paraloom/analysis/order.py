@@ -28,6 +28,7 @@ from ..config.train import TrainConfig
 from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_buckets, sp_elems
+from .order_cp import cp_rows
 from .spec import CommConfig
 
 __all__ = ["check_supported", "step_one_events"]
@@ -75,6 +76,7 @@ class _Rank:
         self.full, self.part = [local, b, h], [local // p.tp if self.sp else local, b, h]
         self.b, self.s, self.local, self.cp = b, s, local, p.cp
         self.kv = [2, b, m.query_groups // p.tp, local, m.head_dim]  # K and V of this rank
+        self.heads = (m.num_attention_heads // p.tp, m.query_groups // p.tp)  # a rank's q, k/v
 
     def chunk(self, c: int) -> tuple[bool, bool, range]:
         return (self.pp_rank == 0 and c == 0, self.pp_rank == self.pp - 1 and c == self.v - 1,
@@ -128,23 +130,11 @@ def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:
 
 
 def _context_parallel(r: _Rank, out: list, ev: dict, i: int, *, backward: bool) -> None:
-    """Core attention's K/V over cp: the ring's ``cp - 1`` exchanges (backward: K/V and their
-    gradients each step, then the gradients home), or one all-gather (backward: one
-    reduce-scatter of the gradients)."""
-    if r.cp == 1:
-        return
-    at = dict(ev, kind="cp", module=f"layers.{i}.attention.core", itemsize=r.item)
-    if r.cfg.parallel.cp_comm_type == "all_gather":
-        full = r.kv[:3] + [r.s] + r.kv[4:]
-        _event(out, **at, op="reduce_scatter" if backward else "all_gather",
-               site=f"all_gather_attention:{'dkv' if backward else 'kv'}",
-               shape=full if backward else r.kv)
-        return
-    steps = [["kv", "dkv"]] * (r.cp - 1) + [["dkv"]] if backward else [["kv"]] * (r.cp - 1)
-    for names in steps:
-        for name in names:
-            for op in ("send", "recv"):
-                _event(out, **at, op=op, site=f"ring_attention:{name}", shape=r.kv)
+    """Core attention's exchanges over cp (:func:`.order_cp.cp_rows`)."""
+    if r.cp > 1:
+        for fields in cp_rows(r.cfg.parallel.cp_comm_type, r, i, backward=backward):
+            _event(out, **dict(ev, kind="cp", module=f"layers.{i}.attention.core",
+                               itemsize=r.item), **fields)
 
 
 def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
@@ -165,6 +155,9 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
                        site="RowParallelLinear.backward:output_grad", split=_ROW, shape=r.part)
             if col == "attention.qkv":
+                if r.cfg.recompute == "selective":  # the checkpointed core runs again first
+                    _context_parallel(r, out, dict(bwd, phase="forward", recompute=True), i,
+                                      backward=False)
                 _context_parallel(r, out, bwd, i, backward=True)
             if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",

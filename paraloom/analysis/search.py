@@ -6,7 +6,9 @@ distributed optimizer) for a fixed model, sequence length, global batch and GPU 
 the divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch
 by micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
 sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes the powers of two
-up to ``--max-cp``; ep is tried only for a MoE model (``--num-experts``). Memory is
+up to ``--max-cp``, each with the ring, the all-gather and Ulysses' all-to-all (where cp divides
+a tp rank's heads) unless ``--cp-comm-type`` names one; ep is tried only for a MoE model
+(``--num-experts``). Memory is
 :func:`paraloom.analysis.memory_formulas.memory_per_gpu` (the busiest stage) plus
 :func:`transient_bytes` (the layer being recomputed: a long sequence's attention scores),
 against ``fit_fraction`` of the GPU's memory (the rest: CUDA context, allocator slack,
@@ -55,6 +57,7 @@ class Candidate:
     memory_bytes: float
     prediction: dict
     ep: int = 1
+    cp_comm_type: str = "p2p"
 
 
 def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
@@ -148,14 +151,16 @@ def no_valid_layout(gpus: int, *, layers: int, hidden: int, heads: int, seq_len:
 def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq_len: int,
            global_batch: int, vocab: int = GPT2_VOCAB, vocab_multiple: int = 128,
            ffn: int | None = None,
-           dtype_bytes: int = 2, fit_fraction: float = FIT_FRACTION, cps=None, cp_comm_type="p2p",
+           dtype_bytes: int = 2, fit_fraction: float = FIT_FRACTION, cps=None,
+           cp_comm_types: tuple[str, ...] = ("p2p",),
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
            moe_shared_ffn: int = 0, moe_shared_gate: bool = False,
            arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
     """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
-    the cp sizes to try (default :func:`cp_sizes`); with ``num_experts`` every ep that divides
-    both dp and the experts is tried too."""
+    the cp sizes to try (default :func:`cp_sizes`), each with every comm type of
+    ``cp_comm_types`` that applies (``a2a``: cp divides the heads and key/value heads of a tp
+    rank); with ``num_experts`` every ep that divides both dp and the experts is tried too."""
     o, arch = options or Options(), arch or Architecture()
     fits, too_big = [], 0
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
@@ -164,7 +169,10 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
         if arch.num_query_groups and arch.num_query_groups % tp:  # GQA: groups split over tp
             continue
         eps = [e for e in divisors(dp) if num_experts % e == 0] if num_experts else [1]
-        for ep in eps:
+        kinds = [k for k in cp_comm_types if k != "a2a" or (
+            heads // tp % cp == 0 and (arch.num_query_groups or heads) // tp % cp == 0)] \
+            if cp > 1 else [cp_comm_types[0]]
+        for ep, cp_comm_type in ((e, k) for e in eps for k in kinds):
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
                                 layer_freq=moe_layer_freq, shared_ffn=moe_shared_ffn,
                                 shared_gate=moe_shared_gate) if num_experts else None
@@ -181,7 +189,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                 continue
             r = step_time(c, hw, o)
             fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r,
-                                  ep))
+                                  ep, cp_comm_type))
     fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
     return fits, too_big
 

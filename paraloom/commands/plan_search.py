@@ -36,9 +36,14 @@ _SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "p
 """Layout flags of ``train`` (and their Megatron-LM aliases): the search enumerates them."""
 
 
+_CP_SHORT = {"p2p": "ring", "all_gather": "ag", "a2a": "a2a"}
+"""How the cp column names the comm type: the ring, the all-gather, Ulysses' all-to-all."""
+
+
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
-    return (f"{i:>3} {x.tp:>3} {x.cp:>3} {x.ep:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
+    cp = f"{x.cp}" if x.cp == 1 else f"{x.cp} {_CP_SHORT[x.cp_comm_type]}"
+    return (f"{i:>3} {x.tp:>3} {cp:>6} {x.ep:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
             f"{x.micro_batch:>3} "
             f"{'on' if x.sequence_parallel else 'off':>3} {x.recompute:>9} "
             f"{'on' if x.distributed_optimizer else 'off':>4} {x.step_time_s:>9.3f} "
@@ -70,6 +75,13 @@ def _searched(typed: list[str]) -> str | None:
     one = len(searched) == 1
     return (f"{', '.join(searched)}: the search tries every value of {'this' if one else 'these'} "
             f"itself; leave {'it' if one else 'them'} out (or drop --search to plan one layout)")
+
+
+def _cp_comm_types(typed: list[str], cfg: TrainConfig) -> tuple[str, ...]:
+    """The cp comm types to try: the one ``--cp-comm-type`` names, else all three."""
+    if any(t == "--cp-comm-type" or t.startswith("--cp-comm-type=") for t in typed):
+        return (cfg.parallel.cp_comm_type,)
+    return ("p2p", "all_gather", "a2a")
 
 
 def _model(a: argparse.Namespace, typed: list[str]) -> TrainConfig:
@@ -115,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                            vocab_multiple=m.make_vocab_size_divisible_by, ffn=m.ffn,
                            dtype_bytes=2 if cfg.dtype == "bf16" else 4, arch=arch,
                            cps=cp_sizes(a.gpus, m.seq_length, a.max_cp),
-                           cp_comm_type=cfg.parallel.cp_comm_type, num_experts=m.num_experts,
+                           cp_comm_types=_cp_comm_types(typed, cfg),
+                           num_experts=m.num_experts,
                            moe_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq,
                            moe_shared_ffn=m.moe_shared_expert_intermediate_size or 0,
                            moe_shared_gate=m.moe_shared_expert_gate)
@@ -144,7 +157,7 @@ def _print_ranked(a: argparse.Namespace, cfg: TrainConfig, hw: Hardware, arch: A
                               query_groups=arch.num_query_groups))
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
-        ("tp", 3), ("cp", 3), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
+        ("tp", 3), ("cp", 6), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
         ("recompute", 9), ("zero", 4), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
     for i, x in enumerate(fits[:a.top], 1):
         print(_row(i, x, fits[0], hw))

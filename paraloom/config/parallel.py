@@ -73,11 +73,14 @@ class ParallelConfig:
                      help="ranks sharing each sequence (load-balanced 2*cp chunks)")
     """Context-parallel size (``context_parallel_size``): ranks sharing each sequence, split
     load-balanced into ``2 * cp`` chunks (rank r holds chunks r and 2cp-1-r)."""
-    cp_comm_type: str = option("p2p", "--cp-comm-type", choices=("p2p", "all_gather"),
-                               help="context-parallel attention: p2p (K/V ring) or all_gather "
-                                    "(one all-gather of K,V per layer)")
-    """How attention sees the other chunks' K/V: ``p2p`` (a ring of cp steps, Megatron/TE's
-    default) or ``all_gather`` (one all-gather of K,V per layer, as in Llama 3)."""
+    cp_comm_type: str = option("p2p", "--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
+                               help="context-parallel attention: p2p (K/V ring), all_gather "
+                                    "(one all-gather of K,V per layer) or a2a (Ulysses: Q,K,V "
+                                    "all-to-all from sequence to heads)")
+    """How attention sees the other chunks: ``p2p`` (a K/V ring of cp steps, Megatron/TE's
+    default), ``all_gather`` (one all-gather of K,V per layer, as in Llama 3) or ``a2a``
+    (DeepSpeed-Ulysses: Q, K, V all-to-all'd to head shards; needs cp to divide the key/value
+    heads of a tp rank)."""
     ep: int = option(1, "--ep", "--expert-model-parallel-size",
                      help="expert-parallel size, carved out of --dp (must divide it)")
     """Expert-model-parallel size (``expert_model_parallel_size``): ranks the experts of each MoE
@@ -107,8 +110,9 @@ class ParallelConfig:
                 "sequence parallelism there is no input-gradient all-reduce to overlap (it is a "
                 "reduce-scatter, which already overlaps the weight-gradient GEMM); leave "
                 "async_grad_allreduce at its default (None: not used with sequence_parallel)")
-        if self.cp_comm_type not in ("p2p", "all_gather"):
-            raise ValueError(f"cp_comm_type must be p2p or all_gather, got {self.cp_comm_type!r}")
+        if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):
+            raise ValueError(f"cp_comm_type must be p2p, all_gather or a2a, got "
+                             f"{self.cp_comm_type!r}")
 
     @property
     def uses_sequence_parallel(self) -> bool:

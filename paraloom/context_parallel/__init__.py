@@ -9,12 +9,16 @@
   backward passes dK/dV around the ring (kind ``cp``).
 * :mod:`.all_gather` — ``all_gather``: one all-gather of K,V per layer (Llama 3's CP), its
   backward a reduce-scatter of dK,dV.
+* :mod:`.ulysses` — ``a2a`` (DeepSpeed-Ulysses): Q, K, V all-to-all'd from sequence to head
+  shards, attention over the whole sequence, the output all-to-all'd back.
 """
 
 from .all_gather import all_gather_attention
 from .attention import ContextParallelAttention
 from .ring import ring_attention
 from .split import chunk_ids, get_batch_on_this_cp_rank, position_ids, split_sequence
+from .ulysses import ulysses_attention
 
-__all__ = ["ContextParallelAttention", "ring_attention", "all_gather_attention", "chunk_ids",
+__all__ = ["ContextParallelAttention", "ring_attention", "all_gather_attention",
+           "ulysses_attention", "chunk_ids",
            "get_batch_on_this_cp_rank", "position_ids", "split_sequence"]

@@ -7,22 +7,28 @@ from torch import nn
 from ..mesh import Axis
 from .all_gather import all_gather_attention
 from .ring import ring_attention
+from .ulysses import ulysses_attention
 
 __all__ = ["ContextParallelAttention"]
 
-_KINDS = {"p2p": ring_attention, "all_gather": all_gather_attention}
+_KINDS = {"p2p": ring_attention, "all_gather": all_gather_attention, "a2a": ulysses_attention}
 
 
 class ContextParallelAttention(nn.Module):
     """softmax(q k^T / sqrt(d) + causal mask) v over the whole sequence, for the queries of this
-    cp rank's chunks (``[b, a/tp, s/cp, d]`` in and out); ``comm_type`` ``p2p`` (ring) or
-    ``all_gather``."""
+    cp rank's chunks (``[b, a/tp, s/cp, d]`` in and out); ``comm_type`` ``p2p`` (ring),
+    ``all_gather`` or ``a2a`` (Ulysses, with ``core``: the model's local attention kernel, run
+    on the whole sequence of the heads this rank gets)."""
 
-    def __init__(self, axis: Axis, comm_type: str = "p2p", name: str | None = None) -> None:
+    def __init__(self, axis: Axis, comm_type: str = "p2p", name: str | None = None,
+                 core: nn.Module | None = None) -> None:
         super().__init__()
         if comm_type not in _KINDS:
-            raise ValueError(f"cp comm type must be p2p or all_gather, got {comm_type!r}")
+            raise ValueError(f"cp comm type must be p2p, all_gather or a2a, got {comm_type!r}")
         self.axis, self.comm_type, self.name = axis, comm_type, name
+        self.local = core  # a2a: the model's attention kernel on the re-sharded heads
 
     def forward(self, q, k, v):
+        if self.comm_type == "a2a":
+            return ulysses_attention(q, k, v, self.axis, module=self.name, core=self.local)
         return _KINDS[self.comm_type](q, k, v, self.axis, module=self.name)

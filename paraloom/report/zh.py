@@ -38,6 +38,8 @@ SPLITS = {
     "token counts per expert and tokens, summed over cp":
         "每个专家的 token 数与 token 总数，在 cp 上求和",
     "router logits [tokens, E] of every cp rank": "各 cp rank 的路由 logits [tokens, E]",
+    "heads to the cp rank of their group": "按注意力头分组，发往负责该组的 cp rank",
+    "positions back to their cp rank": "按序列位置送回所属的 cp rank",
     "tokens by expert (rows to each ep rank's experts)":
         "按专家分组的 token（各行发往对应 ep rank 的专家）",
     "the microbatch's tokens": "本微批次的 token",
@@ -94,7 +96,9 @@ TAGS = {
     "set-up": "初始化", "model-and-optimizer-setup": "模型与优化器初始化",
     "train/valid/test-data-iterators-setup": "训练/验证/测试数据迭代器初始化",
     "train": "训练集", "valid": "验证集", "test": "测试集", "dense": "稠密参数",
-    "expert": "专家参数", "kv": "K、V", "dkv": "K、V 的梯度", "tokens_grad": "token 梯度",
+    "expert": "专家参数", "kv": "K、V", "dkv": "K、V 的梯度", "q": "Q", "k": "K", "v": "V",
+    "out": "注意力输出", "dout": "注意力输出的梯度", "dq": "Q 的梯度", "dk": "K 的梯度",
+    "dv": "V 的梯度", "tokens_grad": "token 梯度",
     "tokens_per_expert": "每个专家的 token 数", "moe_stats": "MoE 统计",
     "param_shards": "参数分片", "gather_optimizer_shards": "汇集优化器分片",
     "sequence_parallel_grads": "序列并行梯度", "setup": "初始化", "clock": "时钟",
