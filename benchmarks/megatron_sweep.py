@@ -36,7 +36,7 @@ MODEL = "--hidden 64 --heads 4 --seq-len 32 --micro-batch-size 2"
 
 def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recompute=False,
             bf16=False, bucket=None, overlap=True, align=True, microbatches=4, hidden=64,
-            heads=4, opg=False):
+            heads=4, opg=False, with_step=False):
     """(world size, the example's flags, paraloom train's flags) of one layout."""
     ex = [f"--tp {tp}", f"--pp {pp}", f"--layers {layers}", f"--microbatches {microbatches}",
           f"--hidden {hidden}", f"--heads {heads}"]
@@ -47,6 +47,8 @@ def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recom
                      (sp, "--sequence-parallel", "--sequence-parallel"),
                      (distopt, "--distributed-optimizer", "--distributed-optimizer"),
                      (opg, "--overlap-param-gather", "--overlap-param-gather"),
+                     (with_step, "--overlap-param-gather-with-optimizer-step",
+                      "--overlap-param-gather-with-optimizer-step"),
                      (recompute, "--recompute", "--recompute full"),
                      (bf16, "--bf16", "--dtype bf16"),
                      (bucket, f"--bucket-size {bucket}", f"--bucket-size {bucket}"),
@@ -118,6 +120,9 @@ LAYOUTS = {
     # Megatron's coalesced bucket group on the stage holding the tied embedding)
     "pp3-vpp2-dp2-distopt": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
                                     distopt=True),
+    # chunk 0's parameter all-gather launched by its own optimizer step
+    "pp3-vpp2-dp2-distopt-opg-with-step": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
+                                                  distopt=True, opg=True, with_step=True),
 }
 
 

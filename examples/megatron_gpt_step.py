@@ -47,6 +47,7 @@ def parse(argv=None) -> argparse.Namespace:
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
     a("--no-align-grad-reduce", dest="align_grad_reduce", action="store_false")
     a("--no-align-param-gather", dest="align_param_gather", action="store_false")
+    a("--overlap-param-gather-with-optimizer-step", action="store_true")
     a("--bucket-size", type=int, default=None, help="gradient bucket size (elements)")
     a("--recompute", action="store_true", help="full recomputation of every layer")
     a("--bf16", action="store_true", help="bf16 parameters and activations (fp32 main grads)")
@@ -109,13 +110,14 @@ def build(args):
     if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
         from megatron.core.transformer.module import Float16Module
         chunks = [Float16Module(cfg, chunk) for chunk in chunks]
+    with_step = args.overlap_param_gather_with_optimizer_step  # Megatron-LM: no bucketing then
     model = [DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=chunk,
-                                     disable_bucketing=i > 0)
+                                     disable_bucketing=i > 0 or with_step)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
         adam_eps=1e-8, clip_grad=1.0, use_distributed_optimizer=args.distributed_optimizer,
-        bf16=args.bf16), model)
+        overlap_param_gather_with_optimizer_step=with_step, bf16=args.bf16), model)
     return cfg, model, optimizer
 
 

@@ -34,6 +34,11 @@ LAYOUTS = {
     # Ulysses: Q, K, V to head shards and the output back, each way; re-run by recomputation
     "cp a2a, selective recomputation": ["--tp", "1", "--pp", "1", "--dp", "1", "--cp", "2",
                                         "--cp-comm-type", "a2a", "--recompute", "selective"],
+    # chunk 0's parameter all-gather launched by its own optimizer step (async), step 1 too
+    "interleaved dp, gather with the optimizer step": [
+        "--tp", "1", "--pp", "2", "--dp", "2", "--vpp", "2", "--layers", "4",
+        "--distributed-optimizer", "--overlap-param-gather",
+        "--overlap-param-gather-with-optimizer-step"],
     "cp ring, tp, selective recomputation": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2",
                                              "--recompute", "selective"],
 }

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
-from .layout import layers_per_stage, rank_buckets, sp_elems
+from .layout import chunk_buckets, layers_per_stage, sp_elems
 from .moe_formulas import moe_comm
 from .spec import F32, CommConfig
 
@@ -148,7 +148,8 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
     * the data-parallel bucket reductions (:func:`_bucket_phase`; under the distributed
       optimizer every bucket reduce-scattered, and after the update every bucket's parameter
       shard all-gathered — with ``overlap_param_gather`` in the forward of the next step
-      instead, when ``param_gather_forward``),
+      instead, when ``param_gather_forward``; chunk 0's in the optimizer step again with
+      ``param_gather_with_optimizer_step``),
     * ``finalize_model_grads``: one coalesced all-reduce over tp of the sequence-parallel
       grads, one over the embedding group of the tied word embedding,
     * the optimizer's gradient norm: one fp32 ``[1]`` over its grad-stats group (``mp`` = tp x
@@ -161,17 +162,20 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         phase = _bucket_phase(c, r)
         edp = c.dp // c.moe.ep if c.moe is not None else c.dp
         if c.buckets is None:
-            buckets = [(b.numel, b.reduce_scatter, edp if b.expert else c.dp)
-                       for b in rank_buckets(c, r)]
+            buckets = [(b.numel, b.reduce_scatter, edp if b.expert else c.dp, chunk)
+                       for chunk in range(c.v) for b in chunk_buckets(c, r, chunk)]
         else:
-            buckets = [(n, c.distributed_optimizer, c.dp) for n in c.buckets]
-        for n, scatter, size in buckets:
+            buckets = [(n, c.distributed_optimizer, c.dp, 0) for n in c.buckets]
+        for n, scatter, size, chunk in buckets:
             if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
                 continue
             add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1, n * c.grad_bytes)
             if not c.distributed_optimizer:
                 continue
-            if c.overlap_param_gather and c.param_gather_forward:  # ahead of first use
+            if c.param_gather_with_optimizer_step and chunk == 0:
+                if c.optimizer_step:  # right after chunk 0's update, every step
+                    add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
+            elif c.overlap_param_gather and c.param_gather_forward:  # ahead of first use
                 add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
             elif not c.overlap_param_gather and c.optimizer_step:  # after the update
                 add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
@@ -185,9 +189,11 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
     if c.moe is not None:  # Megatron's expert optimizer: tp x ep x pp (distributed: the world)
         groups.append(("distopt", world) if c.distributed_optimizer
                       else ("tp_ep_pp", mp * c.moe.ep))
-    for kind, size in groups:
-        if size > 1:
-            add(kind, "all_reduce", "optimizer", 2 if c.first_step else 1, F32)
+    chained = 2 if c.param_gather_with_optimizer_step else 1  # Megatron's dense optimizers
+    for i, (kind, size) in enumerate(groups):
+        if size > 1:  # the norm, and in the first step each optimizer's has_grad_norm_group
+            add(kind, "all_reduce", "optimizer", 1 + (chained if i == 0 else 1) *
+                c.first_step, F32)
     if mp > 1:
         add("mp", "all_reduce", "optimizer", 2, F32)  # update flag (int32), norm (fp32)
     if r == c.pp - 1 and c.dp > 1:

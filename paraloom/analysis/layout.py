@@ -36,8 +36,10 @@ __all__ = ["Param", "Bucket", "chunk_params", "chunk_buckets", "rank_buckets", "
 def bucket_size_of(c: CommConfig, pp_rank: int = 0, chunk: int = 0) -> int | None:
     """Elements at which a bucket of this chunk closes: ``c.bucket_size`` or Megatron's
     ``max(40M, 1M * dp)``; ``None`` (one bucket) without overlap, on a pipeline rank > 0 or
-    for a chunk after the first (Megatron's ``disable_bucketing``)."""
-    if not c.overlap_grad_reduce or pp_rank > 0 or chunk > 0:
+    for a chunk after the first (Megatron's ``disable_bucketing``; for every chunk with
+    ``param_gather_with_optimizer_step``)."""
+    if not c.overlap_grad_reduce or pp_rank > 0 or chunk > 0 or \
+            c.param_gather_with_optimizer_step:
         return None
     return c.bucket_size or max(40_000_000, 1_000_000 * c.dp)
 

@@ -177,6 +177,14 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                module="embedding", split="embeddings, sequence slice", shape=r.part)
 
 
+def _gather_site(with_step: bool) -> dict:
+    """A parameter all-gather in the optimizer step: the synchronous one, or chunk 0's launched
+    by its own step under ``--overlap-param-gather-with-optimizer-step`` (asynchronous)."""
+    if with_step:
+        return {"site": "DistributedDataParallel.start_param_sync:param_shards", "async": True}
+    return {"site": "DistributedOptimizer.step:param_shards"}
+
+
 def _p2p(r: _Rank, out: list, entry: tuple) -> None:
     """One plan entry's sends and receives (``comm``: a blocking batch named as Megatron names
     it; ``post``: each op on its own, async)."""
@@ -223,12 +231,15 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if (r.tp * r.pp * p.dp * p.cp if zero else r.tp * r.pp) > 1:
         _event(out, **one, kind=norm_kind, op="all_reduce", site="get_grad_norm_fp32:squared_norm",
                split="this rank's squared gradient norm")
-        _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
-               split="whether any rank has separately-normed parameters")
-    for b in [b for ch in range(r.v) for b in chunk_buckets(c, r.pp_rank, ch)] \
-            if zero and p.dp * p.cp > 1 and not cfg.overlap_param_gather else []:
-        _event(out, **ev, kind="dp", op="all_gather", site="DistributedOptimizer.step:param_shards",
-               shape=[b.numel // (p.dp * p.cp)], split="parameter bucket, 1/dp contiguous shard")
+        for _ in range(2 if cfg.overlap_param_gather_with_optimizer_step else 1):  # per optimizer
+            _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
+                   split="whether any rank has separately-normed parameters")
+    with_step = cfg.overlap_param_gather_with_optimizer_step  # chunk 0's, launched at once
+    for chunk, b in [(k, b) for k in range(r.v) for b in chunk_buckets(c, r.pp_rank, k)] \
+            if zero and p.dp * p.cp > 1 else []:
+        if not cfg.overlap_param_gather or (with_step and chunk == 0):
+            _event(out, **ev, kind="dp", op="all_gather", shape=[b.numel // (p.dp * p.cp)],
+                   split="parameter bucket, 1/dp contiguous shard", **_gather_site(with_step))
     if r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",
                split="whether this rank updated")

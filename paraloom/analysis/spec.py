@@ -102,6 +102,13 @@ class CommConfig:
     overlap_param_gather: bool = False
     """``--overlap-param-gather``: the parameter shards are all-gathered in the next forward
     (phase ``forward``, :mod:`paraloom.data_parallel.param_gather`), not after the update."""
+    align_param_gather: bool = True
+    """Megatron-LM's ``--align-param-gather``: with interleaving the schedule launches every
+    chunk's gathers, also in the step after a checkpoint gathered them (as Megatron's)."""
+    param_gather_with_optimizer_step: bool = False
+    """``--overlap-param-gather-with-optimizer-step``: chunk 0's buckets (one: bucketing is off
+    on every chunk) are all-gathered in the optimizer step, right after chunk 0's update, in
+    every step (its other chunks as ``overlap_param_gather`` says)."""
     param_gather_forward: bool = False
     """With ``overlap_param_gather``: this step's forward gathers every bucket (the hooks are
     on: an earlier step of the process succeeded; and no checkpoint gathered them since the last

@@ -31,6 +31,8 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         recompute=cfg.recompute, distributed_optimizer=cfg.distributed_optimizer,
         overlap_param_gather=cfg.overlap_param_gather,
         param_gather_forward=cfg.overlap_param_gather,
+        param_gather_with_optimizer_step=cfg.overlap_param_gather_with_optimizer_step,
+        align_param_gather=cfg.align_param_gather,
         overlap_grad_reduce=cfg.overlap_grad_reduce, align_grad_reduce=cfg.align_grad_reduce,
         bucket_size=cfg.bucket_size, bucket_tail_splits=cfg.bucket_tail_splits,
         schedule=cfg.schedule, dtype_bytes=2 if cfg.dtype == "bf16" else 4, grad_bytes=4,

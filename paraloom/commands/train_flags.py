@@ -41,6 +41,7 @@ GROUPS = {
                "parallel.async_grad_allreduce", "parallel.gradient_accumulation_fusion",
                "schedule", "overlap_grad_reduce", "align_grad_reduce", "overlap_p2p_comm",
                "distributed_optimizer", "overlap_param_gather", "align_param_gather",
+               "overlap_param_gather_with_optimizer_step",
                "bucket_size",
                "bucket_tail_splits", "megatron_lm_loop", "rerun_mode"),
     "batch and steps": ("global_batch_size", "micro_batch_size", "steps", "seed", "dtype",

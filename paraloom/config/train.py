@@ -29,8 +29,7 @@ class TrainConfig:
     model: ModelConfig = ModelConfig()
     """Shape of the GPT."""
     parallel: ParallelConfig = ParallelConfig(tp=2, pp=2, dp=2)
-    """The layout and its switches; the default run uses tp = pp = dp = 2 so that its table
-    shows all three kinds of communication."""
+    """The layout; the default tp = pp = dp = 2 shows all three kinds in its table."""
     optim: OptimConfig = OptimConfig()
     """Optimiser and learning-rate schedule."""
     data: DataConfig = DataConfig()
@@ -45,8 +44,7 @@ class TrainConfig:
     """Samples per microbatch on one data-parallel rank."""
     steps: int = option(150, "--steps", "--train-iters",
                         help="optimizer steps in total (counting those before a resume)")
-    """Optimizer steps to run (in total, counting steps done before a resume); also the length
-    of the learning-rate schedule."""
+    """Optimizer steps in total (counting those before a resume); the LR schedule's length."""
     seed: int = option(1234, "--seed", help="seeds the initializer, the data order and dropout")
     """Seeds the initializer, the data order and dropout."""
     dtype: str = option("fp32", "--dtype", choices=("fp32", "bf16"),
@@ -56,8 +54,7 @@ class TrainConfig:
                             choices=("none", "selective", "full"),
                             help="activation recomputation: selective (core attention) or "
                                  "full (per layer)")
-    """Activation recomputation: ``none``, ``selective`` (core attention) or ``full``
-    (per layer)."""
+    """Activation recomputation: ``none``, ``selective`` (core attention), ``full`` (layer)."""
     schedule: str | None = option(None, "--schedule", choices=SCHEDULES,
                                   help="default: none with pp 1, interleaved with vpp > 1, else "
                                        "1f1b; zb-h1: zero-bubble 1F1B (weight gradients "
@@ -97,6 +94,11 @@ class TrainConfig:
                                            "(default: on, as Megatron-LM; off: each chunk's "
                                            "forward pre-hooks launch them)")
     """Megatron-LM's ``--align-param-gather`` (on by default; it only acts with interleaving)."""
+    overlap_param_gather_with_optimizer_step: bool = option(
+        False, "--overlap-param-gather-with-optimizer-step",
+        help="with --overlap-param-gather and interleaving: the first model chunk's parameters "
+             "all-gathered right after its own optimizer step, behind the other chunks' steps")
+    """Megatron's flag (:mod:`paraloom.data_parallel.param_gather`; bucketing off everywhere)."""
     align_grad_reduce: bool = option(True, "--align-grad-reduce", negatable=True,
                                      help="with --overlap-grad-reduce, pipeline stages after "
                                           "the first launch their gradient reduction once "
@@ -158,7 +160,15 @@ class TrainConfig:
                              f"from 0 to 8, got {self.bucket_tail_splits!r}")
 
     def _check_param_gather(self) -> None:
-        """Megatron-LM's own conditions for ``--overlap-param-gather``."""
+        """Megatron-LM's own conditions for ``--overlap-param-gather`` (and its variant)."""
+        if self.overlap_param_gather_with_optimizer_step and not (
+                self.overlap_param_gather and self.distributed_optimizer
+                and self.parallel.vpp and self.parallel.vpp > 1):
+            raise ValueError(f"--overlap-param-gather-with-optimizer-step needs --distributed-"
+                             f"optimizer, --overlap-param-gather and --vpp > 1 (Megatron-LM's "
+                             f"conditions), got distributed_optimizer = "
+                             f"{self.distributed_optimizer}, overlap_param_gather = "
+                             f"{self.overlap_param_gather}, vpp = {self.parallel.vpp}")
         if not self.overlap_param_gather:
             return
         if not self.distributed_optimizer:

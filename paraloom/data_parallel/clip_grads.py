@@ -45,8 +45,11 @@ class GradNorm:
     """The stretches of main grads this rank counts in the global norm (fixed for a run)."""
 
     def __init__(self, ddps: list[DistributedDataParallel], mesh: ParallelMesh, *,
-                 sharded: bool) -> None:
-        """``sharded``: each dp rank owns a shard of every bucket (the distributed optimizer)."""
+                 sharded: bool, dense_optimizers: int = 1) -> None:
+        """``sharded``: each dp rank owns a shard of every bucket (the distributed optimizer).
+        ``dense_optimizers``: how many optimizers Megatron chains for the dense parameters (two
+        under ``--overlap-param-gather-with-optimizer-step``: chunk 0's and the rest's); each
+        makes the first step's agreement of its own."""
         self.ddps, self.mesh = ddps, mesh
         self.pieces: list[tuple] = []  # (bucket, lo, hi), in buffer order
         self.expert_pieces: list[tuple] = []
@@ -67,6 +70,7 @@ class GradNorm:
             self.groups = [(mesh.mp, "mp")] + ([(mesh.tp_ep_pp, "tp_ep_pp")] if self.expert
                                                else [])
         self._first = True
+        self.flags = self.groups[:1] * dense_optimizers + self.groups[1:]
 
     @staticmethod
     def _add(pieces: list, bucket, a: int, b: int) -> None:
@@ -100,7 +104,7 @@ class GradNorm:
                             split="this rank's squared gradient norm")
             sums.append(part.item())
         if self._first:  # Megatron 0.19's one-off has_grad_norm_group agreement (see above)
-            for axis, kind in self.groups:
+            for axis, kind in self.flags:  # one per optimizer of Megatron's chain
                 flag = torch.zeros(1, dtype=torch.int32, device=device)
                 comm.all_reduce(flag, axis, op="max", phase="optimizer", kind=kind,
                                 site="has_grad_norm_group:flag",

@@ -252,8 +252,9 @@ class DistributedOptimizer(_AdamBase):
             shard = bucket.param_data[lo:hi]
             if copy:
                 shard.copy_(master)
-        if self.ddp.param_gather is not None:
-            return  # the next forward gathers them
+        if self.ddp.param_gather is not None:  # the next forward gathers them, or (the first
+            self.ddp.param_gather.after_step()  # chunk with_optimizer_step) it starts now
+            return
         for bucket, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
             land(bucket, gather_bucket(self.ddp, bucket, phase="optimizer",  # synchronous
                                        site="DistributedOptimizer.step:param_shards"))

@@ -35,9 +35,14 @@ Megatron's ``start_param_sync(force_sync=True)``: every bucket gathered now, syn
 (dense buckets first), for a checkpoint or an evaluation; the next forward then gathers nothing
 until the next step's gradients are reduced.
 
+With ``with_optimizer_step`` (Megatron-LM's ``--overlap-param-gather-with-optimizer-step``, the
+first chunk of an interleaved pipeline, one bucket) the chunk's gather is launched by its own
+optimizer step as soon as the update is done (:meth:`after_step`), asynchronously, while the
+other chunks' optimizers step; the schedule's launch skips it and its hook only waits.
+
 Every gather is kind ``dp``, site ``DistributedDataParallel.start_param_sync:param_shards``,
 phase ``forward`` from the hooks and the schedule (all launched asynchronously; the first of a
-step is waited for at once) and ``optimizer`` from :meth:`sync`.
+step is waited for at once) and ``optimizer`` from :meth:`sync` and :meth:`after_step`.
 """
 
 from __future__ import annotations
@@ -57,12 +62,13 @@ class ParamGather:
     """The overlapped parameter all-gathers of one :class:`DistributedDataParallel` (one model
     chunk); it registers itself as ``ddp.param_gather``. The hooks start disabled."""
 
-    def __init__(self, ddp, *, aligned: bool = False) -> None:
+    def __init__(self, ddp, *, aligned: bool = False, with_optimizer_step: bool = False) -> None:
         if not ddp.use_distributed_optimizer:
             raise ValueError("ParamGather needs DistributedDataParallel(..., "
                              "use_distributed_optimizer=True): without the distributed "
                              "optimizer there is no parameter all-gather to overlap")
         self.ddp, self.aligned = ddp, aligned
+        self.with_optimizer_step = with_optimizer_step
         self._owner = {id(p): b for b in ddp.buckets for p in b.params}
         dense = [b for b in ddp.buckets if b.axis is ddp.dp]
         expert = [b for b in ddp.buckets if b.axis is not ddp.dp]
@@ -108,15 +114,28 @@ class ParamGather:
                 land(bucket, self._launch(bucket, "optimizer", async_op=False))
             self._dispatched.add(bucket.index)
 
-    def start_all(self, *_unused) -> None:
+    def start_all(self, *_unused, phase: str = "forward", force_dispatch: bool = False) -> None:
         """Launch every bucket's gather now, asynchronously (Megatron's ``start_param_sync``,
         the interleaved schedule's ``param_sync_func`` under ``--align-param-gather``); the
-        hooks then only wait for them."""
+        hooks then only wait for them. A chunk gathered ``with_optimizer_step`` is skipped
+        unless ``force_dispatch`` (its gather is already in flight, as in Megatron)."""
+        if self.with_optimizer_step and not force_dispatch:
+            return
         for bucket in self._order:
             if bucket.index in self._pending:
                 raise RuntimeError(f"bucket {bucket.index}'s parameter all-gather is already "
                                    f"in flight")
-            self._start(bucket, None)
+            self._start(bucket, None, phase)
+
+    def after_step(self) -> None:
+        """This chunk's optimizer step is done: with ``with_optimizer_step`` (Megatron's
+        ``--overlap-param-gather-with-optimizer-step``, the first chunk) its gathers start now,
+        asynchronously, phase ``optimizer`` (the chained optimizer's
+        ``start_param_sync(force_dispatch=True)``), also before the hooks are on; else nothing:
+        the next forward gathers them."""
+        if self.with_optimizer_step:
+            self._dispatched.clear()
+            self.start_all(phase="optimizer", force_dispatch=True)
 
     def reset(self) -> None:
         """A step's gradients are reduced: the next forward gathers every bucket again."""
@@ -151,8 +170,8 @@ class ParamGather:
         if later is not None and later.index not in self._dispatched:
             self._start(later, module)
 
-    def _start(self, bucket: Bucket, module: str | None) -> None:
-        self._pending[bucket.index] = self._launch(bucket, "forward", True, module)
+    def _start(self, bucket: Bucket, module: str | None, phase: str = "forward") -> None:
+        self._pending[bucket.index] = self._launch(bucket, phase, True, module)
         self._dispatched.add(bucket.index)
 
     def _launch(self, bucket: Bucket, phase: str, async_op: bool, module: str | None = None):

@@ -1,9 +1,7 @@
 """Composition and one training step: the ONE place the order of parallelisms is written.
 
-:func:`build` composes, on every rank::
-
-    mesh -> stage model chunks (tensor-parallel, only this stage's layers)
-         -> data-parallel wrapper per chunk -> optimizer per chunk -> schedule
+:func:`build` composes, on every rank: mesh -> stage model chunks (tensor-parallel, only this
+stage's layers) -> data-parallel wrapper per chunk -> optimizer per chunk -> schedule.
 
 :func:`train_step` runs one optimizer step: this rank's microbatches of the (layout-independent)
 global batch through the pipeline schedule, gradient finalisation (dp buckets, sp and tied
@@ -98,27 +96,28 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     chunks = []
     for c, layers in enumerate(stage_layers(L, p.pp, mesh.pp.rank, vpp)):
         role = stage_role(L, p.pp, mesh.pp.rank, vpp, c)
-        # parameters are created (and initialised) on the device itself: a 1B-parameter model's
-        # counter-based initialisation takes a second on a GPU and minutes on a few CPU cores
+        # made on the device itself: a 1B model's counter-based init takes minutes on CPU cores
         with torch.device(device):
             chunks.append(GPTModel(cfg.model, mesh, layer_ids=layers, pre_process=role.is_first,
                                    post_process=role.is_last, options=options))
         chunks[-1].setup_embeddings_and_output_layer()  # as Megatron's constructor does
     if init_from_hf is not None:
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
-    zero = cfg.distributed_optimizer
+    zero, with_step = cfg.distributed_optimizer, cfg.overlap_param_gather_with_optimizer_step
     ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
-                                    disable_bucketing=c > 0, tail_splits=cfg.bucket_tail_splits)
-            for c, chunk in enumerate(chunks)]
-    for d in ddps if cfg.overlap_param_gather else []:  # hooks on after a successful step
-        ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather)
+                                    disable_bucketing=c > 0 or with_step,  # Megatron-LM's rule
+                                    tail_splits=cfg.bucket_tail_splits) for c, chunk in
+            enumerate(chunks)]
+    for c, d in enumerate(ddps if cfg.overlap_param_gather else []):  # hooks: after a step
+        ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather,
+                    with_optimizer_step=with_step and c == 0)
     opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
     optimizers = [opt_cls(d, lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
                           weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
                   for d in ddps]
     return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device,
-               GradNorm(ddps, mesh, sharded=zero))
+               GradNorm(ddps, mesh, sharded=zero, dense_optimizers=2 if with_step else 1))
 
 
 def forward_step(data_iterator, model: GPTModel):

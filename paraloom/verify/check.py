@@ -141,8 +141,11 @@ def _param_gather_forward(config: CommConfig, step: int, metrics: dict[int, dict
     """Under ``--overlap-param-gather``, whether ``step``'s forward gathers the parameters: the
     hooks are on once a step of the process succeeded (Megatron-LM's ``train()``), and a
     checkpoint's gather (``params_gathered_at_save`` on the step's line) leaves nothing to
-    gather until the next step's gradients are reduced."""
-    if not config.overlap_param_gather or metrics.get(step, {}).get("params_gathered_at_save"):
+    gather until the next step's gradients are reduced -- for the hooks: with interleaving and
+    ``align_param_gather`` the schedule launches every chunk's gathers all the same."""
+    scheduled = config.v > 1 and config.align_param_gather
+    if not config.overlap_param_gather or (
+            metrics.get(step, {}).get("params_gathered_at_save") and not scheduled):
         return False
     for earlier in range(step - 1, 0, -1):  # back to the first step of this process
         line = metrics.get(earlier, {})
