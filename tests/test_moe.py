@@ -382,3 +382,22 @@ def test_all_to_all_with_an_empty_send(world4):
     for r, (got, sent, received, row) in enumerate(world4.run(empty_all_to_all)):
         assert got == [1.0, 2.0, 3.0] and row == 12 and received == 36
         assert sent == (0 if r == 0 else 48)
+
+
+def test_plan_times_the_shared_experts_tp_traffic():
+    """A shared expert is a third tensor-parallel region in a MoE layer: 1.5x the layer's tp
+    collectives (less what its own GEMMs hide in backward), and its GEMMs add compute."""
+    from paraloom.analysis.costs import Options, layer_time
+    from paraloom.analysis.formulas import CommConfig
+    from paraloom.analysis.hardware import GPUS
+    from paraloom.analysis.moe_formulas import MoECommConfig
+
+    moe = MoECommConfig(num_experts=8, topk=2, ep=2)
+    c = CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=51200, tp=4, dp=2,
+                   moe=moe, sequence_parallel=True)
+    hw = GPUS["a100-80gb"]
+    plain = layer_time(c, hw, Options(), 8, moe_layer=True)
+    shared = layer_time(replace(c, moe=replace(moe, shared_ffn=1024)), hw, Options(), 8,
+                        moe_layer=True)
+    assert plain["tp_comm"] < shared["tp_comm"] <= 1.5 * plain["tp_comm"]
+    assert shared["gemm"] > plain["gemm"]

@@ -180,6 +180,8 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         ar = collective_time("all_reduce", t, act, hw, inter)
         tp_fwd = 2 * ar
         tp_bwd = 2 * max(0.0, ar - hide * linears / 4) if o.async_tp else 2 * ar
+    if moe_layer and c.moe.shared_ffn:  # the shared expert: a third tp region (a dense MLP's)
+        tp_fwd, tp_bwd = 1.5 * tp_fwd, 1.5 * tp_bwd
     cp_fwd, cp_bwd = cp_comm_time(c, hw, qk + av)
     ep_fwd = ep_comm = 0.0
     if moe_layer and c.moe.ep > 1:  # counts, dispatch and combine (k N h each); reversed in bwd
