@@ -32,7 +32,7 @@ def layer_param_count(arch: Architecture, h: int, a: int, f: int) -> tuple[int, 
     """``(split over tp, replicated)`` parameters of one layer."""
     g = arch.num_query_groups or a
     qkv = (a + 2 * g) * (h // a)
-    fc1 = 2 * f if arch.swiglu else f
+    fc1 = arch.fc1(f)
     split = qkv * h + h * h + fc1 * h + f * h + (qkv + fc1 if arch.add_bias_linear else 0)
     norms = (1 if arch.normalization == "RMSNorm" else 2) * 2 * h
     return split, norms + (2 * h if arch.add_bias_linear else 0)
@@ -45,7 +45,7 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
     vocab = -(-c.vocab // t) * t
     rms, bias = arch.normalization == "RMSNorm", arch.add_bias_linear
     qkv = (c.heads + 2 * (arch.num_query_groups or c.heads)) * (h // c.heads)
-    fc1 = 2 * f if arch.swiglu else f
+    fc1 = arch.fc1(f)
     out = []
 
     def norm(name):

@@ -131,7 +131,7 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     tokens, b = s * c.micro_batch, c.micro_batch
     d = h // a
     qkv = (a + 2 * (c.arch.num_query_groups or a)) * d      # GQA: fewer K/V heads
-    fc1 = 2 * f if c.arch.swiglu else f                      # SwiGLU: gate and up
+    fc1 = c.arch.fc1(f)                                      # SwiGLU: gate and up
     linears = gemm_time(hw, tokens, qkv / t, h) + gemm_time(hw, tokens, h, h / t)
     if moe_layer:  # the router, then E/ep local experts of N k ep / E rows each (balanced)
         m = c.moe
@@ -141,9 +141,9 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         fc1 = m.topk * fc1
         if m.shared_ffn:  # the shared expert: a dense MLP of width shared_ffn on every token
             sf = m.shared_ffn
-            shared_fc1 = 2 * sf if c.arch.swiglu else sf
-            linears += gemm_time(hw, tokens, shared_fc1 / t, h) + gemm_time(hw, tokens, h, sf / t)
-            fc1 += shared_fc1
+            linears += gemm_time(hw, tokens, c.arch.fc1(sf) / t, h) + \
+                gemm_time(hw, tokens, h, sf / t)
+            fc1 += c.arch.fc1(sf)
     else:
         linears += gemm_time(hw, tokens, fc1 / t, h) + gemm_time(hw, tokens, h, f / t)
     qk = gemm_time(hw, s, c.seq_len, d, b * a / t)

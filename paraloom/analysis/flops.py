@@ -54,14 +54,14 @@ def layer_forward_flops(c, index: int = 0, batch: int | None = None) -> dict:
     linear = 2 * n * h * (a + 2 * g) * (h // a) + 2 * n * h * h
     attention = 4 * n * s * h
     if index >= 0 and _is_moe(c, index):
-        fc1 = 2 * f if c.arch.swiglu else f  # every routed token runs one expert's MLP
-        mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * (2 * n * h * fc1 + 2 * n * f * h)
-        sf = c.moe.shared_ffn  # the shared expert: every token, plus its gate's 2 n h
-        if sf:
-            mlp += 2 * n * h * (2 * sf if c.arch.swiglu else sf) + 2 * n * sf * h \
-                + (2 * n * h if c.moe.shared_gate else 0)
+        # the router, each routed token through one expert's MLP, and a shared expert on every
+        # token (plus its gate's 2 n h)
+        mlp = 2 * n * h * c.moe.num_experts + c.moe.topk * c.arch.mlp_flops(n, h, f)
+        if c.moe.shared_ffn:
+            mlp += c.arch.mlp_flops(n, h, c.moe.shared_ffn) + \
+                (2 * n * h if c.moe.shared_gate else 0)
     else:
-        mlp = 2 * n * h * (2 * f if c.arch.swiglu else f) + 2 * n * f * h
+        mlp = c.arch.mlp_flops(n, h, f)
     return {"linear": linear, "attention": attention, "mlp": mlp}
 
 

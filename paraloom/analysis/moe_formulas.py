@@ -31,6 +31,7 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 
 from ..moe.router import expert_capacity
 from .spec import MoECommConfig, Param
@@ -70,7 +71,7 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
     An expert is the architecture's MLP: fc1 ``2f`` rows with SwiGLU, biases only with
     ``add_bias_linear``."""
     t, h, f, m = c.tp, c.hidden, c.f, c.moe
-    fc1, bias = (2 * f if c.arch.swiglu else f), c.arch.add_bias_linear
+    fc1, bias = c.arch.fc1(f), c.arch.add_bias_linear
     out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp)]
     for g in range(m.num_experts // m.ep):
         e = f"{prefix}experts.{g}."
@@ -84,7 +85,7 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
         e, sf = prefix + "shared_experts.", m.shared_ffn
         if m.shared_gate:
             out.append(Param(e + "gate_weight", h, sp=c.sp))
-        out += [Param(e + "fc1.weight", (2 * sf if c.arch.swiglu else sf) // t * h),
+        out += [Param(e + "fc1.weight", c.arch.fc1(sf) // t * h),
                 Param(e + "fc2.weight", h * (sf // t))]
     return out
 
@@ -95,15 +96,15 @@ def shared_expert_params(c, tp: int) -> int:
     m = c.moe
     if not m.shared_ffn:
         return 0
-    fc1 = 2 * m.shared_ffn if c.arch.swiglu else m.shared_ffn
-    return (fc1 + m.shared_ffn) * c.hidden // tp + (c.hidden if m.shared_gate else 0)
+    mlp = expert_mlp_params(replace(c.arch, add_bias_linear=False), c.hidden, m.shared_ffn, tp)
+    return mlp + (c.hidden if m.shared_gate else 0)
 
 
 def expert_mlp_params(arch, hidden: int, ffn: int, tp: int = 1) -> int:
     """Parameters of one MLP (an expert, or the dense MLP it replaces) on one tp rank: fc1
     (``2f`` rows with SwiGLU) and fc2, plus their biases with ``add_bias_linear`` (fc2's bias
     whole on every rank)."""
-    fc1 = 2 * ffn if arch.swiglu else ffn
+    fc1 = arch.fc1(ffn)
     weights = (fc1 + ffn) * hidden // tp
     return weights + (fc1 // tp + hidden if arch.add_bias_linear else 0)
 
@@ -245,10 +246,11 @@ def moe_plan(c, pp_rank: int) -> dict:
     total = all_layers * (m.num_experts * h + shared_expert_params(c, 1)
                           + (m.num_experts - 1) * expert_mlp_params(c.arch, h, f))
     n_tok = c.seq_len * c.micro_batch  # activations: plan applies the cp factor itself
-    mlp_act = 8 * f / t if c.arch.swiglu else 4 * f / t  # SwiGLU: fc1 2f, silu f, product f
-    sf = m.shared_ffn / t  # the shared expert: one more MLP's input and activations
-    shared_act = (2 * h + (8 if c.arch.swiglu else 4) * sf) if m.shared_ffn else 0
-    act = layers * n_tok * ((m.topk - 1) * (2 * h + mlp_act) + 2 * m.topk * h + shared_act) \
+    def mlp_act(width: float) -> float:  # input h; fc1 and GeLU (SwiGLU: fc1 2f, silu, product)
+        return 2 * h + 4 * c.arch.fc1(width) / t
+
+    shared_act = mlp_act(m.shared_ffn) if m.shared_ffn else 0  # the shared expert: every token
+    act = layers * n_tok * ((m.topk - 1) * mlp_act(f) + 2 * m.topk * h + shared_act) \
         * c.dtype_bytes / 2
     mm = layers * c.num_microbatches
     ep_ops = 5 * mm if m.ep > 1 else 0

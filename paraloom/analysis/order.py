@@ -132,7 +132,7 @@ def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:
 def _context_parallel(r: _Rank, out: list, ev: dict, i: int, *, backward: bool) -> None:
     """Core attention's exchanges over cp (:func:`.order_cp.cp_rows`)."""
     if r.cp > 1:
-        for fields in cp_rows(r.cfg.parallel.cp_comm_type, r, i, backward=backward):
+        for fields in cp_rows(r.cfg.parallel.cp_comm_type, r, backward=backward):
             _event(out, **dict(ev, kind="cp", module=f"layers.{i}.attention.core",
                                itemsize=r.item), **fields)
 

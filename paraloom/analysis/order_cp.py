@@ -6,7 +6,7 @@ from __future__ import annotations
 __all__ = ["cp_rows"]
 
 
-def cp_rows(comm_type: str, r, layer: int, *, backward: bool) -> list[dict]:
+def cp_rows(comm_type: str, r, *, backward: bool) -> list[dict]:
     """The events (op, site, split, shape) of one layer's core attention on rank ``r`` (an
     :mod:`.order` rank: ``cp``, ``b``, ``s``, ``local`` tokens, ``kv`` shape, ``heads``): the
     ring's ``cp - 1`` K/V exchanges (backward: K/V and their gradients each step, then the

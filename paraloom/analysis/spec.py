@@ -44,6 +44,14 @@ class Architecture:
     def tied(self) -> bool:
         return not self.untie_embeddings_and_output_weights
 
+    def fc1(self, ffn: int) -> int:
+        """Rows of an MLP's fc1 of width ``ffn``: ``2 ffn`` with SwiGLU (gate and up)."""
+        return 2 * ffn if self.swiglu else ffn
+
+    def mlp_flops(self, tokens: int, hidden: int, ffn: int) -> int:
+        """Forward FLOPs of one MLP of width ``ffn`` on ``tokens`` tokens: fc1 and fc2."""
+        return 2 * tokens * hidden * (self.fc1(ffn) + ffn)
+
 
 @dataclass(frozen=True)
 class MoECommConfig:

@@ -26,7 +26,7 @@ class ContextParallelAttention(nn.Module):
         if comm_type not in _KINDS:
             raise ValueError(f"cp comm type must be p2p, all_gather or a2a, got {comm_type!r}")
         self.axis, self.comm_type, self.name = axis, comm_type, name
-        self.local = core  # a2a: the model's attention kernel on the re-sharded heads
+        self.local = core if comm_type == "a2a" else None  # the kernel on re-sharded heads
 
     def forward(self, q, k, v):
         if self.comm_type == "a2a":
