@@ -13,7 +13,7 @@ Conventions:
   reduce-scatter, the local shard of an all-gather, the tensor of a send/recv.
 * ``async_op=True`` returns a :class:`Handle`; ``handle.wait()`` returns the result. Every wait has
   a timeout (:func:`set_timeout`), after which :class:`CommTimeout` names the operation and the
-  group instead of hanging.
+  group instead of hanging (:mod:`paraloom.comm_wait`: handles, timeout, flight recorder).
 * Reductions are SUM (averages divide afterwards), except where an algorithm needs MAX.
 * ``all_to_all`` moves rows of dim 0 with per-rank split sizes (Megatron's expert dispatch); its
   event carries ``input_splits`` / ``output_splits`` (rows) and ``row_bytes``, and ``bytes`` is the
@@ -23,15 +23,21 @@ Conventions:
 from __future__ import annotations
 
 import math
-import sys
 import time
-from collections import deque
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import ledger as _ledger
+from .comm_wait import (
+    RECENT,
+    CommTimeout,
+    Handle,
+    P2PHandle,
+    flight_recorder,
+    get_timeout,
+    set_timeout,
+)
 from .mesh import Axis
 
 __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "batch_p2p",
@@ -39,79 +45,10 @@ __all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcas
            "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout",
            "flight_recorder"]
 
-_TIMEOUT = timedelta(seconds=300)
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renames the tensor-level collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-class CommTimeout(RuntimeError):
-    """A communication did not complete within the timeout (a peer is slow, dead or mismatched)."""
-
-
-def set_timeout(seconds: float) -> None:
-    """Timeout for every wait in this process (the process group's own timeout is set at init)."""
-    global _TIMEOUT
-    if seconds <= 0:
-        raise ValueError(f"timeout must be positive seconds, got {seconds}")
-    _TIMEOUT = timedelta(seconds=seconds)
-
-
-def get_timeout() -> timedelta:
-    return _TIMEOUT
-
-
-class Handle:
-    """An operation in flight. ``wait()`` blocks (bounded by the timeout) and returns the result."""
-
-    __slots__ = ("_works", "_event", "_result", "_finish", "_desc", "_done")
-
-    def __init__(self, works, result, event=None, finish=None, desc: str = "") -> None:
-        self._works, self._result, self._event, self._finish = works, result, event, finish
-        self._desc, self._done = desc, False
-
-    def wait(self):
-        if self._done:
-            return self._result
-        event, led = self._event, _ledger.active()
-        if event is not None and led is not None:
-            event["t_wait"] = led.stamp()
-        for work in self._works:
-            _wait(work, self._desc)
-        if self._finish is not None:
-            self._result = self._finish(self._result)
-        if event is not None and led is not None:
-            event["t_end"] = led.stamp()  # on CUDA: after the stream was made to wait
-            led.completed(event)
-        self._done = True
-        return self._result
-
-
-_RECENT: deque = deque(maxlen=16)
-"""Flight recorder: the last operations launched on this rank (always on; a deque append)."""
-
-
-def flight_recorder() -> str:
-    """The recent operations of this rank, oldest first, as text (what a hang was waiting on)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    now = time.time()
-    lines = [f"  {now - t:8.3f} s ago: {desc}" for t, desc in _RECENT]
-    return f"flight recorder, rank {rank}, last {len(lines)} operations (oldest first):\n" + \
-        "\n".join(lines)
-
-
-def _wait(work, desc: str) -> None:
-    try:
-        ok = work.wait(_TIMEOUT)
-        limit = _TIMEOUT.total_seconds()
-        problem = None if ok is not False else f"did not complete within {limit:g} s"
-    except RuntimeError as err:  # gloo raises on timeout or on a peer that went away
-        problem = f"failed or timed out after {_TIMEOUT.total_seconds():g} s: {err}"
-    if problem is not None:
-        record = flight_recorder()
-        print(f"paraloom: {desc} {problem}\n{record}", file=sys.stderr, flush=True)
-        raise CommTimeout(f"{desc} {problem}\n{record}")
 
 
 def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, what: str = ""):
@@ -121,7 +58,7 @@ def _run(launch, result, axis: Axis, async_op: bool, finish=None, record=None, w
         if led else None
     work = launch()
     desc = f"{what} over {axis.name} group {list(axis.ranks)}"
-    _RECENT.append((time.time(), desc))
+    RECENT.append((time.time(), desc))
     handle = Handle([work], result, event, finish, desc)
     return handle if async_op else handle.wait()
 
@@ -144,11 +81,20 @@ def all_reduce(tensor: torch.Tensor, axis: Axis, *, phase: str, kind: str, site:
 
 def all_gather(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, kind: str,
                site: str, module: str | None = None, split: str | None = None,
-               async_op: bool = False, **extra):
-    """Concatenate every rank's ``tensor`` along ``dim`` (rank order); a new tensor is returned."""
+               async_op: bool = False, output_splits: list[int] | None = None, **extra):
+    """Concatenate every rank's ``tensor`` along ``dim`` (rank order); a new tensor is returned.
+    ``output_splits``: the ranks' dim-0 sizes differ (Megatron's all-gather with
+    ``output_split_sizes``); every rank passes the same list. It runs as one all-gather of
+    shards padded to the largest (gloo gathers equal sizes only), trimmed after; its event
+    records the splits, and its bytes stay this rank's own rows."""
     if axis.size == 1:
         return _done(tensor, async_op)
     local = tensor.contiguous()
+    if output_splits is not None:
+        return _all_gather_v(local, axis, list(output_splits), async_op,
+                             dict(op="all_gather", phase=phase, kind=kind, site=site,
+                                  module=module, split=split, tensor=local,
+                                  output_splits=list(output_splits), **extra))
     out = torch.empty((axis.size * local.shape[0], *local.shape[1:]), dtype=local.dtype,
                       device=local.device)
     finish = None
@@ -160,12 +106,40 @@ def all_gather(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, ki
                 axis, async_op, finish, record, f"all_gather at {site}")
 
 
+def _all_gather_v(local: torch.Tensor, axis: Axis, splits: list[int], async_op: bool, record):
+    if len(splits) != axis.size or splits[axis.rank] != local.shape[0]:
+        raise ValueError(f"all_gather at {record['site']}: output_splits {splits} must have "
+                         f"{axis.size} entries with this rank's ({axis.rank}) equal to dim 0 of "
+                         f"shape {list(local.shape)}")
+    most = max(splits)
+    padded = local.new_zeros((most, *local.shape[1:]))
+    padded[:local.shape[0]] = local
+    out = local.new_empty((axis.size * most, *local.shape[1:]))
+    finish = lambda full: torch.cat([c[:n] for c, n in  # noqa: E731
+                                     zip(full.chunk(axis.size, 0), splits, strict=True)])
+    return _run(lambda: _all_gather_single(out, padded, group=axis.group, async_op=True), out,
+                axis, async_op, finish, record, f"all_gather at {record['site']}")
+
+
 def reduce_scatter(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, kind: str,
                    site: str, module: str | None = None, split: str | None = None,
-                   async_op: bool = False, **extra):
-    """Sum ``tensor`` over ``axis`` and keep this rank's slice along ``dim`` (a new tensor)."""
+                   async_op: bool = False, input_splits: list[int] | None = None, **extra):
+    """Sum ``tensor`` over ``axis`` and keep this rank's slice along ``dim`` (a new tensor).
+    ``input_splits``: uneven dim-0 slices, rank ``j`` keeps ``input_splits[j]`` rows (Megatron's
+    reduce-scatter with ``input_split_sizes``; recorded on the event)."""
     if axis.size == 1:
         return _done(tensor, async_op)
+    if input_splits is not None:
+        ins = list(input_splits)
+        if len(ins) != axis.size or sum(ins) != tensor.shape[0]:
+            raise ValueError(f"reduce_scatter at {site}: input_splits {ins} must have "
+                             f"{axis.size} entries summing to dim 0 of {list(tensor.shape)}")
+        parts = [p.contiguous() for p in tensor.split(ins)]
+        out = torch.empty_like(parts[axis.rank])
+        record = dict(op="reduce_scatter", phase=phase, kind=kind, site=site, module=module,
+                      split=split, tensor=tensor, input_splits=ins, **extra)
+        return _run(lambda: dist.reduce_scatter(out, parts, group=axis.group, async_op=True),
+                    out, axis, async_op, None, record, f"reduce_scatter at {site}")
     if tensor.shape[dim] % axis.size:
         raise ValueError(f"reduce_scatter at {site}: dim {dim} of shape {list(tensor.shape)} is "
                          f"not divisible by the group size {axis.size}")
@@ -246,28 +220,9 @@ def batch_p2p(ops: list[tuple[str, torch.Tensor, int]], axis: Axis, *, phase: st
     works = dist.batch_isend_irecv(p2p)
     peers = ", ".join(f"{op[0]} {op[2]}" for op in ops)
     desc = f"p2p ({peers}) at {site}"
-    _RECENT.append((time.time(), desc))
-    handle = _P2PHandle(works, [op[1] for op in ops], events, desc)
+    RECENT.append((time.time(), desc))
+    handle = P2PHandle(works, [op[1] for op in ops], events, desc)
     return handle if async_op else handle.wait()
-
-
-class _P2PHandle(Handle):
-    __slots__ = ("_events",)
-
-    def __init__(self, works, result, events, desc) -> None:
-        super().__init__(works, result, None, None, desc)
-        self._events = events
-
-    def wait(self):
-        led = _ledger.active()
-        for event in self._events:
-            event["t_wait"] = led.stamp() if led else event["t_wait"]
-        result = super().wait()
-        for event in self._events:
-            if led:
-                event["t_end"] = led.stamp()
-                led.completed(event)
-        return result
 
 
 def barrier(axis: Axis, *, phase: str = "setup", site: str = "barrier") -> None:

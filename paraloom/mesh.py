@@ -7,6 +7,7 @@ Rank order is Megatron's default (tp-cp-dp-pp): tensor fastest, then context, da
 so the ranks of a tensor-parallel group are neighbours (same node, fastest links), and pipeline
 stages are the furthest apart. ``mesh.tp``, ``mesh.dp``, ``mesh.pp`` and ``mesh.emb`` are
 :class:`Axis` handles carrying the group, its size, this rank's index in it and its global ranks.
+``mesh.tp_cp`` holds the tp x cp ranks of one sequence.
 ``mesh.emb`` is the embedding group: the first and the last pipeline stage of this (dp, tp) column,
 over which the tied word-embedding gradients are all-reduced. ``mesh.cp`` holds the ranks sharing
 one sequence (context parallelism); ``mesh.dp_cp`` is Megatron's data-parallel group "with context
@@ -95,6 +96,7 @@ def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[tuple[
         "cp": [tuple(r(p, d, c, t) for c in C) for p in P for d in D for t in T],
         "dp_cp": [tuple(r(p, d, c, t) for d in D for c in C) for p in P for t in T],
         "mp": [tuple(r(p, d, c, t) for p in P for t in T) for d in D for c in C],
+        "tp_cp": [tuple(r(p, d, c, t) for c in C for t in T) for p in P for d in D],
     }
     groups["emb"] = [tuple(dict.fromkeys((g[0], g[-1]))) for g in groups["pp"]]
     return groups
@@ -104,8 +106,10 @@ def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
                        ) -> dict[str, list[tuple[int, ...]]]:
     """The ``ep`` and ``edp`` groups (Megatron-Core's expert-model-parallel and expert-data-parallel
     groups): the ``dp * cp`` ranks at each (pp, tp) position, in rank order ``tp-cp-dp-pp``, split
-    into consecutive blocks of ``ep``; and ``tp_ep_pp``, the ranks holding one replica of every
-    expert (tp x ep x pp, Megatron's expert tensor-model-pipeline group: the experts' grad norm).
+    into consecutive blocks of ``ep``; ``tp_ep``, one block with its tp ranks (Megatron's
+    ``tp_ep`` group: the token dispatcher's counts are gathered over it); and ``tp_ep_pp``, the
+    ranks holding one replica of every expert (tp x ep x pp, Megatron's expert
+    tensor-model-pipeline group: the experts' grad norm).
 
     >>> groups = expert_rank_groups(tp=1, pp=1, dp=4, ep=2)
     >>> groups["ep"], groups["edp"], groups["tp_ep_pp"]
@@ -127,6 +131,8 @@ def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
                 for p in range(pp) for e in range(ep) for t in range(tp)],
         "tp_ep_pp": [tuple(r(p, b * ep + e, t) for p in range(pp) for e in range(ep)
                            for t in range(tp)) for b in range(edp)],
+        "tp_ep": [tuple(r(p, b * ep + e, t) for e in range(ep) for t in range(tp))
+                  for p in range(pp) for b in range(edp)],
     }
 
 
@@ -182,6 +188,10 @@ class ParallelMesh:
     ep = property(lambda self: self.axes["ep"], doc="Expert-parallel axis (experts divided).")
     edp = property(lambda self: self.axes["edp"],
                    doc="Expert-data-parallel axis (replicas of this rank's experts).")
+    tp_ep = property(lambda self: self.axes["tp_ep"],
+                     doc="tp x ep: the MoE token dispatcher's counts are gathered over it.")
+    tp_cp = property(lambda self: self.axes["tp_cp"],
+                     doc="tp x cp: one sequence's ranks (the MoE aux loss's token counts).")
     tp_ep_pp = property(lambda self: self.axes["tp_ep_pp"],
                         doc="tp x ep x pp: one replica of every expert (their grad norm).")
 

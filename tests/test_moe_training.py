@@ -36,9 +36,9 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
         assert table_main([str(run), "--lang", lang]) == 0
         rows = [r for r in capsys.readouterr().out.splitlines() if "| ep |" in r]
         assert any(words in r and forward in r for r in rows)
-        # 2 MoE layers x (combine, dispatch) x 4 microbatches
+        # 2 MoE layers x (combine, probabilities, dispatch) x 4 microbatches
         backward = {"en": "backward", "zh": "反向"}[lang]
-        assert sum("all_to_all" in r and backward in r for r in rows) == 2 * 2 * 4
+        assert sum("all_to_all" in r and backward in r for r in rows) == 2 * 3 * 4
     forged = tmp_path / "forged"
     shutil.copytree(run, forged, ignore=shutil.ignore_patterns("checkpoints"))
     lines = (forged / "ledger.jsonl").read_text().splitlines()
@@ -94,8 +94,10 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
         ("MoELayer.router:tokens_per_expert", "all_reduce")
     assert {(e["kind"], e["op"], bool(e.get("recompute"))) for e in events
             if e["site"] == site} == {("cp", op, False), ("cp", op, True)}
-    tokens = [e for e in events if e["kind"] == "ep" and e["op"] == "all_to_all"]
-    counts = [e for e in tokens if e.get("dtype") == "int64"]
+    tokens = [e for e in events if e["kind"] == "ep" and e["op"] == "all_to_all"
+              and e["site"].endswith(":tokens")]
+    counts = [e for e in events if e["kind"] == "ep" and e.get("dtype") == "int64"]
+    assert all(e["op"] == "all_gather" for e in counts)  # Megatron's: over tp x ep
     if capacity == "pad":  # capacity ceil(16 tokens x 2 / 4 x 1.0) = 8 rows per expert
         assert not counts
         assert {sum(e["input_splits"]) for e in tokens} == {4 * 8}

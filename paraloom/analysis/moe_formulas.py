@@ -1,27 +1,29 @@
-"""Mixture of experts in the analytical model: parameters, tp/sp traffic, all-to-all (kind ep).
+"""Mixture of experts in the analytical model: parameters, tp/sp traffic, the dispatcher (ep).
 
-What one MoE layer communicates, per microbatch (``N = s b`` tokens, ``k`` = top-k, ``E``
-experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` tokens):
+What one MoE layer communicates, per microbatch (``N = (s / cp) b`` tokens per rank, ``k`` =
+top-k, ``E`` experts, ``h`` hidden, ``B`` bytes per element). Dropless under sp (Megatron's
+order) each tp rank routes and dispatches its own ``N / tp`` tokens; otherwise (tp = 1, tp
+without sp, or a capacity factor) every tp rank routes all ``N``:
 
-* ep > 1, forward: an all-to-all of the per-expert counts (``E`` int64: ``8E`` bytes), the
-  dispatch all-to-all (rows this rank sends: ``N k`` without drops, ``sum(input_splits)`` with a
-  capacity factor) and the combine all-to-all (the rows its experts received); backward: the
-  same two token all-to-alls reversed. A token all-to-all moves ``rows x h x B`` bytes, so the
-  dispatch totals are ``tokens x topk x h x dtype``. The received rows depend on the routing:
-  :func:`check_all_to_all` verifies every event's bytes against its own recorded split sizes,
-  the split sizes against the peers' (rank ``i``'s ``input_splits[j]`` is rank ``j``'s
-  ``output_splits[i]``) and the dispatch totals against ``N k`` (dropless).
-* tp > 1 differs from the dense MLP: the router logits (``N x E`` fp32) are gathered with the
-  tokens (sp: one more all-gather forward, a reduce-scatter of their gradient backward, and no
-  re-gather of a saved input; without sp: one more all-reduce backward).
+* the dispatcher (kind ``ep``), forward: an all-gather of the per-expert counts over
+  ``tp x ep`` (``E`` int64 each; none when rows are padded to capacity); ep > 1: all-to-alls
+  of the tokens, of their routing probabilities (fp32) and, after the experts, of the outputs;
+  tp > 1 (own tokens): all-gathers of the received rows and of their probabilities over tp
+  (uneven sizes) and a reduce-scatter of the outputs. Backward: each of those exchanges
+  reversed once (the counts are not exchanged again). The rows depend on the routing, so the
+  bytes come from the recorded split sizes (:mod:`~paraloom.analysis.moe_splits`).
+* tp/sp: own tokens, the layer has no dense MLP region (the dispatcher's tp exchanges replace
+  it); every tp rank routing all tokens, the router logits (``N x E`` fp32) are gathered with
+  the tokens (sp: one more all-gather forward, a reduce-scatter of their gradient backward, and
+  no re-gather of a saved input; without sp: one more all-reduce backward).
 * a shared expert (``moe_shared_expert_intermediate_size``) adds one dense MLP's tp/sp
   traffic (sp: its fc1's all-gather and fc2's reduce-scatter forward, two all-gathers and a
   reduce-scatter backward; without sp an all-reduce each way); its gate's gradient joins the
   sequence-parallel sums.
-* cp > 1: ``N = (s / cp) b`` tokens per rank, and one all-reduce over cp of the router's
-  counts (``E + 1`` int64: tokens per expert and tokens) so the aux loss counts the whole
-  microbatch (repeated by full recomputation); with a capacity factor instead one all-gather
-  over cp of the router logits (``N E`` fp32 per rank), so every rank routes the microbatch.
+* the aux loss counts the whole microbatch: one all-reduce of the router's counts (``E``
+  int64) over tp x cp (own tokens; kind ``sp`` without cp) or over cp (kind ``cp``); with a
+  capacity factor under cp instead one all-gather over cp of the router logits (``N E`` fp32
+  per rank), so every rank routes the microbatch. Full recomputation repeats the forward's.
 * Gradients: expert parameters sit in their own buffer, reduced (ZeRO: sharded) over edp
   (``dp cp / ep`` ranks); the experts' fc2 biases (added by tp rank 0) are summed over tp with the
   sequence-parallel gradients; the step's statistics add ``3 + L E`` float64 to the loss
@@ -30,15 +32,14 @@ experts, ``h`` hidden, ``B`` bytes per element; every tp rank routes all ``N`` t
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import replace
 
 from ..moe.router import expert_capacity
 from .spec import MoECommConfig, Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
-           "check_all_to_all", "moe_from_run", "expert_mlp_params", "shared_expert_params",
-           "moe_plan", "split_bytes"]
+           "moe_from_run", "expert_mlp_params", "shared_expert_params", "moe_plan", "split_tp",
+           "local_tokens"]
 
 
 
@@ -118,18 +119,31 @@ def moe_layers_on_rank(c, pp_rank: int) -> int:
     return sum(1 for i in ids if c.moe.is_moe_layer(i))
 
 
+def split_tp(c) -> bool:
+    """Whether each tp rank routes and dispatches its own tokens (Megatron's order: dropless
+    under sp); otherwise every tp rank routes the whole microbatch."""
+    return c.tp > 1 and c.sp and not c.moe.capacity
+
+
 def moe_comm(c, pp_rank: int, add) -> None:
     """Correct :func:`~paraloom.analysis.formulas.expected_comm` for the MoE layers of this rank:
-    their tp/sp traffic instead of the dense MLP's, and the count of all-to-alls (the token
-    all-to-alls' bytes come from the recorded splits, see :func:`check_all_to_all`)."""
+    their tp/sp traffic instead of the dense MLP's, and the count of the dispatcher's exchanges
+    (the rows' bytes come from the recorded splits, see :func:`split_bytes`)."""
     m, t = c.moe, c.tp
     mm = c.num_microbatches * moe_layers_on_rank(c, pp_rank)
-    n_tok = _local_tokens(c)
+    n_tok = local_tokens(c)
     logits = n_tok * m.num_experts * 4                      # [N, E] fp32
     act = n_tok * c.hidden * c.dtype_bytes                  # [s, b, h]
     # full recomputation re-runs the whole MoE forward (its output feeds the saved residual)
     again = mm if c.recompute == "full" else 0
-    if t > 1 and c.sp:
+    split = split_tp(c)
+    if split:  # no dense MLP region: the dispatcher gathers and scatters rows over tp itself
+        for phase, n in (("forward", mm), ("recompute", again)):
+            add("sp", "all_gather", phase, -n, act // t)
+            add("sp", "reduce_scatter", phase, -n, act)
+        add("sp", "all_gather", "backward", -2 * mm, act // t)
+        add("sp", "reduce_scatter", "backward", -mm, act)
+    elif t > 1 and c.sp:
         add("sp", "all_gather", "forward", mm, logits // t)   # the logits' gather
         add("sp", "all_gather", "backward", -mm, act // t)    # no saved-input re-gather
         add("sp", "reduce_scatter", "backward", mm, logits)   # the logits' gradient
@@ -138,90 +152,59 @@ def moe_comm(c, pp_rank: int, add) -> None:
     elif t > 1:
         add("tp", "all_reduce", "backward", mm, logits)       # the logits' copy region
         add("tp", "all_reduce", "recompute", again, act)      # the output's all-reduce
-    if t > 1 and m.shared_ffn:  # the shared expert: one more dense MLP's tp/sp traffic
-        shard = act // t
-        if c.sp:  # fc1 gathers its input, fc2 reduce-scatters; backward as a dense MLP's
-            add("sp", "all_gather", "forward", mm, shard)
-            add("sp", "reduce_scatter", "forward", mm, act)
-            add("sp", "all_gather", "backward", 2 * mm, shard)
-            add("sp", "reduce_scatter", "backward", mm, act)
-            add("sp", "all_gather", "recompute", again, shard)
-            add("sp", "reduce_scatter", "recompute", again, act)
-        else:
-            add("tp", "all_reduce", "forward", mm, act)
-            add("tp", "all_reduce", "backward", mm, act)
-            add("tp", "all_reduce", "recompute", again, act)
-    if getattr(c, "cp", 1) > 1 and m.capacity:  # the router logits, gathered over cp
+    if t > 1 and m.shared_ffn:
+        _shared_expert(c, mm, again, act, add)
+    cp = getattr(c, "cp", 1)
+    if cp > 1 and m.capacity:  # the router logits, gathered over cp
         add("cp", "all_gather", "forward", mm, logits)
         add("cp", "all_gather", "recompute", again, logits)
-    elif getattr(c, "cp", 1) > 1:  # the router's counts (E) and tokens (1), int64, over cp
-        add("cp", "all_reduce", "forward", mm, (m.num_experts + 1) * 8)
-        add("cp", "all_reduce", "recompute", again, (m.num_experts + 1) * 8)
+    elif cp > 1 or split:  # the aux loss's counts per expert (E int64), over tp x cp or cp
+        kind = "cp" if cp > 1 else "sp"
+        add(kind, "all_reduce", "forward", mm, m.num_experts * 8)
+        add(kind, "all_reduce", "recompute", again, m.num_experts * 8)
+    _dispatcher(c, split, mm, again, add)
+
+
+def _shared_expert(c, mm: int, again: int, act: int, add) -> None:
+    """A shared expert: one more dense MLP's tp/sp traffic."""
+    shard = act // c.tp
+    if c.sp:  # fc1 gathers its input, fc2 reduce-scatters; backward as a dense MLP's
+        add("sp", "all_gather", "forward", mm, shard)
+        add("sp", "reduce_scatter", "forward", mm, act)
+        add("sp", "all_gather", "backward", 2 * mm, shard)
+        add("sp", "reduce_scatter", "backward", mm, act)
+        add("sp", "all_gather", "recompute", again, shard)
+        add("sp", "reduce_scatter", "recompute", again, act)
+    else:
+        add("tp", "all_reduce", "forward", mm, act)
+        add("tp", "all_reduce", "backward", mm, act)
+        add("tp", "all_reduce", "recompute", again, act)
+
+
+def _dispatcher(c, split: bool, mm: int, again: int, add) -> None:
+    """The token dispatcher's exchanges, kind ``ep`` (bytes of the rows: from the splits)."""
+    m = c.moe
+    tp = c.tp if split else 1
+    if m.ep * tp == 1:
+        return
+    for phase, n in (("forward", mm), ("recompute", again)):
+        if not m.padded_rows:  # padded: every split is known, no counts exchanged
+            add("ep", "all_gather", phase, n, m.num_experts * 8)   # counts, over tp x ep
+        if m.ep > 1:  # tokens and probabilities there, outputs back
+            add("ep", "all_to_all", phase, 3 * n, 0)
+        if tp > 1:  # tokens and probabilities gathered over tp, outputs reduce-scattered
+            add("ep", "all_gather", phase, 2 * n, 0)
+            add("ep", "reduce_scatter", phase, n, 0)
     if m.ep > 1:
-        for phase, n in (("forward", mm), ("recompute", again)):
-            if not m.padded_rows:  # padded: every split is known, no counts exchanged
-                add("ep", "all_to_all", phase, n, m.num_experts * 8)  # counts
-            add("ep", "all_to_all", phase, 2 * n, 0)          # dispatch, combine: see splits
-        add("ep", "all_to_all", "backward", 2 * mm, 0)
+        add("ep", "all_to_all", "backward", 3 * mm, 0)
+    if tp > 1:
+        add("ep", "all_gather", "backward", mm, 0)
+        add("ep", "reduce_scatter", "backward", 2 * mm, 0)
 
 
-def _local_tokens(c) -> int:
+def local_tokens(c) -> int:
     """Tokens of a microbatch on one rank: ``(s / cp) b`` (cp holds a slice of each sequence)."""
     return c.seq_len // getattr(c, "cp", 1) * c.micro_batch
-
-
-def _tokens(e: dict) -> bool:
-    return e["kind"] == "ep" and e["op"] == "all_to_all" and e.get("dtype") != "int64"
-
-
-def split_bytes(c, events: list[dict], rank: int, step: int | None) -> dict:
-    """``{(kind, op, phase): {"count": 0, "bytes"}}``: the token all-to-alls' bytes as their
-    recorded split sizes say (``sum(input_splits) x h x B``), for this rank and step."""
-    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
-    row = c.hidden * c.dtype_bytes
-    for e in events:
-        if _tokens(e) and e["rank"] == rank and (step is None or e["step"] == step):
-            phase = "recompute" if e.get("recompute") else e["phase"]
-            out["ep", "all_to_all", phase]["bytes"] += sum(e["input_splits"]) * row
-    return out
-
-
-def check_all_to_all(c, events: list[dict], *, step: int | None = None) -> list[dict]:
-    """Rows (the check's format) for what the per-key totals cannot see: for every rank, that
-    each token all-to-all's split sizes match its peers' (``phase`` ``splits``), and without
-    drops that the dispatch sends ``tokens x topk`` rows (``phase`` ``tokens x topk``)."""
-    if c.moe is None or c.moe.ep == 1:
-        return []
-    chosen = [e for e in events if _tokens(e) and (step is None or e["step"] == step)]
-    key = lambda e: (e["step"], e["microbatch"], e["module"], e["site"], e["phase"],  # noqa
-                     bool(e.get("recompute")))
-    by_rank = {(e["rank"], key(e)): e for e in chosen}
-    rows = []
-    row_bytes = c.hidden * c.dtype_bytes
-    per_mb = _local_tokens(c) * c.moe.topk
-    for rank in sorted({e["rank"] for e in chosen}):
-        mine = [e for e in chosen if e["rank"] == rank]
-        good = 0
-        for e in mine:
-            i = e["group"].index(rank)
-            peers = [by_rank.get((r, key(e))) for r in e["group"]]
-            good += all(p is not None and p["output_splits"][i] == e["input_splits"][j]
-                        for j, p in enumerate(peers))
-        rows.append(_row(rank, "splits", len(mine), good, 0, 0))
-        if not c.moe.capacity or c.moe.padded_rows:
-            sent = [e for e in mine if e["phase"] == "forward" and ".token_permutation." in
-                    e["site"]]
-            rows_per_mb = c.moe.padded_rows or per_mb
-            want = [rows_per_mb * row_bytes] * len(sent)
-            rows.append(_row(rank, "E x capacity" if c.moe.padded_rows else "tokens x topk",
-                             len(sent), len(sent), sum(want), sum(e["bytes"] for e in sent)))
-    return rows
-
-
-def _row(rank, phase, exp_n, rec_n, exp_b, rec_b) -> dict:
-    return {"rank": rank, "kind": "ep", "op": "all_to_all", "phase": phase,
-            "expected_count": exp_n, "recorded_count": rec_n, "expected_bytes": exp_b,
-            "recorded_bytes": rec_b, "ok": exp_n == rec_n and exp_b == rec_b}
 
 
 def moe_plan(c, pp_rank: int) -> dict:
@@ -254,7 +237,7 @@ def moe_plan(c, pp_rank: int) -> dict:
         * c.dtype_bytes / 2
     mm = layers * c.num_microbatches
     ep_ops = 5 * mm if m.ep > 1 else 0
-    ep_bytes = mm * (8 * m.num_experts + 4 * _local_tokens(c) * m.topk * h * c.dtype_bytes) \
+    ep_bytes = mm * (8 * m.num_experts + 4 * local_tokens(c) * m.topk * h * c.dtype_bytes) \
         if m.ep > 1 else 0
     edp = c.dp * getattr(c, "cp", 1) // m.ep
     return {"params": params, "activation_bytes": act, "ep_bytes": ep_bytes, "ep_ops": ep_ops,

@@ -1,21 +1,27 @@
 """MoELayer: the MLP of an MoE transformer layer (router, token dispatcher, local experts).
 
 Same constructor and return as ``models/gpt.py``'s ``MLP`` (``[s(/tp), b, h] -> [s(/tp), b, h]``),
-so ``TransformerLayer`` swaps it in for MoE layers. One forward::
+so ``TransformerLayer`` swaps it in for MoE layers. One forward, dropless under sequence
+parallelism (Megatron's order; Megatron-LM refuses MoE with tp > 1 without sp in training)::
 
-    logits = router(x)                 # this rank's tokens (a sequence slice under sp)
-    aux    = load-balancing (+ z) loss of this slice, attached to the output's backward
-    tp:  logits and x gathered over tp (sp: all-gather; else the tp "copy" region), so every tp
-         rank routes all N tokens of the microbatch alike
-    probs, routing_map = topk_routing(logits)       # dropless, or capacity with drops
-    dispatcher: permute -> all-to-all counts -> all-to-all tokens -> local experts (tp shards)
-                -> reverse all-to-all -> unpermute (weighted sum)
-    tp:  the experts' partial sums reduced over tp (sp: reduce-scatter; else all-reduce)
     shared expert (``moe_shared_expert_intermediate_size``): a dense tp MLP every token runs,
          computed first (Megatron's order), its output added to the routed experts'
+    logits = router(x)                 # this rank's tokens: its sequence slice
+    aux    = load-balancing (+ z) loss of this slice: tokens per expert summed over tp x cp
+    probs, routing_map = topk_routing(logits)
+    dispatcher: permute -> counts all-gathered over tp x ep -> tokens and probabilities
+                all-to-all'd over ep, then all-gathered over tp -> local experts (tp shards,
+                outputs scaled by the probabilities) -> reduce-scatter over tp -> reverse
+                all-to-all -> unpermute (sum per token)
+
+Otherwise (tp without sp, or a capacity factor) every tp rank routes the whole microbatch, as
+one process does, so capacity drops are the same in every layout (Megatron drops per rank):
+the router logits and the tokens are gathered over tp (sp: all-gather; else the tp "copy"
+region), the dispatcher moves rows over ep alone, and the experts' partial sums are reduced
+over tp after it (sp: reduce-scatter; else all-reduce).
 
 With context parallelism a rank holds only its cp chunks of each sequence: the counts the aux
-loss needs (tokens per expert, tokens) are summed over cp (one all-reduce, kind ``cp``), and the
+loss needs (tokens per expert) are summed over tp x cp or cp (one all-reduce, kind ``cp``), and the
 slice's aux/z share is multiplied by cp, because gradients are averaged over dp x cp and the
 cp shares sum (not average) to the microbatch's loss. With a capacity factor the router logits
 are all-gathered over cp instead and every cp rank routes the whole microbatch in token order,
@@ -33,6 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..context_parallel.split import position_ids
+from ..mesh import Axis
 from ..tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -51,6 +58,11 @@ from .router import (
 from .token_dispatcher import MoEAlltoAllTokenDispatcher
 
 __all__ = ["MoELayer", "is_moe_layer", "moe_step_stats", "reset_moe_stats"]
+
+
+def _one(ep: Axis) -> Axis:
+    """A size-1 tp axis of this rank: the dispatcher then moves tokens over ep alone."""
+    return Axis("tp", (ep.ranks[ep.rank],), 0)
 
 
 def is_moe_layer(cfg, index: int) -> bool:
@@ -82,7 +94,11 @@ class MoELayer(nn.Module):
                            dtype, swiglu=cfg.swiglu, bias=cfg.add_bias_linear)
             for g in self.local_ids})
         self.shared_experts = shared_experts  # registered after the experts, as Megatron's
-        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, module=name)
+        # dropless under sp: each tp rank routes and dispatches its own tokens (Megatron's
+        # order); else every tp rank routes the whole microbatch (capacity drops as one process)
+        self.split_tp = self.sp and cfg.moe_expert_capacity_factor is None
+        tp, counts = (mesh.tp, mesh.tp_ep) if self.split_tp else (_one(mesh.ep), mesh.ep)
+        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, tp, counts, module=name)
         self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
         self.stats: dict = {}
         reset_moe_stats([self])
@@ -90,7 +106,7 @@ class MoELayer(nn.Module):
     def _tp(self, t: torch.Tensor, what: str, split: str) -> torch.Tensor:
         """Every tp rank gets all tokens (forward), partial gradients summed (backward)."""
         tp = self.mesh.tp
-        if tp.size == 1:
+        if tp.size == 1 or self.split_tp:
             return t
         site, kw = f"MoELayer.{what}", dict(module=self.name, split=split)
         if self.sp:
@@ -102,9 +118,9 @@ class MoELayer(nn.Module):
         s_local, b, h = x.shape
         # Megatron computes the shared expert first (its own tp/sp traffic), then routes
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        n = s_local * b * (tp.size if self.sp else 1)       # tokens of the microbatch (cp: ours)
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
         logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
+        n = logits.shape[0]                                 # tokens this rank routes
         cp, capacity = self.cp.size if self.cp else 1, cfg.moe_expert_capacity_factor
         probs, routing_map, per_expert = topk_routing(
             logits, cfg.moe_router_topk, capacity if cp == 1 else None, cfg.moe_token_drop_policy)
@@ -112,22 +128,23 @@ class MoELayer(nn.Module):
         if cp > 1 and capacity is not None:  # drops decided over the whole microbatch
             routing_map, per_expert, n = self._cp_capacity(logits, b)
             probs = probs * routing_map
-        elif cp > 1:  # the aux loss counts the whole microbatch: every cp rank's chunks
-            per_expert, n = self._cp_counts(per_expert, n)
+        else:  # the aux loss counts the whole microbatch: every tp (sp) and cp rank's tokens
+            per_expert, n = self._aux_counts(per_expert, n)
         aux = switch_load_balancing_loss(torch.softmax(logits_slice, -1), per_expert, n,
                                          cfg.moe_router_topk, cfg.moe_aux_loss_coeff)
         zl = z_loss(logits_slice, n, cfg.moe_z_loss_coeff) if cfg.moe_z_loss_coeff else None
         if cp > 1:  # a slice's share, weighted as the LM loss: one of dp x cp averaged replicas
             aux, zl = aux * cp, (zl * cp if zl is not None else None)
-        tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)  # [N, h]
+        tokens = self._tp(x, "tokens", "tokens [s, b, h], sequence").reshape(-1, h)
         pad = expert_capacity(n, cfg.moe_router_topk, cfg.num_experts, capacity) \
             if cfg.moe_pad_expert_input_to_capacity else None  # n: the tokens capacity counts
-        rows, per_local = self.dispatcher.token_permutation(tokens, probs, routing_map, pad)
+        rows, row_probs, per_local = self.dispatcher.token_permutation(tokens, probs,
+                                                                       routing_map, pad)
         outs = [self.experts[str(g)](chunk) for g, chunk in
                 zip(self.local_ids, torch.split(rows, per_local), strict=True)]
-        y = self.dispatcher.token_unpermutation(torch.cat(outs))   # [N, h] partial over tp
-        y = y.view(-1, b, h)                                # [s, b, h]
-        if tp.size > 1:
+        y = torch.cat(outs) * row_probs.unsqueeze(1).to(rows.dtype)  # Megatron: inside the expert
+        y = self.dispatcher.token_unpermutation(y).view(-1, b, h)    # [s(/tp), b, h]
+        if tp.size > 1 and not self.split_tp:  # partial sums over tp of every token
             kw = dict(site="MoELayer.output", module=self.name, split="expert outputs")
             y = reduce_scatter_to_sequence_parallel_region(y, tp, **kw) if self.sp else \
                 reduce_from_tensor_model_parallel_region(y, tp, **kw)
@@ -139,14 +156,21 @@ class MoELayer(nn.Module):
             self._count(aux, zl, routing_map, local_per_expert)
         return y
 
-    def _cp_counts(self, per_expert: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
-        """Tokens per expert (before drops) and tokens of the whole microbatch: this cp rank's
-        counts summed over cp (one all-reduce of ``E + 1`` int64, kind ``cp``)."""
-        counts = torch.cat([per_expert.long(), per_expert.new_tensor([n], dtype=torch.long)])
-        comm.all_reduce(counts, self.cp, phase="forward", kind="cp",
+    def _aux_counts(self, per_expert: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+        """Tokens per expert (before drops) and tokens of the whole microbatch for the aux
+        loss: this rank's counts summed over the ranks that routed the microbatch's other
+        tokens (one all-reduce of ``E`` int64 over ``tp x cp`` when tp ranks route their own
+        slices, over ``cp`` otherwise: Megatron's ``tp_cp`` group; kind ``cp``, or ``sp``
+        without cp). Every rank routes as many tokens, so the microbatch has ``n x`` group
+        size."""
+        axis = self.mesh.tp_cp if self.split_tp else self.cp
+        if axis is None or axis.size == 1:
+            return per_expert, n
+        counts = per_expert.long().clone()
+        comm.all_reduce(counts, axis, phase="forward", kind="cp" if self.cp.size > 1 else "sp",
                         site="MoELayer.router:tokens_per_expert", module=self.name,
-                        split="token counts per expert and tokens, summed over cp")
-        return counts[:-1], int(counts[-1].item())
+                        split="token counts per expert, summed over the microbatch's ranks")
+        return counts, n * axis.size
 
     @torch.no_grad()
     def _cp_capacity(self, logits: torch.Tensor, b: int):
@@ -176,7 +200,8 @@ class MoELayer(nn.Module):
     def _count(self, aux, zl, routing_map, per_expert) -> None:
         # aux/z of a slice: summed over tp under sp; replicated over tp otherwise (rank 0 counts)
         part = 1.0 if self.sp or self.mesh.tp.rank == 0 else 0.0
-        whole = 1.0 if self.mesh.tp.rank == 0 else 0.0     # routing is replicated over tp
+        # routing: of this rank's own tokens (split_tp), else replicated over tp
+        whole = 1.0 if self.split_tp or self.mesh.tp.rank == 0 else 0.0
         st = self.stats
         st["aux_loss"] += aux.detach().double() * part
         if zl is not None:

@@ -1,24 +1,36 @@
-"""Megatron-Core's "alltoall" token dispatcher: tokens travel to their experts' ep ranks and back.
+"""Megatron-Core's "alltoall" token dispatcher: tokens travel to their experts' ranks and back.
 
-For the ``N`` tokens of a microbatch on this rank (``tokens`` ``[N, h]``) and the router's
-decision (``routing_map`` / ``probs`` ``[N, E]``), :meth:`~MoEAlltoAllTokenDispatcher.
-token_permutation` does, in this order:
+The experts of a layer are divided over ep (``E / ep`` per rank) and each expert is split over
+tp (expert tensor parallelism = tp, Megatron's default). For the ``N`` tokens this rank routed
+(``tokens`` ``[N, h]``: its sequence slice under sp) and the router's decision (``routing_map``
+/ ``probs`` ``[N, E]``), :meth:`~MoEAlltoAllTokenDispatcher.token_permutation` does, in this
+order (Megatron's):
 
 1. **permute**: copy each token once per chosen expert into rows sorted by expert (within an
-   expert, in token order) -- ``[M, h]``, ``M = sum of tokens per expert`` (``N * k`` dropless);
-2. **all-to-all of the counts** over ep: every rank learns how many rows it will receive for
-   each of its local experts from each ep rank (``[E]`` int64 in, ``[E]`` out; forward only);
-3. **all-to-all of the tokens** over ep with those split sizes (``input_splits`` = rows for
-   each ep rank's experts, ``output_splits`` = rows from each ep rank);
-4. **sort the received chunks by local expert** (they arrive grouped by source rank), so each
-   local expert's rows are contiguous.
+   expert, in token order) -- ``[M, h]``, ``M = sum of tokens per expert`` (``N * k`` dropless),
+   with each row's routing probability beside it (``[M]`` fp32);
+2. **all-gather of the counts** over ``tp_ep`` (``[E]`` int64 from each of the ``tp x ep``
+   ranks, forward only): every rank learns how many rows each rank sends to each expert; with
+   rows padded to a known capacity nothing is exchanged;
+3. **all-to-all of the tokens**, then **of the probabilities**, over ep with those split sizes
+   (``input_splits`` = rows for each ep rank's experts, ``output_splits`` = rows from each);
+4. tp > 1: **all-gather of the tokens**, then **of the probabilities**, over tp with uneven
+   sizes (each tp rank brings the rows its own tokens sent): every tp rank's shard of an
+   expert sees every row routed to it;
+5. **sort the rows by local expert** (they arrive grouped by tp rank, then ep source).
 
-The experts run, then :meth:`~MoEAlltoAllTokenDispatcher.token_unpermutation` reverses it: chunks
-back to source order, the **reverse all-to-all**, and **unpermute**: each row times its routing
-weight, summed into its token's position. Backward runs the same two all-to-alls with the split
-sizes swapped (phase ``backward``); the counts are not exchanged again. Every exchange goes
-through :func:`paraloom.comm.all_to_all`, kind ``ep``, and its ledger event carries the split
-sizes (rows), so the bytes can be checked against them.
+The experts run and their outputs are scaled by the rows' probabilities (Megatron multiplies
+inside the expert, before fc2 and its bias: the same product), then
+:meth:`~MoEAlltoAllTokenDispatcher.token_unpermutation` reverses it: rows back to source order, a
+**reduce-scatter over tp** with uneven sizes (each tp rank's partial sums, each rank keeping its
+own tokens' rows), the **reverse all-to-all** over ep, and **unpermute**: each row summed into
+its token's position. Backward runs every exchange reversed (an all-to-all with the splits
+swapped, a reduce-scatter for an all-gather and the other way round); the counts are not
+exchanged again. Every exchange goes through :mod:`paraloom.comm`, kind ``ep``, and its event
+carries its split sizes (rows), so the bytes can be checked against them.
+
+The capacity-factor path of :class:`~paraloom.moe.moe_layer.MoELayer` routes the whole
+microbatch on every tp rank and passes a size-1 ``tp``: steps 2-5 then run over ep alone.
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 
 from .. import comm
 
-__all__ = ["MoEAlltoAllTokenDispatcher", "all_to_all"]
+__all__ = ["MoEAlltoAllTokenDispatcher", "all_to_all", "gather_rows", "scatter_rows"]
 
 _SITE = "MoEAlltoAllTokenDispatcher"
 
@@ -37,27 +49,81 @@ class _AllToAll(torch.autograd.Function):
     all-to-all of the gradient (splits swapped)."""
 
     @staticmethod
-    def forward(ctx, x, axis, ins, outs, site, module, split):
-        ctx.meta = (axis, ins, outs, site, module, split)
+    def forward(ctx, x, axis, ins, outs, site, what, kw):
+        ctx.meta = (axis, ins, outs, site, what, kw)
         return comm.all_to_all(x, axis, input_splits=ins, output_splits=outs, phase="forward",
-                               kind="ep", site=f"{site}.forward:tokens", module=module,
-                               split=split)
+                               kind="ep", site=f"{site}.forward:{what}", **kw)
 
     @staticmethod
     def backward(ctx, grad):
-        axis, ins, outs, site, module, split = ctx.meta
-        out = comm.all_to_all(grad, axis, input_splits=outs, output_splits=ins,
-                              phase="backward", kind="ep", site=f"{site}.backward:tokens_grad",
-                              module=module, split=split)
+        axis, ins, outs, site, what, kw = ctx.meta
+        out = comm.all_to_all(grad.contiguous(), axis, input_splits=outs, output_splits=ins,
+                              phase="backward", kind="ep", site=f"{site}.backward:{what}_grad",
+                              **kw)
         return out, None, None, None, None, None, None
 
 
+class _GatherRows(torch.autograd.Function):
+    """Forward: all-gather rows of uneven counts over an axis. Backward: reduce-scatter the
+    gradient with the same counts (each rank keeps its own rows' summed gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, axis, splits, site, what, kw):
+        ctx.meta = (axis, splits, site, what, kw)
+        return comm.all_gather(x, axis, output_splits=splits, phase="forward", kind="ep",
+                               site=f"{site}.forward:{what}", **kw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis, splits, site, what, kw = ctx.meta
+        out = comm.reduce_scatter(grad.contiguous(), axis, input_splits=splits,
+                                  phase="backward", kind="ep",
+                                  site=f"{site}.backward:{what}_grad", **kw)
+        return out, None, None, None, None, None
+
+
+class _ScatterRows(torch.autograd.Function):
+    """Forward: reduce-scatter rows of uneven counts over an axis. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, axis, splits, site, what, kw):
+        ctx.meta = (axis, splits, site, what, kw)
+        return comm.reduce_scatter(x.contiguous(), axis, input_splits=splits, phase="forward",
+                                   kind="ep", site=f"{site}.forward:{what}", **kw)
+
+    @staticmethod
+    def backward(ctx, grad):
+        axis, splits, site, what, kw = ctx.meta
+        out = comm.all_gather(grad.contiguous(), axis, output_splits=splits, phase="backward",
+                              kind="ep", site=f"{site}.backward:{what}_grad", **kw)
+        return out, None, None, None, None, None
+
+
 def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: list[int], *,
-               site: str, module: str | None = None, split: str | None = None) -> torch.Tensor:
+               site: str, what: str = "tokens", module: str | None = None,
+               split: str | None = None) -> torch.Tensor:
     """Differentiable all-to-all of rows over ``axis`` (identity on a size-1 axis)."""
     if axis.size == 1:
         return x
-    return _AllToAll.apply(x, axis, list(input_splits), list(output_splits), site, module, split)
+    return _AllToAll.apply(x, axis, list(input_splits), list(output_splits), site, what,
+                           dict(module=module, split=split))
+
+
+def gather_rows(x: torch.Tensor, axis, splits: list[int], *, site: str, what: str,
+                module: str | None = None, split: str | None = None) -> torch.Tensor:
+    """Differentiable all-gather of ``splits[r]`` rows from each rank ``r`` of ``axis``."""
+    if axis.size == 1:
+        return x
+    return _GatherRows.apply(x, axis, list(splits), site, what, dict(module=module, split=split))
+
+
+def scatter_rows(x: torch.Tensor, axis, splits: list[int], *, site: str, what: str,
+                 module: str | None = None, split: str | None = None) -> torch.Tensor:
+    """Differentiable reduce-scatter: rank ``r`` keeps the sum of rows ``splits[r]``."""
+    if axis.size == 1:
+        return x
+    return _ScatterRows.apply(x, axis, list(splits), site, what,
+                              dict(module=module, split=split))
 
 
 def _pad_to_capacity(token_ids: torch.Tensor, row_probs: torch.Tensor, counts: torch.Tensor,
@@ -92,57 +158,77 @@ class MoEAlltoAllTokenDispatcher:
         num_experts: ``E``.
         ep: the expert-parallel :class:`~paraloom.mesh.Axis`; rank ``r`` holds experts
             ``[r * E / ep, (r + 1) * E / ep)``.
+        tp: the experts' tensor-parallel axis (size 1: every tp rank holds the same tokens).
+        counts_axis: where the counts are gathered (``tp x ep``, ep-major as Megatron's
+            ``tp_ep`` group; ``ep`` when ``tp`` has size 1).
         module: the layer's name for the ledger (``layers.3.mlp``).
     """
 
-    def __init__(self, num_experts: int, ep, module: str | None = None) -> None:
-        self.num_experts, self.ep, self.module = num_experts, ep, module
+    def __init__(self, num_experts: int, ep, tp, counts_axis, module: str | None = None
+                 ) -> None:
+        self.num_experts, self.ep, self.tp, self.module = num_experts, ep, tp, module
+        self.counts_axis = counts_axis
         self.num_local = num_experts // ep.size
 
     def token_permutation(self, tokens: torch.Tensor, probs: torch.Tensor,
                           routing_map: torch.Tensor, pad_to: int | None = None
-                          ) -> tuple[torch.Tensor, list[int]]:
-        """``[N, h]`` tokens -> ``([rows, h]`` grouped by local expert, rows per local expert).
-        ``pad_to``: every expert gets exactly that many rows (Megatron's
-        ``moe_pad_expert_input_to_capacity``): the splits are known, the counts not exchanged."""
+                          ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``[N, h]`` tokens -> ``(rows [R, h]`` grouped by local expert, their probabilities
+        ``[R]``, rows per local expert``)``. ``pad_to``: every expert gets exactly that many
+        rows from this rank (Megatron's ``moe_pad_expert_input_to_capacity``): the splits are
+        known, the counts not exchanged."""
         n_tok, e = routing_map.shape
-        ep, local = self.ep.size, self.num_local
+        ep, tp, local = self.ep.size, self.tp.size, self.num_local
         pairs = routing_map.t().nonzero()                   # [M, 2] (expert, token), by expert
         self.token_ids = pairs[:, 1]
-        self.row_probs = probs.t()[routing_map.t()]         # [M] same order as ``pairs``
+        row_probs = probs.t()[routing_map.t()]              # [M] same order as ``pairs``
         self.n_tokens = n_tok
         counts = routing_map.sum(0)                         # [E] rows per expert (after drops)
         if pad_to is not None:                              # [E * C] rows, C per expert
-            self.token_ids, self.row_probs = _pad_to_capacity(self.token_ids, self.row_probs,
-                                                              counts, pad_to)
+            self.token_ids, row_probs = _pad_to_capacity(self.token_ids, row_probs, counts,
+                                                         pad_to)
             counts = torch.full_like(counts, pad_to)
         permuted = tokens.index_select(0, self.token_ids)   # [M, h]
-        split = "tokens by expert (rows to each ep rank's experts)"
-        if ep == 1:
-            self.recv = counts.view(1, local)
-            return permuted, counts.tolist()
+        if ep == 1 and tp == 1:
+            self.grid = counts.view(1, local)
+            return permuted, row_probs, counts.tolist()
         if pad_to is not None:  # every rank sends every expert ``pad_to`` rows: nothing to ask
-            recv = counts.view(ep, local)  # the same [ep, local] grid of pad_to as we send
+            every = counts.new_full((ep, tp, e), pad_to)
         else:
-            recv = comm.all_to_all(counts, self.ep, phase="forward", kind="ep",
-                                   site=f"{_SITE}.token_permutation.forward:tokens_per_expert",
-                                   module=self.module, split="token counts per expert")
-        self.recv = recv.view(ep, local)                    # [source rank, local expert]
+            every = comm.all_gather(counts, self.counts_axis, phase="forward", kind="ep",
+                                    site=f"{_SITE}.token_permutation.forward:tokens_per_expert",
+                                    module=self.module, split="token counts per expert")
+            every = every.view(ep, tp, e)                   # [ep source, tp source, expert]
+        lo = self.ep.rank * local
+        mine = every[:, :, lo:lo + local]                   # rows for my experts [ep, tp, local]
         self.send_splits = counts.view(ep, local).sum(1).tolist()
-        self.recv_splits = self.recv.sum(1).tolist()
+        self.recv_splits = mine[:, self.tp.rank].sum(1).tolist()
+        self.tp_splits = mine.sum((0, 2)).tolist()          # rows each tp rank brings
+        self.grid = mine.transpose(0, 1).reshape(tp * ep, local)  # arrival order: tp, ep
+        kw = dict(module=self.module)
         x = all_to_all(permuted, self.ep, self.send_splits, self.recv_splits,
-                       site=f"{_SITE}.token_permutation", module=self.module, split=split)
-        x = _regroup(x, self.recv)                          # by local expert, then source
-        return x, self.recv.sum(0).tolist()
+                       site=f"{_SITE}.token_permutation", what="tokens",
+                       split="tokens by expert (rows to each ep rank's experts)", **kw)
+        p = all_to_all(row_probs, self.ep, self.send_splits, self.recv_splits,
+                       site=f"{_SITE}.token_permutation", what="probs",
+                       split="routing probabilities of the rows", **kw)
+        x = gather_rows(x, self.tp, self.tp_splits, site=f"{_SITE}.token_permutation",
+                        what="tokens_tp", split="every tp rank's rows for these experts", **kw)
+        p = gather_rows(p, self.tp, self.tp_splits, site=f"{_SITE}.token_permutation",
+                        what="probs_tp", split="their routing probabilities", **kw)
+        return _regroup(x, self.grid), _regroup(p, self.grid), self.grid.sum(0).tolist()
 
     def token_unpermutation(self, expert_output: torch.Tensor) -> torch.Tensor:
-        """``[rows, h]`` expert outputs (local-expert order) -> ``[N, h]`` weighted sums."""
+        """``[R, h]`` expert outputs (local-expert order, already scaled by their rows'
+        probabilities; partial sums over tp) -> ``[N, h]`` sums per token."""
         y = expert_output
-        if self.ep.size > 1:
-            y = _regroup(y, self.recv.t())                  # back to source, then expert
+        if self.ep.size > 1 or self.tp.size > 1:
+            y = _regroup(y, self.grid.t())                  # back to tp, ep source, expert
+            y = scatter_rows(y, self.tp, self.tp_splits, site=f"{_SITE}.token_unpermutation",
+                             what="tokens_tp", module=self.module,
+                             split="expert outputs summed over tp, each rank's rows")
             y = all_to_all(y, self.ep, self.recv_splits, self.send_splits,
                            site=f"{_SITE}.token_unpermutation", module=self.module,
                            split="expert outputs back to their tokens' ranks")
-        weighted = y * self.row_probs.unsqueeze(1).to(y.dtype)
         out = torch.zeros(self.n_tokens, y.shape[1], dtype=y.dtype, device=y.device)
-        return out.index_add(0, self.token_ids, weighted)   # [N, h]
+        return out.index_add(0, self.token_ids, y)          # [N, h]

@@ -1,42 +1,71 @@
 """The communication table's words for expert parallelism (kind ``ep``), in English and Chinese.
 
-Each all-to-all of the token dispatcher says what it moves and, from its recorded split sizes,
-how many rows went to and came from each ep rank (a row is one token copy, ``h`` wide).
+Each exchange of the token dispatcher says what it moves and, from its recorded split sizes,
+how many rows went to and came from each rank (a row is one token copy, ``h`` wide, or its
+fp32 routing probability).
 """
 
 from __future__ import annotations
 
 __all__ = ["ep_split"]
 
-_TEXT = {  # (site fragment, phase) -> (en, zh)
-    (":tokens_per_expert", "forward"): (
-        "tokens per expert [E] (int64) to every ep rank",
-        "每个专家的 token 数 [E]（int64），发往各 ep rank"),
-    (".token_permutation", "forward"): (
+_SITE = "MoEAlltoAllTokenDispatcher."
+_TEXT = {  # site after the dispatcher's name -> (en, zh)
+    "token_permutation.forward:tokens_per_expert": (
+        "tokens per expert [E] (int64) from every tp x ep rank",
+        "每个专家的 token 数 [E]（int64），来自每个 tp x ep rank"),
+    "token_permutation.forward:tokens": (
         "tokens to their experts' ranks [rows, h]",
         "token 发往所选专家所在的 rank [行, h]"),
-    (".token_unpermutation", "forward"): (
+    "token_permutation.forward:probs": (
+        "their routing probabilities to the experts' ranks [rows] (fp32)",
+        "其路由概率发往专家所在的 rank [行]（fp32）"),
+    "token_permutation.forward:tokens_tp": (
+        "every tp rank's rows for these experts [rows, h]",
+        "各 tp rank 发给这些专家的行 [行, h]"),
+    "token_permutation.forward:probs_tp": (
+        "every tp rank's row probabilities [rows] (fp32)",
+        "各 tp rank 的行概率 [行]（fp32）"),
+    "token_unpermutation.forward:tokens_tp": (
+        "expert outputs summed over tp, each tp rank keeps its rows [rows, h]",
+        "专家输出在 tp 上求和，各 tp rank 保留自己的行 [行, h]"),
+    "token_unpermutation.forward:tokens": (
         "expert outputs back to the tokens' ranks [rows, h]",
         "专家输出送回 token 所在的 rank [行, h]"),
-    (".token_unpermutation", "backward"): (
+    "token_unpermutation.backward:tokens_grad": (
         "expert-output grads to the experts' ranks [rows, h]",
         "专家输出的梯度发往专家所在的 rank [行, h]"),
-    (".token_permutation", "backward"): (
+    "token_unpermutation.backward:tokens_tp_grad": (
+        "expert-output grads of every tp rank's rows [rows, h]",
+        "各 tp rank 各行的专家输出梯度 [行, h]"),
+    "token_permutation.backward:probs_tp_grad": (
+        "probability grads summed over tp, back to each tp rank [rows]",
+        "概率梯度在 tp 上求和，送回各 tp rank [行]"),
+    "token_permutation.backward:tokens_tp_grad": (
+        "token grads summed over tp, back to each tp rank [rows, h]",
+        "token 梯度在 tp 上求和，送回各 tp rank [行, h]"),
+    "token_permutation.backward:probs_grad": (
+        "probability grads back to the tokens' ranks [rows]",
+        "概率梯度送回 token 所在的 rank [行]"),
+    "token_permutation.backward:tokens_grad": (
         "token grads back to the tokens' ranks [rows, h]",
         "token 梯度送回 token 所在的 rank [行, h]"),
 }
-_ROWS = {"en": "; rows sent {ins}, received {outs}", "zh": "；发送行数 {ins}，接收行数 {outs}"}
+_ROWS = {"en": ("; rows sent {ins}, received {outs}", "; rows per rank {rows}"),
+         "zh": ("；发送行数 {ins}，接收行数 {outs}", "；各 rank 的行数 {rows}")}
 
 
 def ep_split(event: dict, lang: str) -> str | None:
-    """The split text of an ep all-to-all event, or ``None`` when it is not one of the
-    dispatcher's (the caller then uses the event's own ``split``)."""
+    """The split text of one of the token dispatcher's events (kind ``ep``), or ``None`` when
+    it is not one (the caller then uses the event's own ``split``)."""
     site = event.get("site") or ""
-    for (fragment, phase), words in _TEXT.items():
-        if fragment in site and event["phase"] == phase:
-            text = words[lang == "zh"]
-            if "input_splits" in event and fragment != ":tokens_per_expert":
-                text += _ROWS[lang].format(ins=event["input_splits"],
-                                           outs=event["output_splits"])
-            return text
-    return None
+    words = _TEXT.get(site.rpartition(_SITE)[2]) if _SITE in site else None
+    if words is None:
+        return None
+    text = words[lang == "zh"]
+    pair, each = _ROWS[lang]
+    if event["op"] == "all_to_all":
+        text += pair.format(ins=event["input_splits"], outs=event["output_splits"])
+    elif "output_splits" in event or "input_splits" in event:
+        text += each.format(rows=event.get("output_splits") or event["input_splits"])
+    return text

@@ -123,7 +123,7 @@ def _split(event: dict, lang: str) -> str:
     description of what travels (pp: the event's sequence-first shape, else ``[s, b, h]``); for
     a recorded program's events (which name no split), what :func:`_recorded` reads from them
     (pipeline p2p: activations or their grads by the phase the schedule's code gave them)."""
-    if event["kind"] == "ep" and event["op"] == "all_to_all":  # expert parallelism's words
+    if event["kind"] == "ep":  # the token dispatcher's words
         text = ep_split(event, lang)
         if text is not None:
             return text

@@ -35,8 +35,12 @@ SPLITS = {
     "expert outputs": "专家输出",
     "expert outputs back to their tokens' ranks": "专家输出送回 token 所在的 rank",
     "token counts per expert": "每个专家的 token 数",
-    "token counts per expert and tokens, summed over cp":
-        "每个专家的 token 数与 token 总数，在 cp 上求和",
+    "token counts per expert, summed over the microbatch's ranks":
+        "每个专家的 token 数，在本微批次的各 rank 上求和",
+    "routing probabilities of the rows": "各行的路由概率",
+    "every tp rank's rows for these experts": "各 tp rank 发给这些专家的行",
+    "their routing probabilities": "它们的路由概率",
+    "expert outputs summed over tp, each rank's rows": "专家输出在 tp 上求和，各 rank 取自己的行",
     "router logits [tokens, E] of every cp rank": "各 cp rank 的路由 logits [tokens, E]",
     "heads to the cp rank of their group": "按注意力头分组，发往负责该组的 cp rank",
     "positions back to their cp rank": "按序列位置送回所属的 cp rank",

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..analysis.formulas import expected_comm
-from ..analysis.moe_formulas import check_all_to_all, split_bytes
+from ..analysis.moe_splits import check_all_to_all, split_bytes
 from ..analysis.spec import CommConfig
 from ..analysis.view import view_of_saved
 from ..run_folder import CONFIG, LEDGER, METRICS, read_json, read_ledger, read_metrics
