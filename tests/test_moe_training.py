@@ -39,6 +39,7 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
         # 2 MoE layers x (combine, probabilities, dispatch) x 4 microbatches
         backward = {"en": "backward", "zh": "反向"}[lang]
         assert sum("all_to_all" in r and backward in r for r in rows) == 2 * 3 * 4
+    _megatron_dispatch_order(run)
     forged = tmp_path / "forged"
     shutil.copytree(run, forged, ignore=shutil.ignore_patterns("checkpoints"))
     lines = (forged / "ledger.jsonl").read_text().splitlines()
@@ -62,6 +63,34 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     for got, want in zip(resumed, metrics[2:], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
+
+
+def _megatron_dispatch_order(run) -> None:
+    """Dropless under sp, one MoE layer's forward on rank 0 is Megatron's alltoall dispatcher:
+    the aux counts all-reduced over tp (sp, E int64), no router logits or tokens gathered over
+    tp, the counts all-gathered over tp x ep (4 ranks), this rank's 8 tokens x top-2 sent by
+    all-to-all with their probabilities, the received rows and probabilities all-gathered over
+    tp with uneven sizes, the outputs reduce-scattered over tp with the same sizes, then sent
+    back."""
+    import json
+
+    events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    layer = [e for e in events if e["rank"] == 0 and e.get("module") == "layers.0.mlp"
+             and e.get("microbatch") == 0 and e["phase"] == "forward"]
+    seen = [(e["kind"], e["op"], e["site"].rpartition(".")[2], e.get("pg")) for e in layer]
+    assert seen == [
+        ("sp", "all_reduce", "router:tokens_per_expert", "tp_cp"),
+        ("ep", "all_gather", "forward:tokens_per_expert", "tp_ep"),
+        ("ep", "all_to_all", "forward:tokens", "ep"), ("ep", "all_to_all", "forward:probs", "ep"),
+        ("ep", "all_gather", "forward:tokens_tp", "tp"),
+        ("ep", "all_gather", "forward:probs_tp", "tp"),
+        ("ep", "reduce_scatter", "forward:tokens_tp", "tp"),
+        ("ep", "all_to_all", "forward:tokens", "ep")], seen
+    counts, send, _, gather, _, scatter, _ = layer[1:]
+    assert len(counts["group"]) == 4 and counts["shape"] == [4]
+    assert sum(send["input_splits"]) == 16 // 2 * 2
+    assert sum(gather["output_splits"]) == sum(scatter["input_splits"])
+    assert gather["output_splits"] == scatter["input_splits"]
 
 
 @pytest.mark.parametrize("capacity", [None, "1.0", "pad"], ids=["dropless", "capacity", "padded"])
