@@ -388,8 +388,10 @@ def test_all_to_all_with_an_empty_send(world4):
 
 
 def test_plan_times_the_shared_experts_tp_traffic():
-    """A shared expert is a third tensor-parallel region in a MoE layer: 1.5x the layer's tp
-    collectives (less what its own GEMMs hide in backward), and its GEMMs add compute."""
+    """A MoE layer's tensor-parallel regions: the attention's; the dense MLP's only where every
+    tp rank routes the whole microbatch (a capacity factor), not where tp ranks dispatch their
+    own tokens (dropless under sp: the dispatcher's tp exchanges are timed as ep); a shared
+    expert's always. Its GEMMs add compute."""
     from paraloom.analysis.costs import Options, layer_time
     from paraloom.analysis.formulas import CommConfig
     from paraloom.analysis.hardware import GPUS
@@ -399,8 +401,16 @@ def test_plan_times_the_shared_experts_tp_traffic():
     c = CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=51200, tp=4, dp=2,
                    moe=moe, sequence_parallel=True)
     hw = GPUS["a100-80gb"]
-    plain = layer_time(c, hw, Options(), 8, moe_layer=True)
-    shared = layer_time(replace(c, moe=replace(moe, shared_ffn=1024)), hw, Options(), 8,
-                        moe_layer=True)
-    assert plain["tp_comm"] < shared["tp_comm"] <= 1.5 * plain["tp_comm"]
+    times = {}
+    for capacity in (False, True):
+        for ffn in (0, 1024):
+            cc = replace(c, moe=replace(moe, shared_ffn=ffn, capacity=capacity))
+            times[capacity, ffn] = layer_time(cc, hw, Options(), 8, moe_layer=True)
+    # the same GEMMs hide as much of each: one region of two, two of three
+    assert times[False, 0]["tp_comm"] == pytest.approx(times[True, 0]["tp_comm"] / 2)
+    assert times[False, 1024]["tp_comm"] == pytest.approx(times[True, 1024]["tp_comm"] * 2 / 3)
+    assert times[True, 0]["tp_comm"] < times[True, 1024]["tp_comm"] \
+        <= 1.5 * times[True, 0]["tp_comm"]
+    assert times[False, 0]["ep_comm"] > times[True, 0]["ep_comm"]  # the tp gathers, scatters
+    plain, shared = times[False, 0], times[False, 1024]
     assert shared["gemm"] > plain["gemm"]

@@ -91,6 +91,13 @@ def _megatron_dispatch_order(run) -> None:
     assert sum(send["input_splits"]) == 16 // 2 * 2
     assert sum(gather["output_splits"]) == sum(scatter["input_splits"])
     assert gather["output_splits"] == scatter["input_splits"]
+    # plan's count of the dispatcher's exchanges is the record's (bytes: balanced routing)
+    from paraloom.analysis.moe_formulas import moe_plan
+    from paraloom.verify.check import config_from_run
+
+    config = config_from_run(json.loads((run / "config.json").read_text()))
+    ours = [e for e in events if e["rank"] == 0 and e["kind"] == "ep" and e["step"] == 1]
+    assert moe_plan(config, 0)["ep_ops"] == len(ours) == 2 * 4 * 13
 
 
 @pytest.mark.parametrize("capacity", [None, "1.0", "pad"], ids=["dropless", "capacity", "padded"])

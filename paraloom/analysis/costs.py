@@ -14,11 +14,12 @@ from dataclasses import dataclass
 
 from .cp_formulas import cp_kv_bytes, cp_q_bytes
 from .hardware import Hardware
+from .moe_formulas import split_tp
 from .spec import CommConfig
 
 __all__ = ["Options", "FWD_KERNELS", "BWD_KERNELS", "spans_nodes", "node_lanes",
            "collective_time",
-           "elementwise_bytes", "gemm_time", "cp_comm_time", "layer_time"]
+           "elementwise_bytes", "gemm_time", "cp_comm_time", "layer_time", "dispatcher_time"]
 
 FWD_KERNELS, BWD_KERNELS = 24, 48
 """Kernels per layer forward / backward (what ``op_overhead`` multiplies)."""
@@ -180,16 +181,15 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
         ar = collective_time("all_reduce", t, act, hw, inter)
         tp_fwd = 2 * ar
         tp_bwd = 2 * max(0.0, ar - hide * linears / 4) if o.async_tp else 2 * ar
-    if moe_layer and c.moe.shared_ffn:  # the shared expert: a third tp region (a dense MLP's)
-        tp_fwd, tp_bwd = 1.5 * tp_fwd, 1.5 * tp_bwd
+    own = moe_layer and split_tp(c)  # tp ranks dispatch their own tokens: no dense MLP region
+    if moe_layer:  # the attention's region, the MLP's unless own, the shared expert's if any
+        regions = 1 + (not own) + bool(c.moe.shared_ffn)
+        tp_fwd, tp_bwd = regions / 2 * tp_fwd, regions / 2 * tp_bwd
     cp_fwd, cp_bwd = cp_comm_time(c, hw, qk + av)
     ep_fwd = ep_comm = 0.0
-    if moe_layer and c.moe.ep > 1:  # counts, dispatch and combine (k N h each); reversed in bwd
-        ep, ep_inter = c.moe.ep, spans_nodes(t * c.cp, c.moe.ep, hw.gpus_per_node)
-        token_a2a = collective_time("all_to_all", ep, c.moe.topk * act, hw, ep_inter)
-        ep_fwd = 2 * token_a2a + collective_time("all_to_all", ep, 8 * c.moe.num_experts, hw,
-                                                 ep_inter)
-        ep_comm = ep_fwd + 2 * token_a2a
+    if moe_layer:
+        ep_fwd, ep_bwd = dispatcher_time(c, hw, act, inter)
+        ep_comm = ep_fwd + ep_bwd
     recompute = 0.0
     if c.recompute == "full":
         recompute = fwd + elem + o.recompute_comm * tp_fwd + cp_fwd + ep_fwd
@@ -200,3 +200,28 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
     return {"gemm": 3 * fwd + flash, "elementwise": 3 * elem + (BWD_KERNELS - 2 * FWD_KERNELS)
             * hw.op_overhead / scale, "recompute": recompute, "tp_comm": tp_fwd + tp_bwd,
             "cp_comm": cp_fwd + cp_bwd, "ep_comm": ep_comm}
+
+
+def dispatcher_time(c: CommConfig, hw: Hardware, act: float, tp_inter: bool
+                    ) -> tuple[float, float]:
+    """Seconds of one MoE layer's token dispatcher (forward, backward) for one microbatch:
+    the counts' gather, the all-to-alls of ``k N h`` rows (``N / tp`` tokens when tp ranks
+    dispatch their own: Megatron's order under sp), there and back (reversed in backward),
+    and with those tp ranks the uneven all-gather of the ``k N h`` rows each brings and the
+    reduce-scatter of the outputs (reversed in backward)."""
+    m, t = c.moe, c.tp
+    own = split_tp(c)
+    fwd = bwd = 0.0
+    if m.ep > 1:
+        ep_inter = spans_nodes(t * c.cp, m.ep, hw.gpus_per_node)
+        token_a2a = collective_time("all_to_all", m.ep, m.topk * act / (t if own else 1), hw,
+                                    ep_inter)
+        fwd = 2 * token_a2a + collective_time("all_to_all", m.ep, 8 * m.num_experts, hw,
+                                              ep_inter)
+        bwd = 2 * token_a2a
+    if own:  # the rows of every tp rank gathered, the outputs reduce-scattered
+        rows = m.topk * act
+        gather = collective_time("all_gather", t, rows, hw, tp_inter)
+        scatter = collective_time("reduce_scatter", t, rows, hw, tp_inter)
+        fwd, bwd = fwd + gather + scatter, bwd + gather + scatter
+    return fwd, bwd

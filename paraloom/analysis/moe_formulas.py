@@ -39,7 +39,7 @@ from .spec import MoECommConfig, Param
 
 __all__ = ["MoECommConfig", "moe_layer_params", "moe_comm", "moe_layers_on_rank",
            "moe_from_run", "expert_mlp_params", "shared_expert_params", "moe_plan", "split_tp",
-           "local_tokens"]
+           "dispatcher_traffic", "local_tokens"]
 
 
 
@@ -207,6 +207,26 @@ def local_tokens(c) -> int:
     return c.seq_len // getattr(c, "cp", 1) * c.micro_batch
 
 
+def dispatcher_traffic(c) -> tuple[int, int]:
+    """``(ops, bytes)`` of the token dispatcher for one MoE layer and microbatch on one rank,
+    under balanced routing (every rank receives as many rows as it sends): ``R = N k`` rows
+    (``N / tp`` tokens when tp ranks dispatch their own), an all-to-all of ``R`` token rows,
+    one of ``R`` probabilities (fp32) and one of ``R`` outputs forward, each reversed backward;
+    with tp: an all-gather of ``R`` rows and of ``R`` probabilities and a reduce-scatter of the
+    ``tp R`` gathered rows forward, reversed backward; and the counts' all-gather (``8 E``)."""
+    m, tp = c.moe, (c.tp if split_tp(c) else 1)
+    if m.ep * tp == 1:
+        return 0, 0
+    rows = local_tokens(c) // tp * m.topk
+    row, prob = c.hidden * c.dtype_bytes, 4
+    ops, nbytes = (0, 0) if m.padded_rows else (1, 8 * m.num_experts)
+    if m.ep > 1:
+        ops, nbytes = ops + 6, nbytes + 2 * rows * (2 * row + prob)
+    if tp > 1:
+        ops, nbytes = ops + 6, nbytes + 2 * rows * (row + prob) + tp * rows * (2 * row + prob)
+    return ops, nbytes
+
+
 def moe_plan(c, pp_rank: int) -> dict:
     """What MoE adds to ``paraloom plan`` for one pipeline rank (estimates for balanced routing):
 
@@ -218,8 +238,8 @@ def moe_plan(c, pp_rank: int) -> dict:
       scaled to the dtype;
     * ``expert_params`` (sharded over ``edp`` by ZeRO) and ``total_params`` (what MoE adds to
       the whole model's count);
-    * ``ep_bytes`` / ``ep_ops``: the all-to-alls of a step, each token all-to-all moving
-      ``N k h B`` per rank when every rank receives as much as it sends."""
+    * ``ep_bytes`` / ``ep_ops``: the dispatcher's exchanges of a step
+      (:func:`dispatcher_traffic`)."""
     m, t, h, f = c.moe, c.tp, c.hidden, c.f
     layers = moe_layers_on_rank(c, pp_rank)
     expert = dense = expert_mlp_params(c.arch, h, f, t)  # an expert is the dense MLP's shape
@@ -235,11 +255,9 @@ def moe_plan(c, pp_rank: int) -> dict:
     shared_act = mlp_act(m.shared_ffn) if m.shared_ffn else 0  # the shared expert: every token
     act = layers * n_tok * ((m.topk - 1) * mlp_act(f) + 2 * m.topk * h + shared_act) \
         * c.dtype_bytes / 2
+    ops, nbytes = dispatcher_traffic(c)
     mm = layers * c.num_microbatches
-    ep_ops = 5 * mm if m.ep > 1 else 0
-    ep_bytes = mm * (8 * m.num_experts + 4 * local_tokens(c) * m.topk * h * c.dtype_bytes) \
-        if m.ep > 1 else 0
     edp = c.dp * getattr(c, "cp", 1) // m.ep
-    return {"params": params, "activation_bytes": act, "ep_bytes": ep_bytes, "ep_ops": ep_ops,
+    return {"params": params, "activation_bytes": act, "ep_bytes": mm * nbytes, "ep_ops": mm * ops,
             "expert_params": layers * m.num_experts // m.ep * expert, "edp": edp,
             "total_params": total}
