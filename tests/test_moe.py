@@ -109,7 +109,7 @@ def _reference(layer, x, proj, cfg):
     return y, (y * proj).sum() + aux + z
 
 
-def layer_vs_loop(tp, ep, sp, capacity, swiglu=False):
+def layer_vs_loop(tp, ep, sp, capacity, swiglu=False, dispatcher="alltoall"):
     from paraloom.mesh import ParallelMesh
     from paraloom.models.gpt import ParallelOptions
     from paraloom.moe import MoELayer
@@ -118,7 +118,8 @@ def layer_vs_loop(tp, ep, sp, capacity, swiglu=False):
 
     torch.manual_seed(0)
     cfg = ModelConfig(**{**CFG.__dict__, "moe_expert_capacity_factor": capacity,
-                         "swiglu": swiglu, "add_bias_linear": not swiglu})
+                         "swiglu": swiglu, "add_bias_linear": not swiglu,
+                         "moe_token_dispatcher_type": dispatcher})
     world = dist.get_world_size()
     mesh = ParallelMesh(tp=tp, dp=world // tp, ep=ep)
     opt = ParallelOptions(sequence_parallel=sp)
@@ -175,13 +176,19 @@ def layer_vs_loop(tp, ep, sp, capacity, swiglu=False):
             "dropped": int(layer.stats["dropped"]), "local": list(layer.local_ids)}
 
 
-@pytest.mark.parametrize("tp,ep,sp,capacity,swiglu", [
-    (1, 2, False, None, False), (1, 4, False, None, False), (2, 2, True, None, False),
-    (2, 2, False, None, False), (1, 2, False, 0.5, False), (2, 2, True, 0.75, False),
+@pytest.mark.parametrize("tp,ep,sp,capacity,swiglu,dispatcher", [
+    (1, 2, False, None, False, "alltoall"), (1, 4, False, None, False, "alltoall"),
+    (2, 2, True, None, False, "alltoall"), (2, 2, False, None, False, "alltoall"),
+    (1, 2, False, 0.5, False, "alltoall"), (2, 2, True, 0.75, False, "alltoall"),
     # SwiGLU experts without biases (Mixtral's): gate and up rows split over tp with stride 2
-    (2, 2, True, None, True), (1, 4, False, None, True)])
-def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity, swiglu):
-    res = world4.run(layer_vs_loop, tp, ep, sp, capacity, swiglu)
+    (2, 2, True, None, True, "alltoall"), (1, 4, False, None, True, "alltoall"),
+    # Megatron's default dispatcher: tokens gathered over tp x ep (own tokens) or ep
+    (1, 4, False, None, False, "allgather"), (2, 2, True, None, False, "allgather"),
+    (2, 2, False, None, False, "allgather"), (2, 2, True, 0.75, False, "allgather"),
+    (2, 2, True, None, True, "allgather")])
+def test_moe_layer_equals_a_plain_loop_over_experts(world4, tp, ep, sp, capacity, swiglu,
+                                                    dispatcher):
+    res = world4.run(layer_vs_loop, tp, ep, sp, capacity, swiglu, dispatcher)
     n = CFG.seq_length * 2 * CFG.moe_router_topk
     # each microbatch's assignments counted once: by tp rank 0 where every tp rank routes the
     # whole microbatch, by every tp rank for its own slice where sp splits it (dropless)
@@ -271,6 +278,20 @@ def test_every_expert_layout_trains_the_same_model(world4, single, layout):
 
 
 @pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2, sp=True), dict(tp=2, dp=2, ep=2, zero=True),
+    dict(pp=2, dp=2, ep=2), dict(tp=2, cp=2, ep=2, sp=True), dict(cp=2, dp=2, ep=4, zero=True),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_the_alltoall_dispatcher_trains_the_same_model(world4, single, layout):
+    """``--moe-token-dispatcher-type alltoall`` (the default is Megatron's allgather): tokens
+    and probabilities all-to-all'd over ep, gathered over tp under sp; the same model."""
+    model = replace(TRAIN_MODEL, moe_token_dispatcher_type="alltoall")
+    got = world4.run(train_steps, _cfg(model, **layout))
+    pp = layout.get("pp", 1)
+    for rank, rank_metrics in enumerate(got):
+        assert_same_training(rank_metrics, single[None], loss=rank >= 4 - 4 // pp)
+
+
+@pytest.mark.parametrize("layout", [
     dict(dp=4, ep=4, zero=True), dict(tp=2, dp=2, ep=2, sp=True), dict(pp=2, dp=2, ep=2),
     dict(tp=2, cp=2, ep=2, sp=True)], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
 def test_swiglu_experts_without_biases_train_the_same_model(world4, single, layout):
@@ -316,7 +337,7 @@ def test_padding_to_capacity_changes_no_result(world4, single, layout):
     """``moe_pad_expert_input_to_capacity``: padded rows have weight 0, so the run equals the
     unpadded one-process run with the same capacity factor."""
     model = replace(TRAIN_MODEL, moe_expert_capacity_factor=1.0,
-                    moe_pad_expert_input_to_capacity=True)
+                    moe_pad_expert_input_to_capacity=True, moe_token_dispatcher_type="alltoall")
     assert_same_training(world4.run(train_steps, _cfg(model, **layout))[-1], single[1.0])
 
 

@@ -10,9 +10,9 @@ from paraloom.commands import main
 
 
 def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
-    """A tp2-sp-dp2-ep2 run: metrics, expert_load.png, the table (en/zh) with the all-to-alls in
-    forward and backward, ``paraloom check`` exact (and a forged split size caught); its
-    checkpoint resumed at dp4-ep4 continues the same model."""
+    """A tp2-sp-dp2-ep2 run with the alltoall dispatcher: metrics, expert_load.png, the table
+    (en/zh) with the all-to-alls in forward and backward, ``paraloom check`` exact (and a
+    forged split size caught); its checkpoint resumed at dp4-ep4 continues the same model."""
     import json
     import shutil
 
@@ -22,7 +22,8 @@ def test_expert_parallel_run_is_on_the_record_and_reshards(tmp_path, capsys):
     run = tmp_path / "run"
     shape = ["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "4", "--hidden", "32",
              "--heads", "4", "--seq-len", "16", "--global-batch-size", "8",
-             "--micro-batch-size", "1", "--ledger-steps", "1", "--out", str(run)]
+             "--micro-batch-size", "1", "--ledger-steps", "1", "--out", str(run),
+             "--moe-token-dispatcher-type", "alltoall"]
     assert main(["train", "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2",
                  "--sequence-parallel", "--steps", "4", "--save-every", "2", *shape]) == 0
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -100,6 +101,55 @@ def _megatron_dispatch_order(run) -> None:
     assert moe_plan(config, 0)["ep_ops"] == len(ours) == 2 * 4 * 13
 
 
+def test_allgather_dispatcher_is_megatrons_on_the_record(tmp_path, capsys):
+    """Megatron's default dispatcher in a tp2-sp-dp2-ep2 run: one MoE layer's forward on rank 0
+    is the aux counts' all-reduce over tp, then the routing map (bool), the probabilities and
+    the tokens all-gathered over the 4 tp x ep ranks, and the outputs reduce-scattered there in
+    fp32; no all-to-all. ``paraloom check`` exact (every size is the layout's), the table
+    names them (en/zh), and plan counts the record's ep exchanges. Padding to capacity with it
+    exits 2 before any rank starts."""
+    import json
+
+    from paraloom.analysis.moe_formulas import moe_plan
+    from paraloom.commands.check import main as check_main
+    from paraloom.commands.table import main as table_main
+    from paraloom.verify.check import config_from_run
+
+    run = tmp_path / "run"
+    shape = ["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2", "--hidden", "32",
+             "--heads", "4", "--seq-len", "16", "--global-batch-size", "4",
+             "--micro-batch-size", "1", "--ledger-steps", "1", "--tp", "2", "--pp", "1",
+             "--dp", "2", "--ep", "2", "--sequence-parallel"]
+    assert main(["train", *shape, "--steps", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert check_main([str(run), "--only-diff"]) == 0, capsys.readouterr().out
+    events = [json.loads(line) for line in (run / "ledger.jsonl").read_text().splitlines()]
+    layer = [e for e in events if e["rank"] == 0 and e.get("module") == "layers.0.mlp"
+             and e.get("microbatch") == 0 and e["phase"] == "forward"]
+    seen = [(e["kind"], e["op"], e["site"].rpartition(":")[2], e.get("pg"), e["dtype"])
+            for e in layer]
+    assert seen == [("sp", "all_reduce", "tokens_per_expert", "tp_cp", "int64"),
+                    ("ep", "all_gather", "routing_map", "tp_ep", "bool"),
+                    ("ep", "all_gather", "probs", "tp_ep", "float32"),
+                    ("ep", "all_gather", "tokens", "tp_ep", "float32"),
+                    ("ep", "reduce_scatter", "tokens", "tp_ep", "float32")], seen
+    assert layer[3]["shape"] == [8, 32] and layer[4]["shape"] == [32, 32]  # 16 / tp tokens
+    assert not any(e["op"] == "all_to_all" for e in events)
+    for lang, words in (("en", "tokens [tokens, h] of every tp x ep rank"),
+                        ("zh", "各 tp x ep rank 的 token")):
+        capsys.readouterr()
+        assert table_main([str(run), "--lang", lang]) == 0
+        assert words in capsys.readouterr().out
+    config = config_from_run(json.loads((run / "config.json").read_text()))
+    ep = [e for e in events if e["rank"] == 0 and e["kind"] == "ep" and e["step"] == 1]
+    assert moe_plan(config, 0)["ep_ops"] == len(ep) == 2 * 7  # 2 microbatches x 7
+    capsys.readouterr()
+    assert main(["train", *shape, "--moe-expert-capacity-factor", "1.0",
+                 "--moe-pad-expert-input-to-capacity", "--out", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert "moe_pad_expert_input_to_capacity" in err and "alltoall" in err
+
+
 @pytest.mark.parametrize("capacity", [None, "1.0", "pad"], ids=["dropless", "capacity", "padded"])
 def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, capacity):
     """cp2-ep2 with full recomputation: ``paraloom check`` exact, the router's counts summed over
@@ -111,7 +161,8 @@ def test_moe_with_context_parallelism_is_exact_on_the_record(tmp_path, capsys, c
     from paraloom.commands.check import main as check_main
 
     run = tmp_path / "cp2"
-    extra = ["--moe-expert-capacity-factor", "1.0"] if capacity else []
+    extra = ["--moe-token-dispatcher-type", "alltoall"]
+    extra += ["--moe-expert-capacity-factor", "1.0"] if capacity else []
     if capacity == "pad":  # every expert gets exactly its capacity: fixed splits, no counts sent
         extra.append("--moe-pad-expert-input-to-capacity")
     assert main(["train", "--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2",

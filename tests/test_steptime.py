@@ -348,7 +348,7 @@ def test_plan_prints_cp_and_ep_rows(capsys):
             "--gpus-per-node", "2"]  # cp (stride tp=2) and ep (stride tp cp=4) leave the node
     assert plan_main(argv) == 0
     out = capsys.readouterr().out
-    assert "on 32 x" in out and "exposed cp K/V comm" in out and "ep all-to-all" in out
+    assert "on 32 x" in out and "exposed cp comm" in out and "ep dispatcher comm" in out
     assert plan_main(argv + ["--json"]) == 0
     parts = json.loads(capsys.readouterr().out)["step_time"]["breakdown_s"]
     assert parts["cp_comm"] > 0 and parts["ep_comm"] > 0

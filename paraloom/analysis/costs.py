@@ -204,7 +204,9 @@ def layer_time(c: CommConfig, hw: Hardware, o: Options, ranks_per_node: int,
 
 def dispatcher_time(c: CommConfig, hw: Hardware, act: float, tp_inter: bool
                     ) -> tuple[float, float]:
-    """Seconds of one MoE layer's token dispatcher (forward, backward) for one microbatch:
+    """Seconds of one MoE layer's token dispatcher (forward, backward) for one microbatch.
+    allgather: every rank's tokens gathered over the group, the outputs reduce-scattered in
+    fp32 (backward: the fp32 gradient gathered, the tokens' reduce-scattered). alltoall:
     the counts' gather, the all-to-alls of ``k N h`` rows (``N / tp`` tokens when tp ranks
     dispatch their own: Megatron's order under sp), there and back (reversed in backward),
     and with those tp ranks the uneven all-gather of the ``k N h`` rows each brings and the
@@ -212,6 +214,16 @@ def dispatcher_time(c: CommConfig, hw: Hardware, act: float, tp_inter: bool
     m, t = c.moe, c.tp
     own = split_tp(c)
     fwd = bwd = 0.0
+    if m.dispatcher == "allgather":  # tokens of tp x ep (own) or ep ranks gathered, outputs
+        group = m.ep * (t if own else 1)  # reduce-scattered (fp32); reversed in backward
+        if group == 1:
+            return fwd, bwd
+        inter = spans_nodes(t * c.cp, m.ep, hw.gpus_per_node)  # ep blocks tp x cp apart
+        tokens = group * act / (t if own else 1)            # every rank's tokens, gathered
+        gather = collective_time("all_gather", group, tokens, hw, inter)
+        scatter = collective_time("reduce_scatter", group, tokens * 4 / c.dtype_bytes, hw,
+                                  inter)
+        return gather + scatter, gather * 4 / c.dtype_bytes + scatter * c.dtype_bytes / 4
     if m.ep > 1:
         ep_inter = spans_nodes(t * c.cp, m.ep, hw.gpus_per_node)
         token_a2a = collective_time("all_to_all", m.ep, m.topk * act / (t if own else 1), hw,

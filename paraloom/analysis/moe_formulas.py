@@ -53,7 +53,8 @@ def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommCo
                          capacity=model.get("moe_expert_capacity_factor") is not None,
                          padded_rows=_padded_rows(model, micro_batch),
                          shared_ffn=model.get("moe_shared_expert_intermediate_size") or 0,
-                         shared_gate=bool(model.get("moe_shared_expert_gate")))
+                         shared_gate=bool(model.get("moe_shared_expert_gate")),
+                         dispatcher=model.get("moe_token_dispatcher_type", "allgather"))
 
 
 def _padded_rows(model: dict, micro_batch: int) -> int:
@@ -165,6 +166,21 @@ def moe_comm(c, pp_rank: int, add) -> None:
     _dispatcher(c, split, mm, again, add)
 
 
+def _allgather(c, group: int, n: int, mm: int, again: int, add) -> None:
+    """The allgather dispatcher over ``group`` ranks for ``n`` routed tokens per rank: the
+    routing map (bool), probabilities (fp32) and tokens of every rank gathered, the outputs
+    reduce-scattered in fp32 (``group n`` rows in); backward the output grads gathered (fp32),
+    the tokens' and probabilities' grads reduce-scattered. Every size is the layout's."""
+    e, h, b = c.moe.num_experts, c.hidden, c.dtype_bytes
+    for phase, k in (("forward", mm), ("recompute", again)):
+        for nbytes in (n * e, n * e * 4, n * h * b):
+            add("ep", "all_gather", phase, k, nbytes)
+        add("ep", "reduce_scatter", phase, k, group * n * h * 4)
+    add("ep", "all_gather", "backward", mm, n * h * 4)
+    add("ep", "reduce_scatter", "backward", mm, group * n * h * b)
+    add("ep", "reduce_scatter", "backward", mm, group * n * e * 4)
+
+
 def _shared_expert(c, mm: int, again: int, act: int, add) -> None:
     """A shared expert: one more dense MLP's tp/sp traffic."""
     shard = act // c.tp
@@ -182,10 +198,14 @@ def _shared_expert(c, mm: int, again: int, act: int, add) -> None:
 
 
 def _dispatcher(c, split: bool, mm: int, again: int, add) -> None:
-    """The token dispatcher's exchanges, kind ``ep`` (bytes of the rows: from the splits)."""
+    """The token dispatcher's exchanges, kind ``ep`` (alltoall: the rows' bytes come from the
+    splits)."""
     m = c.moe
     tp = c.tp if split else 1
     if m.ep * tp == 1:
+        return
+    if m.dispatcher == "allgather":
+        _allgather(c, m.ep * tp, local_tokens(c) // tp, mm, again, add)
         return
     for phase, n in (("forward", mm), ("recompute", again)):
         if not m.padded_rows:  # padded: every split is known, no counts exchanged
@@ -213,10 +233,16 @@ def dispatcher_traffic(c) -> tuple[int, int]:
     (``N / tp`` tokens when tp ranks dispatch their own), an all-to-all of ``R`` token rows,
     one of ``R`` probabilities (fp32) and one of ``R`` outputs forward, each reversed backward;
     with tp: an all-gather of ``R`` rows and of ``R`` probabilities and a reduce-scatter of the
-    ``tp R`` gathered rows forward, reversed backward; and the counts' all-gather (``8 E``)."""
+    ``tp R`` gathered rows forward, reversed backward; and the counts' all-gather (``8 E``).
+    The allgather dispatcher: its seven exchanges (:func:`_allgather`)."""
     m, tp = c.moe, (c.tp if split_tp(c) else 1)
     if m.ep * tp == 1:
         return 0, 0
+    if m.dispatcher == "allgather":  # every size the layout's (see _allgather)
+        calls: list[tuple[int, int]] = []
+        _allgather(c, m.ep * tp, local_tokens(c) // tp, 1, 0,
+                   lambda _kind, _op, _phase, n, b: calls.append((n, n * b)))
+        return sum(n for n, _ in calls), sum(b for _, b in calls)
     rows = local_tokens(c) // tp * m.topk
     row, prob = c.hidden * c.dtype_bytes, 4
     ops, nbytes = (0, 0) if m.padded_rows else (1, 8 * m.num_experts)

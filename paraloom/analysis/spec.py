@@ -71,6 +71,8 @@ class MoECommConfig:
     tp-split MLP in every MoE layer."""
     shared_gate: bool = False
     """The shared expert's sigmoid gate (``gate_weight [1, h]``, replicated)."""
+    dispatcher: str = "allgather"
+    """Megatron's token dispatcher: ``allgather`` (its default) or ``alltoall``."""
 
     def is_moe_layer(self, index: int) -> bool:
         return index % self.layer_freq == 0

@@ -252,7 +252,7 @@ def render_step_time(r: dict) -> str:
              f"  MFU / HFU          {r['mfu']:.1%} / {r['hfu']:.1%}",
              "  breakdown          seconds   share"]
     names = {"compute": "compute", "recompute": "recompute", "tp_comm": "exposed tp/sp comm",
-             "cp_comm": "exposed cp K/V comm", "ep_comm": "ep all-to-all",
+             "cp_comm": "exposed cp comm", "ep_comm": "ep dispatcher comm",
              "pp_comm": "exposed pp p2p", "bubble": "pipeline bubble",
              "dp_comm": "exposed dp comm", "emb_comm": "embedding, loss sums",
              "optimizer": "optimizer step"}

@@ -24,7 +24,7 @@ from ..verify.validation import explain_row, summary, validate
 __all__ = ["main", "render_row", "render_all"]
 
 _PARTS = {"compute": "compute", "recompute": "recompute", "tp_comm": "exposed tp/sp comm",
-          "cp_comm": "exposed cp K/V comm", "ep_comm": "ep all-to-all",
+          "cp_comm": "exposed cp comm", "ep_comm": "ep dispatcher comm",
           "pp_comm": "exposed pp p2p", "bubble": "pipeline bubble",
           "dp_comm": "exposed dp comm", "emb_comm": "embedding, loss sums",
           "optimizer": "optimizer step"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fields import option
+from .moe_checks import check_moe
 from .parallel import ParallelConfig, positive_int
 
 __all__ = ["ModelConfig", "check_layout", "LLAMA", "mlp_width", "padded_vocab_rows"]
@@ -114,6 +115,14 @@ class ModelConfig:
     """With a capacity factor, pad every expert's input to exactly its capacity (Megatron's
     ``--moe-pad-expert-input-to-capacity``): the all-to-all splits are then fixed, so the token
     counts are not exchanged; padded rows carry weight 0 and change no result."""
+    moe_token_dispatcher_type: str = option(
+        "allgather", "--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+        help="allgather (Megatron's default): every rank gathers all tokens of its tp x ep "
+             "group and reduce-scatters the outputs; alltoall: tokens travel to their experts")
+    """Megatron's token dispatcher: ``allgather`` (its default: the routing map, probabilities
+    and tokens all-gathered over tp x ep, each rank's experts run on the rows routed to them,
+    the outputs reduce-scattered back) or ``alltoall`` (tokens and probabilities all-to-all'd
+    to their experts' ranks over ep, gathered over tp, and back)."""
     moe_shared_expert_intermediate_size: int | None = option(
         None, "--moe-shared-expert-intermediate-size",
         help="a shared expert of this MLP width in every MoE layer, run on every token beside "
@@ -139,13 +148,7 @@ class ModelConfig:
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_architecture()
-        if self.num_experts is not None:
-            _check_moe(self)
-        elif self.moe_shared_expert_intermediate_size or self.moe_shared_expert_gate:
-            raise ValueError(f"moe_shared_expert_intermediate_size = "
-                             f"{self.moe_shared_expert_intermediate_size} and "
-                             f"moe_shared_expert_gate = {self.moe_shared_expert_gate} need "
-                             "num_experts (a shared expert belongs to a MoE layer)")
+        check_moe(self)
 
     def _check_architecture(self) -> None:
         for name, valid in (("normalization", ("LayerNorm", "RMSNorm")),
@@ -189,44 +192,6 @@ class ModelConfig:
     def query_groups(self) -> int:
         """Key/value heads ``g`` (``num_attention_heads`` without grouped-query attention)."""
         return self.num_query_groups or self.num_attention_heads
-
-
-def _check_moe(m: ModelConfig) -> None:
-    positive_int("num_experts", m.num_experts)
-    positive_int("moe_router_topk", m.moe_router_topk)
-    positive_int("moe_layer_freq", m.moe_layer_freq)
-    if m.moe_router_topk > m.num_experts:
-        raise ValueError(f"moe_router_topk = {m.moe_router_topk} is larger than num_experts = "
-                         f"{m.num_experts}: a token cannot go to more experts than there are")
-    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
-        raise ValueError(f"moe_aux_loss_coeff ({m.moe_aux_loss_coeff}) and moe_z_loss_coeff "
-                         f"({m.moe_z_loss_coeff}) must be >= 0")
-    cf = m.moe_expert_capacity_factor
-    if cf is not None and not cf > 0:
-        raise ValueError(f"moe_expert_capacity_factor must be positive (or None: dropless), "
-                         f"got {cf}")
-    if m.moe_pad_expert_input_to_capacity and cf is None:
-        raise ValueError("moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor "
-                         "(padding is to the capacity); give --moe-expert-capacity-factor")
-    _check_shared_expert(m)
-    if m.moe_token_drop_policy not in ("probs", "position"):
-        raise ValueError(f"moe_token_drop_policy must be probs or position, got "
-                         f"{m.moe_token_drop_policy!r}")
-
-
-def _check_shared_expert(m: ModelConfig) -> None:
-    """Megatron's shared-expert rules: a positive width, no biases, the gate only with one."""
-    size = m.moe_shared_expert_intermediate_size
-    if size is None:
-        if m.moe_shared_expert_gate:
-            raise ValueError("moe_shared_expert_gate needs moe_shared_expert_intermediate_size "
-                             "(the gate scales the shared expert's output)")
-        return
-    positive_int("moe_shared_expert_intermediate_size", size)
-    if m.add_bias_linear:
-        raise ValueError(f"moe_shared_expert_intermediate_size = {size} with add_bias_linear = "
-                         "True: shared experts have no biases (Megatron asserts it); add "
-                         "--disable-bias-linear")
 
 
 def mlp_width(hidden: int, swiglu: bool, ffn_hidden_size: int | None = None) -> int:

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .data import DataConfig
+from .earlier import earlier_meanings
 from .fields import nested_configs, option
 from .model import ModelConfig, check_layout
 from .optim import OptimConfig
@@ -272,13 +273,7 @@ def migrate(saved: dict) -> dict:
             raise ValueError(f"the saved configuration has a setting {key!r} this paraloom does "
                              f"not know (written by a newer version?)")
         out.setdefault(_LEAVES[key], {})[key] = out.pop(key)
-    if "megatron_lm_loop" not in out and "parallel" in out:  # written before the loop existed
-        out["megatron_lm_loop"] = False
-    run = out.get("run")
-    if isinstance(run, dict) and "log_interval" in run and "tensorboard_log_interval" not in run:
-        # earlier versions: log_interval was TensorBoard's interval (now Megatron-LM's meaning)
-        run["tensorboard_log_interval"] = run.pop("log_interval")
-    return out
+    return earlier_meanings(out)
 
 
 def _parts(cls, saved: dict) -> dict:

@@ -1,5 +1,7 @@
-"""Mixture of experts with expert parallelism: router, experts, all-to-all token dispatcher."""
+"""Mixture of experts with expert parallelism: router, experts, Megatron's two token dispatchers
+(allgather, alltoall)."""
 
+from .allgather_dispatcher import MoEAllGatherTokenDispatcher
 from .experts import Expert, local_expert_ids
 from .moe_layer import MoELayer, is_moe_layer, moe_step_stats, reset_moe_stats
 from .router import (
@@ -15,4 +17,4 @@ from .token_dispatcher import MoEAlltoAllTokenDispatcher, all_to_all
 __all__ = ["MoELayer", "is_moe_layer", "moe_step_stats", "reset_moe_stats", "Expert",
            "local_expert_ids", "TopKRouter", "topk_routing", "switch_load_balancing_loss",
            "z_loss", "MoEAuxLossAutoScaler", "expert_capacity", "MoEAlltoAllTokenDispatcher",
-           "all_to_all"]
+           "MoEAllGatherTokenDispatcher", "all_to_all"]

@@ -46,6 +46,7 @@ from ..tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from .allgather_dispatcher import MoEAllGatherTokenDispatcher
 from .experts import Expert, local_expert_ids
 from .router import (
     MoEAuxLossAutoScaler,
@@ -97,8 +98,10 @@ class MoELayer(nn.Module):
         # dropless under sp: each tp rank routes and dispatches its own tokens (Megatron's
         # order); else every tp rank routes the whole microbatch (capacity drops as one process)
         self.split_tp = self.sp and cfg.moe_expert_capacity_factor is None
-        tp, counts = (mesh.tp, mesh.tp_ep) if self.split_tp else (_one(mesh.ep), mesh.ep)
-        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, tp, counts, module=name)
+        tp, group = (mesh.tp, mesh.tp_ep) if self.split_tp else (_one(mesh.ep), mesh.ep)
+        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, tp, group, module=name) \
+            if cfg.moe_token_dispatcher_type == "alltoall" else \
+            MoEAllGatherTokenDispatcher(e, mesh.ep, group, module=name)
         self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
         self.stats: dict = {}
         reset_moe_stats([self])

@@ -109,20 +109,23 @@ def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: li
                            dict(module=module, split=split))
 
 
-def gather_rows(x: torch.Tensor, axis, splits: list[int], *, site: str, what: str,
+def gather_rows(x: torch.Tensor, axis, splits: list[int] | None, *, site: str, what: str,
                 module: str | None = None, split: str | None = None) -> torch.Tensor:
-    """Differentiable all-gather of ``splits[r]`` rows from each rank ``r`` of ``axis``."""
+    """Differentiable all-gather of ``splits[r]`` rows from each rank ``r`` of ``axis``
+    (``None``: as many from each)."""
     if axis.size == 1:
         return x
-    return _GatherRows.apply(x, axis, list(splits), site, what, dict(module=module, split=split))
+    return _GatherRows.apply(x, axis, None if splits is None else list(splits), site, what,
+                             dict(module=module, split=split))
 
 
-def scatter_rows(x: torch.Tensor, axis, splits: list[int], *, site: str, what: str,
+def scatter_rows(x: torch.Tensor, axis, splits: list[int] | None, *, site: str, what: str,
                  module: str | None = None, split: str | None = None) -> torch.Tensor:
-    """Differentiable reduce-scatter: rank ``r`` keeps the sum of rows ``splits[r]``."""
+    """Differentiable reduce-scatter: rank ``r`` keeps the sum of rows ``splits[r]``
+    (``None``: equal parts)."""
     if axis.size == 1:
         return x
-    return _ScatterRows.apply(x, axis, list(splits), site, what,
+    return _ScatterRows.apply(x, axis, None if splits is None else list(splits), site, what,
                               dict(module=module, split=split))
 
 

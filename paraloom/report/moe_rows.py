@@ -1,16 +1,38 @@
 """The communication table's words for expert parallelism (kind ``ep``), in English and Chinese.
 
-Each exchange of the token dispatcher says what it moves and, from its recorded split sizes,
-how many rows went to and came from each rank (a row is one token copy, ``h`` wide, or its
-fp32 routing probability).
+Each exchange of a token dispatcher (allgather or alltoall) says what it moves and, from its
+recorded split sizes, how many rows went to and came from each rank (a row is one token copy,
+``h`` wide, or its fp32 routing probability).
 """
 
 from __future__ import annotations
 
 __all__ = ["ep_split"]
 
-_SITE = "MoEAlltoAllTokenDispatcher."
-_TEXT = {  # site after the dispatcher's name -> (en, zh)
+_GATHER = {  # Megatron's default dispatcher: site after its name -> (en, zh)
+    "token_permutation.forward:routing_map": (
+        "routing map [tokens, E] (bool) of every tp x ep rank",
+        "各 tp x ep rank 的路由表 [tokens, E]（bool）"),
+    "token_permutation.forward:probs": (
+        "routing probabilities [tokens, E] of every tp x ep rank",
+        "各 tp x ep rank 的路由概率 [tokens, E]"),
+    "token_permutation.forward:tokens": (
+        "tokens [tokens, h] of every tp x ep rank",
+        "各 tp x ep rank 的 token [tokens, h]"),
+    "token_unpermutation.forward:tokens": (
+        "expert outputs summed (fp32), each rank keeps its tokens",
+        "专家输出求和（fp32），各 rank 保留自己的 token"),
+    "token_unpermutation.backward:tokens_grad": (
+        "output grads of every rank's tokens (fp32)",
+        "各 rank token 的输出梯度（fp32）"),
+    "token_permutation.backward:tokens_grad": (
+        "token grads summed, back to each rank",
+        "token 梯度求和，送回各 rank"),
+    "token_permutation.backward:probs_grad": (
+        "probability grads summed, back to each rank",
+        "概率梯度求和，送回各 rank"),
+}
+_TEXT = {  # the alltoall dispatcher: site after its name -> (en, zh)
     "token_permutation.forward:tokens_per_expert": (
         "tokens per expert [E] (int64) from every tp x ep rank",
         "每个专家的 token 数 [E]（int64），来自每个 tp x ep rank"),
@@ -56,10 +78,12 @@ _ROWS = {"en": ("; rows sent {ins}, received {outs}", "; rows per rank {rows}"),
 
 
 def ep_split(event: dict, lang: str) -> str | None:
-    """The split text of one of the token dispatcher's events (kind ``ep``), or ``None`` when
+    """The split text of one of the token dispatchers' events (kind ``ep``), or ``None`` when
     it is not one (the caller then uses the event's own ``split``)."""
     site = event.get("site") or ""
-    words = _TEXT.get(site.rpartition(_SITE)[2]) if _SITE in site else None
+    cls, _, rest = site.partition(".")
+    words = {"MoEAlltoAllTokenDispatcher": _TEXT,
+             "MoEAllGatherTokenDispatcher": _GATHER}.get(cls, {}).get(rest)
     if words is None:
         return None
     text = words[lang == "zh"]

@@ -38,6 +38,11 @@ SPLITS = {
     "token counts per expert, summed over the microbatch's ranks":
         "每个专家的 token 数，在本微批次的各 rank 上求和",
     "routing probabilities of the rows": "各行的路由概率",
+    "routing map [tokens, E] of every rank": "各 rank 的路由表 [tokens, E]",
+    "routing probabilities [tokens, E] of every rank": "各 rank 的路由概率 [tokens, E]",
+    "tokens [tokens, h] of every rank": "各 rank 的 token [tokens, h]",
+    "expert outputs summed, each rank's tokens (fp32)":
+        "专家输出求和，各 rank 取自己的 token（fp32）",
     "every tp rank's rows for these experts": "各 tp rank 发给这些专家的行",
     "their routing probabilities": "它们的路由概率",
     "expert outputs summed over tp, each rank's rows": "专家输出在 tp 上求和，各 rank 取自己的行",
