@@ -60,6 +60,10 @@ def parse(argv=None) -> argparse.Namespace:
     a("--microbatches", type=int, default=4, help="per data-parallel rank and step")
     a("--num-experts", type=int, default=None)
     a("--moe-router-topk", type=int, default=2)
+    a("--moe-aux-loss-coeff", type=float, default=0.0, help="Megatron's default: 0 (none)")
+    a("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    a("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+      help="no biases in the linear layers (Megatron: MoE experts under tp need it)")
     a("--ep", type=int, default=1)
     a("--steps", type=int, default=2)
     a("--lr", type=float, default=3e-3)
@@ -88,6 +92,8 @@ def build(args):
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
         sequence_parallel=args.sequence_parallel, gradient_accumulation_fusion=False,
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, add_bias_linear=args.add_bias_linear,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         expert_model_parallel_size=args.ep)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts)
     chunks = []

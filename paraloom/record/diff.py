@@ -23,9 +23,12 @@ How fields are compared:
 * ``kind`` (``--kinds dimension``, the default) compares the parallel *dimension*: ``sp`` counts
   as ``tp`` (sequence parallelism runs on the tensor-parallel group: paraloom's layers say
   ``sp``, a recorded Megatron-Core run, whose ``parallel_state`` has no sequence-parallel group,
-  says ``tp``). A group nobody named (a recorder's ``group[0,1]``) takes the kind of a named
-  group with the same global ranks in either run, and otherwise stays itself; the ranks are
-  compared in ``group`` anyway. ``--kinds exact``: the kind strings must be equal.
+  says ``tp``). An event on a group of global ranks that some known kind names (in either
+  run; the first name seen) takes that name, so a recorder's unnamed ``group[0,1]`` and two
+  names of one rank set (paraloom's dispatcher says ``ep`` on its ``tp_ep`` group, where the
+  recorder says ``tp_ep``; a layout where tp x ep is every rank) agree; other groups keep
+  their kind. The ranks are compared in ``group`` anyway. ``--kinds exact``: the kind strings
+  must be equal.
 * ``phase`` (``--phases loose``, the default): ``other`` — a recorded program's code outside
   every forward, autograd and optimizer region, such as Megatron-LM's ``train_step`` after
   ``optimizer.step()`` — equals ``optimizer``, paraloom's phase for the same calls, and so does
@@ -149,10 +152,9 @@ def named_groups(*runs: dict[int, list[dict]]) -> dict[tuple, str]:
 def field_value(field: str, event: dict, options: Options, named: dict):
     value = event.get(field)
     if field == "kind" and options.kinds == "dimension" and value is not None:
-        dim = DIMENSIONS.get(value)
-        if dim is None and isinstance(event.get("group"), list):
-            dim = named.get(tuple(event["group"]))
-        return dim or value
+        group = tuple(event["group"]) if isinstance(event.get("group"), list) else None
+        dim = named.get(group) if group is not None else None  # the ranks decide
+        return dim or DIMENSIONS.get(value) or value
     if field == "phase" and event.get("recompute"):
         value = "backward"  # paraloom marks a re-run's forward; it runs inside backward
     if field == "phase" and options.phases == "loose":
