@@ -98,7 +98,7 @@ def test_names_compared_unless_ignored(tmp_path, capsys):
     assert run_diff(capsys, a, b, "--ignore-names")[0] == 0
 
 
-def test_kinds_sp_is_tp_and_unnamed_groups_take_the_kind_of_their_ranks(tmp_path, capsys):
+def test_kinds_sp_is_tp_and_a_groups_ranks_decide_its_kind(tmp_path, capsys):
     events = base()
     events[0]["kind"], events[1]["kind"] = "sp", "group[0,1]"  # ranks [0, 1]: tp's
     a, b = write(tmp_path / "a.jsonl", base()), write(tmp_path / "b.jsonl", events)
@@ -109,8 +109,15 @@ def test_kinds_sp_is_tp_and_unnamed_groups_take_the_kind_of_their_ranks(tmp_path
     code, out, _ = run_diff(capsys, a, write(tmp_path / "u.jsonl", events))
     assert code == 1 and "changed: A #1, B #1" in out and "A group" in out
     events = base()
-    events[0]["kind"] = "dp"  # a different dimension is always a difference
-    code, out, _ = run_diff(capsys, a, write(tmp_path / "c.jsonl", events))
+    events[0]["kind"] = "dp"  # another name for tp's ranks: the ranks decide (one group)
+    assert run_diff(capsys, a, write(tmp_path / "c.jsonl", events))[0] == 0
+    code, out, _ = run_diff(capsys, a, write(tmp_path / "c.jsonl", events), "--kinds", "exact")
+    assert code == 1 and "changed: A #0, B #0" in out and "A kind" in out
+    plain = base()  # without ranks a different dimension is a difference
+    for e in plain + events:
+        e.pop("group")
+    a2 = write(tmp_path / "a2.jsonl", plain)
+    code, out, _ = run_diff(capsys, a2, write(tmp_path / "d.jsonl", events))
     assert code == 1 and "changed: A #0, B #0" in out and "A kind" in out
 
 

@@ -402,6 +402,48 @@ def empty_all_to_all():
     return y[:, 0].tolist(), e["bytes"], e["recv_bytes"], e["row_bytes"]
 
 
+def aux_counts_sites(coeff):
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    from paraloom.models.gpt import ParallelOptions
+    from paraloom.moe import MoELayer
+    from paraloom.tensor_parallel.init import CounterInit
+
+    cfg = replace(CFG, moe_aux_loss_coeff=coeff, moe_z_loss_coeff=None)
+    mesh = ParallelMesh(tp=2, dp=2, ep=2)
+    layer = MoELayer(cfg, mesh, "layers.0.mlp", ParallelOptions(sequence_parallel=True),
+                     CounterInit(7, 0.2), CounterInit(7, 0.1)).train()
+    with recording(Ledger(rank=dist.get_rank())) as led:
+        layer(torch.randn(cfg.seq_length // 2, 2, cfg.hidden_size)).sum().backward()
+    return [(e["site"], e["kind"], e["op"]) for e in led.events
+            if e["site"].startswith("MoELayer.")]
+
+
+def test_no_aux_loss_no_counts_all_reduce(world4):
+    """``--moe-aux-loss-coeff 0`` (Megatron-LM's default): no load-balancing loss, so the
+    router's counts are not summed over tp x cp (Megatron returns before counting)."""
+    for coeff, want in ((0.0, []), (1e-2, [("MoELayer.router:tokens_per_expert", "sp",
+                                             "all_reduce")])):
+        assert all(sites == want for sites in world4.run(aux_counts_sites, coeff)), coeff
+
+
+def test_a_megatron_lm_command_line_gets_no_aux_loss():
+    from paraloom.commands.megatron_lm_flags import megatron_lm_spellings
+    from paraloom.commands.train import parser
+    from paraloom.commands.train_flags import config_from_args
+
+    def model(*flags):  # as ``paraloom train FLAGS`` reads them (main marks the spellings)
+        args = parser().parse_args(list(flags))
+        args.megatron_lm_spelt = megatron_lm_spellings(parser(), list(flags))
+        return config_from_args(args)[0].model
+
+    lm = ("--tensor-model-parallel-size", "1", "--num-layers", "2", "--num-experts", "4")
+    assert model(*lm).moe_aux_loss_coeff == 0.0
+    assert model(*lm, "--moe-aux-loss-coeff", "0.02").moe_aux_loss_coeff == 0.02
+    assert model("--num-experts", "4").moe_aux_loss_coeff == 1e-2  # paraloom's own default
+    assert model("--tensor-model-parallel-size", "1").moe_aux_loss_coeff == 1e-2  # dense
+
+
 def test_all_to_all_with_an_empty_send(world4):
     for r, (got, sent, received, row) in enumerate(world4.run(empty_all_to_all)):
         assert got == [1.0, 2.0, 3.0] and row == 12 and received == 36

@@ -20,10 +20,11 @@ without sp, or a capacity factor) every tp rank routes all ``N``:
   traffic (sp: its fc1's all-gather and fc2's reduce-scatter forward, two all-gathers and a
   reduce-scatter backward; without sp an all-reduce each way); its gate's gradient joins the
   sequence-parallel sums.
-* the aux loss counts the whole microbatch: one all-reduce of the router's counts (``E``
-  int64) over tp x cp (own tokens; kind ``sp`` without cp) or over cp (kind ``cp``); with a
-  capacity factor under cp instead one all-gather over cp of the router logits (``N E`` fp32
-  per rank), so every rank routes the microbatch. Full recomputation repeats the forward's.
+* the aux loss (when its coefficient is not 0) counts the whole microbatch: one all-reduce of
+  the router's counts (``E`` int64) over tp x cp (own tokens; kind ``sp`` without cp) or over
+  cp (kind ``cp``); with a capacity factor under cp instead one all-gather over cp of the
+  router logits (``N E`` fp32 per rank), so every rank routes the microbatch. Full
+  recomputation repeats the forward's.
 * Gradients: expert parameters sit in their own buffer, reduced (ZeRO: sharded) over edp
   (``dp cp / ep`` ranks); the experts' fc2 biases (added by tp rank 0) are summed over tp with the
   sequence-parallel gradients; the step's statistics add ``3 + L E`` float64 to the loss
@@ -54,7 +55,8 @@ def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommCo
                          padded_rows=_padded_rows(model, micro_batch),
                          shared_ffn=model.get("moe_shared_expert_intermediate_size") or 0,
                          shared_gate=bool(model.get("moe_shared_expert_gate")),
-                         dispatcher=model.get("moe_token_dispatcher_type", "allgather"))
+                         dispatcher=model.get("moe_token_dispatcher_type", "allgather"),
+                         aux_loss=model.get("moe_aux_loss_coeff", 1e-2) > 0)
 
 
 def _padded_rows(model: dict, micro_batch: int) -> int:
@@ -159,7 +161,7 @@ def moe_comm(c, pp_rank: int, add) -> None:
     if cp > 1 and m.capacity:  # the router logits, gathered over cp
         add("cp", "all_gather", "forward", mm, logits)
         add("cp", "all_gather", "recompute", again, logits)
-    elif cp > 1 or split:  # the aux loss's counts per expert (E int64), over tp x cp or cp
+    elif (cp > 1 or split) and m.aux_loss:  # the aux loss's counts (E int64), tp x cp or cp
         kind = "cp" if cp > 1 else "sp"
         add(kind, "all_reduce", "forward", mm, m.num_experts * 8)
         add(kind, "all_reduce", "recompute", again, m.num_experts * 8)

@@ -58,6 +58,8 @@ class Candidate:
     prediction: dict
     ep: int = 1
     cp_comm_type: str = "p2p"
+    dispatcher: str = ""
+    """The MoE token dispatcher (``allgather`` or ``alltoall``; empty for a dense model)."""
 
 
 def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
@@ -155,12 +157,14 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
            cp_comm_types: tuple[str, ...] = ("p2p",),
            num_experts: int | None = None, moe_topk: int = 2, moe_layer_freq: int = 1,
            moe_shared_ffn: int = 0, moe_shared_gate: bool = False,
+           dispatchers: tuple[str, ...] = ("allgather",),
            arch: Architecture | None = None,
            options: Options | None = None) -> tuple[list[Candidate], int]:
     """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
     the cp sizes to try (default :func:`cp_sizes`), each with every comm type of
     ``cp_comm_types`` that applies (``a2a``: cp divides the heads and key/value heads of a tp
-    rank); with ``num_experts`` every ep that divides both dp and the experts is tried too."""
+    rank); with ``num_experts`` every ep that divides both dp and the experts is tried too,
+    with each token dispatcher of ``dispatchers``."""
     o, arch = options or Options(), arch or Architecture()
     fits, too_big = [], 0
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
@@ -172,10 +176,14 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
         kinds = [k for k in cp_comm_types if k != "a2a" or (
             heads // tp % cp == 0 and (arch.num_query_groups or heads) // tp % cp == 0)] \
             if cp > 1 else [cp_comm_types[0]]
-        for ep, cp_comm_type in ((e, k) for e in eps for k in kinds):
+        # where nothing is dispatched (ep 1, every tp rank routing all tokens) one suffices
+        ways = {e: ("",) if not num_experts else dispatchers if e > 1 or (tp > 1 and sp)
+                else dispatchers[:1] for e in eps}
+        for ep, cp_comm_type, way in ((e, k, d) for e in eps for k in kinds for d in ways[e]):
             moe = MoECommConfig(num_experts=num_experts, topk=moe_topk, ep=ep,
                                 layer_freq=moe_layer_freq, shared_ffn=moe_shared_ffn,
-                                shared_gate=moe_shared_gate) if num_experts else None
+                                shared_gate=moe_shared_gate, dispatcher=way) \
+                if num_experts else None
             c = CommConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
                            vocab=padded_vocab_rows(vocab, vocab_multiple, tp), ffn=ffn,
                            micro_batch=b,
@@ -189,14 +197,14 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                 continue
             r = step_time(c, hw, o)
             fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r,
-                                  ep, cp_comm_type))
+                                  ep, cp_comm_type, way))
     fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
     return fits, too_big
 
 
 _PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",
          "cp_comm": "exposed cp K/V exchange",
-         "ep_comm": "expert all-to-all",
+         "ep_comm": "expert dispatch",
          "pp_comm": "pipeline p2p", "bubble": "pipeline bubble", "dp_comm": "exposed dp "
          "reduction", "emb_comm": "embedding reduction", "optimizer": "optimizer step",
          "compute": "compute"}

@@ -73,6 +73,8 @@ class MoECommConfig:
     """The shared expert's sigmoid gate (``gate_weight [1, h]``, replicated)."""
     dispatcher: str = "allgather"
     """Megatron's token dispatcher: ``allgather`` (its default) or ``alltoall``."""
+    aux_loss: bool = True
+    """A load-balancing loss (``moe_aux_loss_coeff > 0``): its counts are summed over tp x cp."""
 
     def is_moe_layer(self, index: int) -> bool:
         return index % self.layer_freq == 0

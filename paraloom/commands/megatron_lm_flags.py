@@ -183,9 +183,12 @@ MEGATRON_LM_DEFAULTS = {
                          "overlapped (--no-overlap-p2p-communication: blocking)"),
     "run.ledger_steps": (lambda settings, backend: -1,
                          "every step in the ledger, as paraloom record (--ledger-steps N)"),
+    "model.moe_aux_loss_coeff": (
+        lambda settings, backend: 0.0 if settings.get("model", {}).get("num_experts") else None,
+        "no MoE load-balancing loss (--moe-aux-loss-coeff)"),
 }
 """Megatron-LM's defaults where paraloom's own differ: setting -> (its value for the settings
-and backend of the run, what it means)."""
+and backend of the run, or ``None`` where it does not apply; what it means)."""
 _NOT_MEGATRON = {"nprocs"}  # torchrun's spellings
 
 
@@ -215,10 +218,13 @@ def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str
     for path, (value, what) in MEGATRON_LM_DEFAULTS.items():
         if path in values:
             continue
+        chosen = value(settings, backend)
+        if chosen is None:  # does not apply to this run
+            continue
         *parents, name = path.split(".")
         target = settings
         for part in parents:
             target = target.setdefault(part, {})
-        target[name] = value(settings, backend)
+        target[name] = chosen
         applied.append(what)
     return applied

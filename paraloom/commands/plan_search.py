@@ -38,12 +38,15 @@ _SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "p
 
 _CP_SHORT = {"p2p": "ring", "all_gather": "ag", "a2a": "a2a"}
 """How the cp column names the comm type: the ring, the all-gather, Ulysses' all-to-all."""
+_EP_SHORT = {"allgather": "ag", "alltoall": "a2a"}
+"""How the ep column names the MoE token dispatcher."""
 
 
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
     cp = f"{x.cp}" if x.cp == 1 else f"{x.cp} {_CP_SHORT[x.cp_comm_type]}"
-    return (f"{i:>3} {x.tp:>3} {cp:>6} {x.ep:>3} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
+    ep = f"{x.ep} {_EP_SHORT[x.dispatcher]}" if x.dispatcher else f"{x.ep}"
+    return (f"{i:>3} {x.tp:>3} {cp:>6} {ep:>6} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
             f"{x.micro_batch:>3} "
             f"{'on' if x.sequence_parallel else 'off':>3} {x.recompute:>9} "
             f"{'on' if x.distributed_optimizer else 'off':>4} {x.step_time_s:>9.3f} "
@@ -82,6 +85,14 @@ def _cp_comm_types(typed: list[str], cfg: TrainConfig) -> tuple[str, ...]:
     if any(t == "--cp-comm-type" or t.startswith("--cp-comm-type=") for t in typed):
         return (cfg.parallel.cp_comm_type,)
     return ("p2p", "all_gather", "a2a")
+
+
+def _dispatchers(typed: list[str], cfg: TrainConfig) -> tuple[str, ...]:
+    """The MoE token dispatchers to try: the one ``--moe-token-dispatcher-type`` names, else
+    both."""
+    if any(t.split("=", 1)[0] == "--moe-token-dispatcher-type" for t in typed):
+        return (cfg.model.moe_token_dispatcher_type,)
+    return ("allgather", "alltoall")
 
 
 def _model(a: argparse.Namespace, typed: list[str]) -> TrainConfig:
@@ -131,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                            num_experts=m.num_experts,
                            moe_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq,
                            moe_shared_ffn=m.moe_shared_expert_intermediate_size or 0,
-                           moe_shared_gate=m.moe_shared_expert_gate)
+                           moe_shared_gate=m.moe_shared_expert_gate,
+                           dispatchers=_dispatchers(typed, cfg))
     took = time.perf_counter() - tic
     if a.json:
         print(json.dumps({"hardware": hw.to_dict(), "layouts_fitting": len(fits),
@@ -157,7 +169,7 @@ def _print_ranked(a: argparse.Namespace, cfg: TrainConfig, hw: Hardware, arch: A
                               query_groups=arch.num_query_groups))
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
-        ("tp", 3), ("cp", 6), ("ep", 3), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
+        ("tp", 3), ("cp", 6), ("ep", 6), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
         ("recompute", 9), ("zero", 4), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
     for i, x in enumerate(fits[:a.top], 1):
         print(_row(i, x, fits[0], hw))

@@ -164,11 +164,13 @@ class MoELayer(nn.Module):
         loss: this rank's counts summed over the ranks that routed the microbatch's other
         tokens (one all-reduce of ``E`` int64 over ``tp x cp`` when tp ranks route their own
         slices, over ``cp`` otherwise: Megatron's ``tp_cp`` group; kind ``cp``, or ``sp``
-        without cp). Every rank routes as many tokens, so the microbatch has ``n x`` group
-        size."""
+        without cp; none without an aux loss). Every rank routes as many tokens, so the
+        microbatch has ``n x`` group size."""
         axis = self.mesh.tp_cp if self.split_tp else self.cp
         if axis is None or axis.size == 1:
             return per_expert, n
+        if not self.cfg.moe_aux_loss_coeff:  # no aux loss: nothing to count (Megatron's)
+            return per_expert, n * axis.size
         counts = per_expert.long().clone()
         comm.all_reduce(counts, axis, phase="forward", kind="cp" if self.cp.size > 1 else "sp",
                         site="MoELayer.router:tokens_per_expert", module=self.name,
