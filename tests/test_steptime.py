@@ -418,6 +418,16 @@ def test_search_llama_keeps_gqa_groups_whole(capsys):
     assert plan_main(argv + ["--num-experts", "4", "--json", *shared]) == 0
     with_shared = json.loads(capsys.readouterr().out)["ranked"]
     assert with_shared[0]["step_time_s"] > moe[0]["step_time_s"]
+    # both token dispatchers where something is dispatched; --moe-token-dispatcher-type pins one
+    fits, _ = search(16, A100, **job, arch=llama, num_experts=4,
+                     dispatchers=("allgather", "alltoall"))
+    assert {x.dispatcher for x in fits if x.ep > 1} == {"allgather", "alltoall"}
+    assert all(x.dispatcher == "allgather" for x in fits if x.ep == 1 and not
+               (x.tp > 1 and x.sequence_parallel))
+    assert plan_main(argv + ["--num-experts", "4", "--json", "--top", "400",
+                             "--moe-token-dispatcher-type", "alltoall"]) == 0
+    pinned = json.loads(capsys.readouterr().out)["ranked"]
+    assert {x["dispatcher"] for x in pinned} == {"alltoall"}
 
 
 def test_search_tries_each_cp_comm_type_where_it_applies(capsys):
