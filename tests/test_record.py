@@ -195,7 +195,8 @@ def runs(tmp_path_factory):
                "marked": _start(tmp, FAILING, "marked", nproc=1, name="marked",
                                 options=("--steps", "2")),
                "quit": _start(tmp, FAILING, "quit", name="quit"),
-               "hang": _start(tmp, FAILING, "hang", name="hang", options=("--timeout", "25")),
+               # eleven records start at once on 2 cores: the hang gets time to reach its hang
+               "hang": _start(tmp, FAILING, "hang", name="hang", options=("--timeout", "60")),
                "mesh": _start(tmp, FAILING, "mesh", name="mesh"),
                "inference": _start(tmp, FAILING, "inference", name="inference"),
                "torchrun": _start(tmp, FAILING, "fine", name="joined", torchrun=True),
@@ -323,7 +324,7 @@ def test_ranks_merged_and_reports_work_on_the_folder(run):
     ("kill", 128 + 9, "rank 1 was killed by SIGKILL"),
     ("exit", 3, "rank 0 exited with code 3"),
     ("quit", 3, "rank 1 exited with code 3;"),
-    ("hang", 124, "the run was stopped after --timeout 25 s; ranks 0-1 still running got "
+    ("hang", 124, "the run was stopped after --timeout 60 s; ranks 0-1 still running got "
                   "SIGTERM"),
 ])
 def test_failing_program_keeps_partial_ledger(runs, how, code, says):
