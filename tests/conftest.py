@@ -122,6 +122,7 @@ SLOW = {
     "test_flight_recorder.py": "hung programs run until torch's Flight Recorder dumps (~15 s)",
     "test_reliability.py": "faults injected into fresh worlds, ranks killed (~13 s)",
     "test_moe_training.py": "MoE runs trained, checked and resumed under other layouts (~9 s)",
+    "test_megatron_moe.py": "megatron-core's MoE step on 4 CPU ranks, both dispatchers (~55 s)",
 }
 """Test modules in the full tier only (``-m slow``), with why: ``pytest -m "not slow"`` is the
 quick tier for the inner loop (about 2.5 minutes on 2 cores); ``pytest`` runs both, as CI does."""
