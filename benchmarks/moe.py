@@ -74,8 +74,7 @@ def _rank(rank, world, args) -> None:
     for cls in (td.MoEAlltoAllTokenDispatcher, ag.MoEAllGatherTokenDispatcher):
         _timed(cls, "token_permutation", acc)
         _timed(cls, "token_unpermutation", acc)
-    for fn in (td._AllToAll, td._GatherRows, td._ScatterRows):
-        _timed(fn, "backward", acc)
+    _timed(td._Exchange, "backward", acc)
     names = [name for name, _, _ in RUNS]
     times = {n: [] for n in names}
     share = {n: [] for n in names}

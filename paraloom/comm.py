@@ -91,6 +91,9 @@ def all_gather(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str, ki
         return _done(tensor, async_op)
     local = tensor.contiguous()
     if output_splits is not None:
+        if dim % local.dim() != 0:
+            raise ValueError(f"all_gather at {site}: output_splits gathers along dim 0, not "
+                             f"dim {dim}")
         return _all_gather_v(local, axis, list(output_splits), async_op,
                              dict(op="all_gather", phase=phase, kind=kind, site=site,
                                   module=module, split=split, tensor=local,

@@ -14,13 +14,11 @@ broadcast over tp from tp rank 0 for every microbatch, and the rerun state machi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from _megatron_record import finish, start_record
 from _megatron_source import megatron_file
 
 from paraloom.record import megatron_lm_cpu
@@ -50,22 +48,12 @@ INTERLEAVED = {  # Megatron-LM's default overlapped p2p (compared with paraloom 
 def runs(tmp_path_factory):
     megatron_file("models/gpt/gpt_model.py")  # installed (the README's test command), or fail
     tmp = tmp_path_factory.mktemp("megatron_lm")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = {}
-    for name, layout in {**LAYOUTS, **INTERLEAVED}.items():
-        procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "paraloom", "record", "--megatron-on-cpu", "--nproc", "4",
-             "--out", str(tmp / name), "--timeout", "400", "--", str(EXAMPLE), *ARGS,
-             *layout.split()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=env, cwd=ROOT, start_new_session=True)
+    procs = {name: start_record(tmp / name, EXAMPLE, [*ARGS, *layout.split()], timeout=400)
+             for name, layout in {**LAYOUTS, **INTERLEAVED}.items()}
     out = {}
     for name, proc in procs.items():
-        try:
-            text, _ = proc.communicate(timeout=720)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            raise
-        out[name] = (proc.returncode, text, load_events(tmp / name))
+        code, text = finish(proc, 720)
+        out[name] = (code, text, load_events(tmp / name))
     return out
 
 

@@ -21,13 +21,11 @@ all-gathers the received rows over tp with uneven sizes, which gloo refuses.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _megatron_record import finish, start_record
 from _megatron_source import megatron_file
 
 from paraloom.commands import main
@@ -53,19 +51,11 @@ def runs(tmp_path_factory):
     """name -> (Megatron's record folder, paraloom's run folder); both records at once."""
     megatron_file("transformer/moe/token_dispatcher.py")  # installed, or fail
     tmp = tmp_path_factory.mktemp("megatron_moe")
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    procs = {name: subprocess.Popen(
-        [sys.executable, "-m", "paraloom", "record", "--megatron-on-cpu", "--nproc", "4",
-         "--out", str(tmp / f"megatron-{name}"), "--timeout", "300", "--", str(EXAMPLE),
-         *MODEL, *ex.split()], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env, cwd=ROOT, start_new_session=True) for name, (ex, _, _) in LAYOUTS.items()}
+    procs = {name: start_record(tmp / f"megatron-{name}", EXAMPLE, [*MODEL, *ex.split()])
+             for name, (ex, _, _) in LAYOUTS.items()}
     for name, proc in procs.items():
-        try:
-            text, _ = proc.communicate(timeout=420)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            raise
-        assert proc.returncode == 0 and "step 2: loss" in text, f"{name}: {text[-3000:]}"
+        code, text = finish(proc, 420)
+        assert code == 0 and "step 2: loss" in text, f"{name}: {text[-3000:]}"
     out = {}
     for name, (_, flags, _) in LAYOUTS.items():
         ours = tmp / f"paraloom-{name}"

@@ -20,12 +20,10 @@ distributed optimizer, first iteration, align-grad-reduce, shapes) makes a layou
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _megatron_record import finish, start_record
 from _megatron_source import megatron_file
 
 from paraloom.commands import main
@@ -74,14 +72,6 @@ WORLD = {"pp3": 3}
 """Ranks of a layout that does not use 4."""
 
 
-def _record(out: Path, flags: str, nproc: int = 4) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.Popen(
-        [sys.executable, "-m", "paraloom", "record", "--megatron-on-cpu", "--nproc", str(nproc),
-         "--out", str(out), "--timeout", "300", "--", str(EXAMPLE), *MODEL, *flags.split()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """name -> (Megatron's record folder, paraloom's run folder); two records at a time."""
@@ -89,11 +79,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_step")
     out, names = {}, list(LAYOUTS)
     for i in range(0, len(names), 2):
-        procs = {n: _record(tmp / f"megatron-{n}", LAYOUTS[n][0], WORLD.get(n, 4))
+        procs = {n: start_record(tmp / f"megatron-{n}", EXAMPLE,
+                                 [*MODEL, *LAYOUTS[n][0].split()], nproc=WORLD.get(n, 4))
                  for n in names[i:i + 2]}
         for name, proc in procs.items():
-            text, _ = proc.communicate(timeout=420)
-            assert proc.returncode == 0, f"{name}: {text[-3000:]}"
+            code, text = finish(proc, 420)
+            assert code == 0, f"{name}: {text[-3000:]}"
             assert "step 2: loss" in text, text[-2000:]
     for name, (_, flags) in LAYOUTS.items():
         ours = tmp / f"paraloom-{name}"

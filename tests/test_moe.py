@@ -46,6 +46,15 @@ def test_bad_moe_settings_name_the_values():
         check_layout(ModelConfig(num_experts=6), ParallelConfig(dp=4, ep=4))
 
 
+def test_run_folders_from_before_the_allgather_dispatcher_read_as_alltoall():
+    """A ``config.json`` written when alltoall was paraloom's only dispatcher keeps it on
+    ``--resume`` and in ``check``; a new MoE config gets Megatron's default, allgather."""
+    saved = TrainConfig().replace(model=ModelConfig(num_experts=4)).to_dict()
+    assert TrainConfig.from_dict(saved).model.moe_token_dispatcher_type == "allgather"
+    del saved["model"]["moe_token_dispatcher_type"]
+    assert TrainConfig.from_dict(saved).model.moe_token_dispatcher_type == "alltoall"
+
+
 def test_capacity_drops_are_deterministic():
     logits = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
     cap = expert_capacity(32, 2, 4, 0.5)

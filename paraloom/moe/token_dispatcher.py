@@ -44,59 +44,40 @@ __all__ = ["MoEAlltoAllTokenDispatcher", "all_to_all", "gather_rows", "scatter_r
 _SITE = "MoEAlltoAllTokenDispatcher"
 
 
-class _AllToAll(torch.autograd.Function):
-    """Forward: all-to-all rows with ``(input_splits, output_splits)``. Backward: the reverse
-    all-to-all of the gradient (splits swapped)."""
+def _a2a(x, axis, splits, **kw):
+    return comm.all_to_all(x, axis, input_splits=splits[0], output_splits=splits[1], **kw)
+
+
+def _a2a_back(x, axis, splits, **kw):
+    return comm.all_to_all(x, axis, input_splits=splits[1], output_splits=splits[0], **kw)
+
+
+def _gather(x, axis, splits, **kw):
+    return comm.all_gather(x, axis, output_splits=splits, **kw)
+
+
+def _scatter(x, axis, splits, **kw):
+    return comm.reduce_scatter(x, axis, input_splits=splits, **kw)
+
+
+class _Exchange(torch.autograd.Function):
+    """Forward: ``there`` moves rows over an axis with ``splits``; backward: ``back`` moves
+    the gradient the other way (an all-to-all with the splits swapped; a reduce-scatter for
+    an all-gather, and the other way round). Kind ``ep``; sites ``site.forward:what`` and
+    ``site.backward:what_grad``."""
 
     @staticmethod
-    def forward(ctx, x, axis, ins, outs, site, what, kw):
-        ctx.meta = (axis, ins, outs, site, what, kw)
-        return comm.all_to_all(x, axis, input_splits=ins, output_splits=outs, phase="forward",
-                               kind="ep", site=f"{site}.forward:{what}", **kw)
-
-    @staticmethod
-    def backward(ctx, grad):
-        axis, ins, outs, site, what, kw = ctx.meta
-        out = comm.all_to_all(grad.contiguous(), axis, input_splits=outs, output_splits=ins,
-                              phase="backward", kind="ep", site=f"{site}.backward:{what}_grad",
-                              **kw)
-        return out, None, None, None, None, None, None
-
-
-class _GatherRows(torch.autograd.Function):
-    """Forward: all-gather rows of uneven counts over an axis. Backward: reduce-scatter the
-    gradient with the same counts (each rank keeps its own rows' summed gradient)."""
-
-    @staticmethod
-    def forward(ctx, x, axis, splits, site, what, kw):
-        ctx.meta = (axis, splits, site, what, kw)
-        return comm.all_gather(x, axis, output_splits=splits, phase="forward", kind="ep",
-                               site=f"{site}.forward:{what}", **kw)
-
-    @staticmethod
-    def backward(ctx, grad):
-        axis, splits, site, what, kw = ctx.meta
-        out = comm.reduce_scatter(grad.contiguous(), axis, input_splits=splits,
-                                  phase="backward", kind="ep",
-                                  site=f"{site}.backward:{what}_grad", **kw)
-        return out, None, None, None, None, None
-
-
-class _ScatterRows(torch.autograd.Function):
-    """Forward: reduce-scatter rows of uneven counts over an axis. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, axis, splits, site, what, kw):
-        ctx.meta = (axis, splits, site, what, kw)
-        return comm.reduce_scatter(x.contiguous(), axis, input_splits=splits, phase="forward",
-                                   kind="ep", site=f"{site}.forward:{what}", **kw)
+    def forward(ctx, x, there, back, axis, splits, site, what, kw):
+        ctx.meta = (back, axis, splits, site, what, kw)
+        return there(x.contiguous(), axis, splits, phase="forward", kind="ep",
+                     site=f"{site}.forward:{what}", **kw)
 
     @staticmethod
     def backward(ctx, grad):
-        axis, splits, site, what, kw = ctx.meta
-        out = comm.all_gather(grad.contiguous(), axis, output_splits=splits, phase="backward",
-                              kind="ep", site=f"{site}.backward:{what}_grad", **kw)
-        return out, None, None, None, None, None
+        back, axis, splits, site, what, kw = ctx.meta
+        out = back(grad.contiguous(), axis, splits, phase="backward", kind="ep",
+                   site=f"{site}.backward:{what}_grad", **kw)
+        return (out,) + (None,) * 7
 
 
 def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: list[int], *,
@@ -105,28 +86,28 @@ def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: li
     """Differentiable all-to-all of rows over ``axis`` (identity on a size-1 axis)."""
     if axis.size == 1:
         return x
-    return _AllToAll.apply(x, axis, list(input_splits), list(output_splits), site, what,
-                           dict(module=module, split=split))
+    return _Exchange.apply(x, _a2a, _a2a_back, axis, (list(input_splits), list(output_splits)),
+                           site, what, dict(module=module, split=split))
 
 
 def gather_rows(x: torch.Tensor, axis, splits: list[int] | None, *, site: str, what: str,
                 module: str | None = None, split: str | None = None) -> torch.Tensor:
     """Differentiable all-gather of ``splits[r]`` rows from each rank ``r`` of ``axis``
-    (``None``: as many from each)."""
+    (``None``: as many from each); backward a reduce-scatter with the same counts."""
     if axis.size == 1:
         return x
-    return _GatherRows.apply(x, axis, None if splits is None else list(splits), site, what,
-                             dict(module=module, split=split))
+    return _Exchange.apply(x, _gather, _scatter, axis, None if splits is None else list(splits),
+                           site, what, dict(module=module, split=split))
 
 
 def scatter_rows(x: torch.Tensor, axis, splits: list[int] | None, *, site: str, what: str,
                  module: str | None = None, split: str | None = None) -> torch.Tensor:
     """Differentiable reduce-scatter: rank ``r`` keeps the sum of rows ``splits[r]``
-    (``None``: equal parts)."""
+    (``None``: equal parts); backward an all-gather."""
     if axis.size == 1:
         return x
-    return _ScatterRows.apply(x, axis, None if splits is None else list(splits), site, what,
-                              dict(module=module, split=split))
+    return _Exchange.apply(x, _scatter, _gather, axis, None if splits is None else list(splits),
+                           site, what, dict(module=module, split=split))
 
 
 def _pad_to_capacity(token_ids: torch.Tensor, row_probs: torch.Tensor, counts: torch.Tensor,
