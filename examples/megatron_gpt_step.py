@@ -42,6 +42,8 @@ def parse(argv=None) -> argparse.Namespace:
     a("--vpp", type=int, default=None, help="virtual stages per pipeline rank (interleaved)")
     a("--sequence-parallel", action="store_true")
     a("--distributed-optimizer", action="store_true")
+    a("--num-distributed-optimizer-instances", type=int, default=1,
+      help="the distributed optimizer's copies over the data-parallel ranks")
     a("--overlap-param-gather", action="store_true",
       help="the distributed optimizer's parameter all-gather in the next forward (pre-hooks)")
     a("--no-overlap-grad-reduce", dest="overlap_grad_reduce", action="store_false")
@@ -112,6 +114,8 @@ def build(args):
                                             # Megatron-LM: on with interleaving, else off
                                             align_param_gather=bool(args.vpp)
                                             and args.align_param_gather,
+                                            num_distributed_optimizer_instances=args.
+                                            num_distributed_optimizer_instances,
                                             grad_reduce_in_fp32=True)  # Megatron-LM, for bf16
     if args.bf16:  # Megatron-LM's get_model: bf16 parameters, inputs and outputs converted
         from megatron.core.transformer.module import Float16Module
@@ -213,7 +217,8 @@ def main(argv=None) -> None:
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
-        expert_model_parallel_size=args.ep)
+        expert_model_parallel_size=args.ep,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances)
     torch.manual_seed(args.seed + 100 * ps.get_pipeline_model_parallel_rank())  # as Megatron-LM
     model_parallel_cuda_manual_seed(args.seed)
     cfg, model, optimizer = build(args)

@@ -24,6 +24,13 @@ position, consecutive blocks of ``ep`` form ``mesh.ep`` (the experts are divided
 tokens are exchanged by all-to-all), and the ranks at the same place in every block form
 ``mesh.edp`` (expert-data-parallel, size ``dp * cp / ep``: replicas of the same experts, over
 which expert gradients are reduced). ``ep = 1`` gives size-1 ep groups and ``edp == dp``.
+
+Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances N``,
+:func:`instance_rank_groups`, built on demand by :meth:`ParallelMesh.optimizer_instances`) splits
+each dp x cp group (and each edp group) into ``N`` consecutive blocks: a block (``dp_intra``,
+``edp_intra``) shards the optimizer, the ranks at the same place in every block (``dp_inter``,
+``edp_inter``) all-reduce their shards, and ``distopt`` is one instance's ranks (every rank whose
+dp x cp index lies in its block: the grad norm's group).
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import torch.distributed as dist
 from .config import ParallelConfig
 
 __all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords", "expert_rank_groups",
-           "world_axis"]
+           "instance_rank_groups", "world_axis"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,38 @@ def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
     }
 
 
+def instance_rank_groups(tp: int, pp: int, dp: int, n: int, cp: int = 1, ep: int = 1
+                         ) -> dict[str, list[tuple[int, ...]]]:
+    """The groups of ``n`` distributed-optimizer instances (Megatron-Core's intra- and
+    inter-instance groups): ``dp_intra`` / ``edp_intra`` cut every dp x cp / edp group into ``n``
+    consecutive blocks, ``dp_inter`` / ``edp_inter`` take the ranks at one place in every block,
+    ``distopt`` holds the ranks of one instance (sorted).
+
+    >>> groups = instance_rank_groups(tp=1, pp=1, dp=4, n=2)
+    >>> groups["dp_intra"], groups["dp_inter"], groups["distopt"]
+    ([(0, 1), (2, 3)], [(0, 2), (1, 3)], [(0, 1), (2, 3)])
+    """
+    dp_cp = dp * cp
+    if n < 1 or dp_cp % n or (dp_cp // ep) % n:
+        raise ValueError(f"num_distributed_optimizer_instances = {n} must divide dp * cp = "
+                         f"{dp_cp} and the expert-data-parallel size dp * cp / ep = "
+                         f"{dp_cp // ep}")
+
+    def split(groups: list[tuple[int, ...]]) -> tuple[list, list]:
+        size = len(groups[0]) // n
+        intra = [g[i * size:(i + 1) * size] for g in groups for i in range(n)]
+        inter = [g[j::size] for g in groups for j in range(size)]
+        return intra, inter
+
+    dense, expert = rank_groups(tp, pp, dp, cp)["dp_cp"], expert_rank_groups(tp, pp, dp, ep, cp)
+    out = dict(zip(("dp_intra", "dp_inter"), split(dense), strict=True))
+    out.update(zip(("edp_intra", "edp_inter"), split(expert["edp"]), strict=True))
+    block = dp_cp // n
+    out["distopt"] = [tuple(sorted(r for r in range(tp * pp * dp_cp)
+                                   if (r // tp) % dp_cp // block == i)) for i in range(n)]
+    return out
+
+
 class ParallelMesh:
     """Process groups for a (tp, pp, dp) layout; build it on every rank, in the same order.
 
@@ -156,24 +195,45 @@ class ParallelMesh:
                              f"sizes whose product is {world}")
         self.world_size = world
         self.axes: dict[str, Axis] = {}
-        made: dict[tuple[int, ...], object] = {}  # a group with the same ranks is made once
-        every = {**rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp),
-                 **expert_rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp)}
-        for name, groups in every.items():
-            mine = None
-            for ranks in groups:  # every rank creates every group, in the same order
-                if distributed and len(ranks) > 1 and ranks not in made:
-                    made[ranks] = dist.new_group(list(ranks))
-                pg = made.get(ranks)
-                if self.rank in ranks:
-                    mine = Axis(name, ranks, ranks.index(self.rank), pg)
-            if mine is None:  # emb: a middle pipeline stage is in no embedding group
-                mine = Axis(name, (), -1, None)
-            self.axes[name] = mine
+        self._made: dict[tuple[int, ...], object] = {}  # a group with the same ranks: made once
+        self._distributed = distributed
+        self._instances: dict[int, dict[str, Axis]] = {}
+        self._add_axes({**rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp),
+                        **expert_rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp)}, self.axes)
         if cfg.cp == 1:
             self.axes["dp_cp"] = self.axes["dp"]
         world_group = dist.group.WORLD if distributed and world > 1 else None
         self.axes["world"] = Axis("world", tuple(range(world)), self.rank, world_group)
+
+    def _add_axes(self, every: dict[str, list[tuple[int, ...]]], into: dict[str, Axis]) -> None:
+        for name, groups in every.items():
+            mine = None
+            for ranks in groups:  # every rank creates every group, in the same order
+                if self._distributed and len(ranks) > 1 and ranks not in self._made:
+                    self._made[ranks] = dist.new_group(list(ranks))
+                pg = self._made.get(ranks)
+                if self.rank in ranks:
+                    mine = Axis(name, ranks, ranks.index(self.rank), pg)
+            if mine is None:  # emb: a middle pipeline stage is in no embedding group
+                mine = Axis(name, (), -1, None)
+            into[name] = mine
+
+    def optimizer_instances(self, n: int) -> dict[str, Axis]:
+        """The axes of ``n`` distributed-optimizer instances (:func:`instance_rank_groups`),
+        made on first use: every rank must ask for the same ``n`` at the same point. ``n = 1``:
+        ``dp_intra`` is ``dp_cp``, ``edp_intra`` is ``edp``, the inter axes have size 1 and
+        ``distopt`` is the world."""
+        if n not in self._instances:
+            if n == 1:
+                one = Axis("dp_inter", (self.rank,), 0, None)
+                self._instances[1] = dict(dp_intra=self.dp_cp, edp_intra=self.edp,
+                                          dp_inter=one, edp_inter=one, distopt=self.world)
+            else:
+                c = self.config
+                axes: dict[str, Axis] = {}
+                self._add_axes(instance_rank_groups(c.tp, c.pp, c.dp, n, c.cp, c.ep), axes)
+                self._instances[n] = axes
+        return self._instances[n]
 
     tp = property(lambda self: self.axes["tp"], doc="Tensor-parallel axis.")
     dp = property(lambda self: self.axes["dp"], doc="Data-parallel axis.")

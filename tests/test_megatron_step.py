@@ -9,8 +9,8 @@ tied embeddings) and layout with Megatron-Core's blocking p2p batches. For each 
 tp2 x dp2 with sequence parallelism, pp2 x dp2 with the distributed optimizer, interleaved pp4
 (vpp 2, 8 layers), tp2 x pp2 with full recomputation, tp2 x dp2 with sp in bf16, and three that
 once differed (plain 1F1B on 3 stages, dp4 with the distributed optimizer and 3000-element buckets,
-tp2 x dp2 with sp and full recomputation), and ``--overlap-param-gather`` on dp4 with small
-buckets and on pp2 x dp2 — ``paraloom
+tp2 x dp2 with sp and full recomputation), ``--overlap-param-gather`` on dp4 with small
+buckets and on pp2 x dp2, and ``--num-distributed-optimizer-instances 2`` on dp4 — ``paraloom
 diff --step 2 --ignore-names`` exits 0 (the steady state), and so does ``--step 1`` (the first
 iteration, where Megatron's DDP launches no bucket from its hooks).
 The two programs share nothing but the configuration; any of the differences the Megatron
@@ -67,6 +67,12 @@ LAYOUTS = {  # name: (the example's flags, paraloom train's flags)
     "pp2-dp2-distopt-opg": ("--pp 2 --distributed-optimizer --overlap-param-gather",
                             "--tp 1 --pp 2 --dp 2 --distributed-optimizer "
                             "--overlap-param-gather --global-batch-size 16"),
+    # --num-distributed-optimizer-instances 2: each bucket reduce-scattered over a block of 2
+    # dp ranks, its shard then all-reduced across the blocks, both synchronous
+    "dp4-distopt-instances": ("--distributed-optimizer --bucket-size 3000 "
+                              "--num-distributed-optimizer-instances 2",
+                              "--tp 1 --pp 1 --dp 4 --distributed-optimizer --bucket-size 3000 "
+                              "--num-distributed-optimizer-instances 2 --global-batch-size 32"),
 }
 WORLD = {"pp3": 3}
 """Ranks of a layout that does not use 4."""
@@ -117,6 +123,10 @@ def test_megatron_whole_step_equals_paraloom_train(runs, name, capsys):
             {"reduce_scatter", "all_gather", "all_reduce"}  # buckets, parameters, the loss
         gathers = {e["phase"] for e in events if e["op"] == "all_gather" and e["kind"] == "dp"}
         assert gathers == ({"forward"} if "opg" in name else {"optimizer"}), gathers
+        across = [e for e in events if e["kind"] == "dp_inter"]
+        assert bool(across) == ("instances" in name)  # the shards' all-reduce, in backward
+        assert all(e["op"] == "all_reduce" and not e["async"] and len(e["group"]) == 2
+                   for e in across)
     # the names differ (two implementations): without --ignore-names they are compared
     assert main(["diff", str(megatron), str(ours), "--step", "2"]) == 1
 

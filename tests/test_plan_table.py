@@ -1,7 +1,7 @@
 """``paraloom plan --table``: one rank's step-1 communication order derived from the layout
 alone equals, row for row, what ``paraloom table RUN --step 1`` shows for the same flags run
-small (parallel type, split object, primitive, trigger location), on every rank of eight
-layouts; and it prints at full size, where nothing can run."""
+small (parallel type, split object, primitive, trigger location), on every rank of each
+layout; and it prints at full size, where nothing can run."""
 
 from __future__ import annotations
 
@@ -41,6 +41,10 @@ LAYOUTS = {
         "--overlap-param-gather-with-optimizer-step"],
     "cp ring, tp, selective recomputation": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2",
                                              "--recompute", "selective"],
+    # each bucket reduce-scattered in a block of 2 dp ranks, its shard all-reduced across
+    "dp with two distributed-optimizer instances": [
+        "--tp", "1", "--pp", "1", "--dp", "4", "--distributed-optimizer", "--bucket-size", "700",
+        "--num-distributed-optimizer-instances", "2"],
 }
 
 

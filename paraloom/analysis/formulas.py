@@ -169,8 +169,13 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         for n, scatter, size, chunk in buckets:
             if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
                 continue
-            add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1, n * c.grad_bytes)
-            if not c.distributed_optimizer:
+            size //= c.instances  # the block a bucket is sharded over (instances: see spec)
+            if size > 1:
+                add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1,
+                    n * c.grad_bytes)
+            if c.instances > 1:  # this rank's shard, summed across the instances
+                add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
+            if not c.distributed_optimizer or size == 1:
                 continue
             if c.param_gather_with_optimizer_step and chunk == 0:
                 if c.optimizer_step:  # right after chunk 0's update, every step
@@ -185,9 +190,10 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         vocab = -(-c.vocab // c.tp) * c.tp
         add("emb", "all_reduce", "optimizer", 1, vocab * c.hidden // c.tp * c.grad_bytes)
     mp, world = c.tp * c.pp, c.tp * c.pp * c.dp
-    groups = [("distopt", world)] if c.distributed_optimizer else [("mp", mp)]
+    instance = world // c.instances  # the distributed optimizer's grad-stats group
+    groups = [("distopt", instance)] if c.distributed_optimizer else [("mp", mp)]
     if c.moe is not None:  # Megatron's expert optimizer: tp x ep x pp (distributed: the world)
-        groups.append(("distopt", world) if c.distributed_optimizer
+        groups.append(("distopt", instance) if c.distributed_optimizer
                       else ("tp_ep_pp", mp * c.moe.ep))
     chained = 2 if c.param_gather_with_optimizer_step else 1  # Megatron's dense optimizers
     for i, (kind, size) in enumerate(groups):

@@ -85,8 +85,9 @@ def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
     params = chunk_params(c, pp_rank, chunk)
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
     size = bucket_size_of(c, pp_rank, chunk)
-    return _cut(c, [p for p in params if not p.expert], c.dp, False, size) + \
-        _cut(c, [p for p in params if p.expert], edp, True, size)
+    n = c.instances  # distributed-optimizer instances: sharded within a block of dp / n
+    return _cut(c, [p for p in params if not p.expert], c.dp // n, False, size) + \
+        _cut(c, [p for p in params if p.expert], edp // n, True, size)
 
 
 def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool,

@@ -4,7 +4,8 @@ activations).
 
 Memory assumes Megatron's mixed precision when the dtype is 16-bit: weights in ``dtype``, fp32
 ``main_grad`` (4 B/param), Adam with fp32 master weights (12 B/param; 8 B/param in fp32), the
-optimizer states divided by ``dp`` with the distributed optimizer. Activations: the per-layer
+optimizer states divided by ``dp`` with the distributed optimizer (by ``dp / N`` with ``N``
+instances). Activations: the per-layer
 bytes (scaled from 16-bit figures to ``dtype``) times the layers of a stage times the
 microbatches 1F1B keeps in flight on the first stage (``min(p, m)``), times
 ``1 + (p-1)/(p v)`` for the interleaved schedule. The per-tensor accounting of a real layer is
@@ -64,7 +65,8 @@ def memory_per_gpu(c: CommConfig) -> dict[str, float]:
                    * min(c.pp, c.num_microbatches) * interleave
                    * cp_activation_factor(c.cp))  # cp: each rank holds s/cp tokens
     experts = max(e["expert_params"] for e in extra.values())  # ZeRO shards them over edp
-    shards = (c.dp * c.cp, extra[0]["edp"]) if c.distributed_optimizer else (1, 1)
+    shards = (c.dp * c.cp // c.instances, max(1, extra[0]["edp"] // c.instances)) \
+        if c.distributed_optimizer else (1, 1)  # sharded within one optimizer instance
     memory = {"weights": per_rank * c.dtype_bytes, "grads": per_rank * 4,
               "optimizer": ((per_rank - experts) / shards[0] + experts / shards[1]) * opt_bytes,
               "activations": activations}

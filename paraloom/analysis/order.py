@@ -29,6 +29,7 @@ from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_buckets, sp_elems
 from .order_cp import cp_rows
+from .order_dp import bucket_rows, gather_site
 from .spec import CommConfig
 
 __all__ = ["check_supported", "step_one_events"]
@@ -177,14 +178,6 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                module="embedding", split="embeddings, sequence slice", shape=r.part)
 
 
-def _gather_site(with_step: bool) -> dict:
-    """A parameter all-gather in the optimizer step: the synchronous one, or chunk 0's launched
-    by its own step under ``--overlap-param-gather-with-optimizer-step`` (asynchronous)."""
-    if with_step:
-        return {"site": "DistributedDataParallel.start_param_sync:param_shards", "async": True}
-    return {"site": "DistributedOptimizer.step:param_shards"}
-
-
 def _p2p(r: _Rank, out: list, entry: tuple) -> None:
     """One plan entry's sends and receives (``comm``: a blocking batch named as Megatron names
     it; ``post``: each op on its own, async)."""
@@ -200,13 +193,9 @@ def _buckets(r: _Rank, out: list, chunk: int, phase: str) -> None:
     """A chunk's gradient buckets launched at once (``start_grad_sync`` / ``finish_grad_sync``)."""
     if r.cfg.parallel.dp * r.cp == 1:
         return
-    zero = r.cfg.distributed_optimizer
-    for b in chunk_buckets(r.c, r.pp_rank, chunk):
-        _event(out, rank=r.rank, microbatch=0, phase=phase, kind="dp",
-               op="reduce_scatter" if zero else "all_reduce",
-               site=f"DistributedDataParallel.{phase}:bucket_grads", shape=[b.numel],
-               split="gradient bucket, 1/dp contiguous shard" if zero else
-               "gradient bucket (replicated)", **{"async": True})
+    numels = [b.numel for b in chunk_buckets(r.c, r.pp_rank, chunk)]
+    for row in bucket_rows(r.cfg, numels, r.cp, phase):
+        _event(out, rank=r.rank, microbatch=0, phase=phase, **row)
 
 
 def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
@@ -227,8 +216,9 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
                split="whether any rank re-runs the step")
-    norm_kind = "distopt" if zero else "mp"  # ZeRO's grad-stats group is the world
-    if (r.tp * r.pp * p.dp * p.cp if zero else r.tp * r.pp) > 1:
+    norm_kind = "distopt" if zero else "mp"  # ZeRO's grad-stats group: the instance
+    n = cfg.num_distributed_optimizer_instances
+    if (r.tp * r.pp * p.dp * p.cp // n if zero else r.tp * r.pp) > 1:
         _event(out, **one, kind=norm_kind, op="all_reduce", site="get_grad_norm_fp32:squared_norm",
                split="this rank's squared gradient norm")
         for _ in range(2 if cfg.overlap_param_gather_with_optimizer_step else 1):  # per optimizer
@@ -236,10 +226,10 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
                    split="whether any rank has separately-normed parameters")
     with_step = cfg.overlap_param_gather_with_optimizer_step  # chunk 0's, launched at once
     for chunk, b in [(k, b) for k in range(r.v) for b in chunk_buckets(c, r.pp_rank, k)] \
-            if zero and p.dp * p.cp > 1 else []:
+            if zero and p.dp * p.cp // n > 1 else []:
         if not cfg.overlap_param_gather or (with_step and chunk == 0):
-            _event(out, **ev, kind="dp", op="all_gather", shape=[b.numel // (p.dp * p.cp)],
-                   split="parameter bucket, 1/dp contiguous shard", **_gather_site(with_step))
+            _event(out, **ev, kind="dp", op="all_gather", shape=[b.numel // (p.dp * p.cp // n)],
+                   split="parameter bucket, 1/dp contiguous shard", **gather_site(with_step))
     if r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",
                split="whether this rank updated")

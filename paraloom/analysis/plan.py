@@ -92,7 +92,8 @@ def render_plan(c: CommConfig, p: dict) -> str:
              + (f" cp={c.cp} ({c.cp_comm_type})" if c.cp > 1 else "") + moe
              + f", sp={'on' if c.sp else 'off'}, "
              f"recompute={c.recompute}, distributed optimizer="
-             f"{'on' if c.distributed_optimizer else 'off'}, "
+             f"{'on' if c.distributed_optimizer else 'off'}"
+             + (f" x {c.instances} instances" if c.instances > 1 else "") + ", "
              f"{'bf16' if c.dtype_bytes == 2 else 'fp32'})",
              f"global batch {p['global_batch_size']} = micro {c.micro_batch} x "
              f"{c.num_microbatches} microbatches x dp {c.dp}",
@@ -103,7 +104,8 @@ def render_plan(c: CommConfig, p: dict) -> str:
     lines += [f"  {k:<12} {human_bytes(v)}" for k, v in mem.items()]
     lines.append("communication per GPU per step"
                  + (" (each kind at its busiest stage):" if c.pp > 1 else ":"))
-    lines += [f"  {k:<4} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
+    width = max(map(len, p["comm_bytes_per_step"]), default=4)
+    lines += [f"  {k:<{width}} {p['comm_ops_per_step'][k]:>8} ops  {human_bytes(b)}"
               for k, b in sorted(p["comm_bytes_per_step"].items())]
     lines.append(f"pipeline bubble      {p['bubble_fraction']:.1%}")
     lines.append(f"model FLOPs per step {p['flops_per_step']:.3e} "

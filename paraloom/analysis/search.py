@@ -21,7 +21,7 @@ so a 1024-GPU search (about 25 000 candidates with cp) takes seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config.model import padded_vocab_rows
 from ..utils import divisors
@@ -60,6 +60,8 @@ class Candidate:
     cp_comm_type: str = "p2p"
     dispatcher: str = ""
     """The MoE token dispatcher (``allgather`` or ``alltoall``; empty for a dense model)."""
+    instances: int = 1
+    """``--num-distributed-optimizer-instances`` (the distributed optimizer's copies)."""
 
 
 def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
@@ -67,6 +69,17 @@ def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
     the sequence into ``2 cp`` equal chunks (load-balanced causal attention)."""
     return tuple(cp for cp in (2 ** i for i in range(max_cp.bit_length()))
                  if cp <= max_cp and gpus % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1)
+
+
+def instance_counts(dp_cp: int, edp: int, tp: int, gpus_per_node: int) -> tuple[int, ...]:
+    """The distributed-optimizer instance counts worth trying: 1, and, when the dp x cp ranks
+    span nodes, the fewest instances whose block of them fits in one node (Megatron's partial
+    distributed optimizer: reduce-scatter inside the node, the shard all-reduced across)."""
+    for n in range(2, dp_cp + 1):
+        if spans_nodes(tp, dp_cp, gpus_per_node) and dp_cp % n == 0 and edp % n == 0 \
+                and not spans_nodes(tp, dp_cp // n, gpus_per_node):
+            return (1, n)
+    return (1,)
 
 
 def transient_bytes(c: CommConfig) -> float:
@@ -164,9 +177,10 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
     the cp sizes to try (default :func:`cp_sizes`), each with every comm type of
     ``cp_comm_types`` that applies (``a2a``: cp divides the heads and key/value heads of a tp
     rank); with ``num_experts`` every ep that divides both dp and the experts is tried too,
-    with each token dispatcher of ``dispatchers``."""
+    with each token dispatcher of ``dispatchers``; the fastest distributed-optimizer layouts
+    with several optimizer instances too (:func:`_with_instances`)."""
     o, arch = options or Options(), arch or Architecture()
-    fits, too_big = [], 0
+    fits, too_big, zeros = [], 0, []
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
             gpus, layers=layers, hidden=hidden, heads=heads, seq_len=seq_len,
             global_batch=global_batch, cps=cp_sizes(gpus, seq_len) if cps is None else cps):
@@ -198,8 +212,35 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
             r = step_time(c, hw, o)
             fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r,
                                   ep, cp_comm_type, way))
+            if zero:
+                zeros.append((fits[-1], c))
+    too_big += _with_instances(fits, zeros, hw, o, fit_fraction)
     fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
     return fits, too_big
+
+
+INSTANCE_TRIES = 64
+"""How many of the fastest distributed-optimizer layouts the search also tries with several
+optimizer instances (a change of the data-parallel reduction only: the rest ranks the same)."""
+
+
+def _with_instances(fits: list, zeros: list, hw: Hardware, o: Options,
+                    fit_fraction: float) -> int:
+    """Add to ``fits`` the fastest distributed-optimizer layouts again with each instance count
+    of :func:`instance_counts` above 1; returns how many of those did not fit."""
+    too_big = 0
+    for x, c in sorted(zeros, key=lambda xc: xc[0].step_time_s)[:INSTANCE_TRIES]:
+        edp = c.dp * c.cp // (c.moe.ep if c.moe is not None else 1)
+        for n in instance_counts(c.dp * c.cp, edp, c.tp, hw.gpus_per_node)[1:]:
+            more = replace(c, instances=n)
+            mem = memory_fit(more, hw, fit_fraction)["need_bytes"]
+            if mem > fit_fraction * hw.hbm_bytes:
+                too_big += 1
+                continue
+            r = step_time(more, hw, o)
+            fits.append(replace(x, step_time_s=r["step_time_s"], memory_bytes=mem,
+                                prediction=r, instances=n))
+    return too_big
 
 
 _PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",

@@ -111,6 +111,10 @@ class CommConfig:
     forward communication runs again in backward, all of it, as Megatron's re-run)."""
     distributed_optimizer: bool = False
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
+    instances: int = 1
+    """``--num-distributed-optimizer-instances``: buckets sharded and reduce-scattered within
+    blocks of ``dp / instances`` ranks, the shard then all-reduced across the blocks (kind
+    ``dp_inter``, synchronous); the grad norm over one instance (``1/instances`` of the world)."""
     overlap_param_gather: bool = False
     """``--overlap-param-gather``: the parameter shards are all-gathered in the next forward
     (phase ``forward``, :mod:`paraloom.data_parallel.param_gather`), not after the update."""

@@ -170,7 +170,9 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
              gemm: float) -> tuple[float, float]:
     """Exposed data-parallel time: the gradient reduction (all-reduce, or ZeRO's
     reduce-scatter) over dp x cp ranks (Megatron's data-parallel group with cp), the experts'
-    over their ``edp = dp / ep`` ranks, and ZeRO's parameter all-gather. With
+    over their ``edp = dp / ep`` ranks, and ZeRO's parameter all-gather (with ``instances``
+    both within a block of ``1/instances`` of those ranks, plus the shard's all-reduce across
+    the blocks). With
     ``overlap_grad_reduce`` the buckets hide under the last microbatch's backward (``gemm``:
     one microbatch's GEMM time on this stage) but the last; with ``overlap_param_gather`` the
     parameter all-gather hides under the first microbatch's forward but the first bucket.
@@ -181,6 +183,14 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
     for n_par, n, stride in ((params - experts, c.dp * c.cp, c.tp),
                              (experts, edp, c.tp * c.cp * c.dp // edp)):
+        if not n_par:
+            continue
+        if c.instances > 1:  # the shard across the instances' blocks, then within a block
+            n //= c.instances
+            across = stride * n, c.instances
+            reduce += collective_time("all_reduce", c.instances, n_par / n * c.grad_bytes, hw,
+                                      spans_nodes(*across, hw.gpus_per_node),
+                                      node_lanes(*across, hw.gpus_per_node))
         inter = spans_nodes(stride, n, hw.gpus_per_node)
         lanes = node_lanes(stride, n, hw.gpus_per_node)
         if c.distributed_optimizer:
@@ -221,8 +231,9 @@ def _step_reductions(c: CommConfig, hw: Hardware) -> float:
         out = collective_time("all_reduce", 2, vt * c.hidden * c.grad_bytes, hw,
                               spans_nodes(t * c.cp * c.dp * (p - 1), 2, hw.gpus_per_node))
     mp = t * p
-    if c.distributed_optimizer and gpus > 1:
-        out += collective_time("all_reduce", gpus, 4, hw, gpus > hw.gpus_per_node)
+    if c.distributed_optimizer and gpus // c.instances > 1:  # over one optimizer instance
+        n = gpus // c.instances
+        out += collective_time("all_reduce", n, 4, hw, n > hw.gpus_per_node)
     elif mp > 1:
         out += collective_time("all_reduce", mp, 4, hw, mp > hw.gpus_per_node)
     if mp > 1:
@@ -234,11 +245,12 @@ def _step_reductions(c: CommConfig, hw: Hardware) -> float:
 
 def _optimizer(c: CommConfig, hw: Hardware, params: int, experts: int, scale: float) -> float:
     """The Adam update over this rank's parameters (their ``1/(dp cp)`` shard under ZeRO, the
-    experts' ``1/edp``): :data:`ADAM_BYTES_PER_PARAM` through HBM and
-    :data:`OPTIMIZER_KERNELS` launches."""
+    experts' ``1/edp``; ``instances`` times that with several optimizer instances):
+    :data:`ADAM_BYTES_PER_PARAM` through HBM and :data:`OPTIMIZER_KERNELS` launches."""
     if c.distributed_optimizer:
         edp = c.dp // c.moe.ep if c.moe is not None else c.dp
-        params = (params - experts) / (c.dp * c.cp) + experts / edp
+        n = c.instances  # sharded within one instance
+        params = (params - experts) / (c.dp * c.cp // n) + experts / max(1, edp // n)
     return params * ADAM_BYTES_PER_PARAM / _hbm(hw) / scale + OPTIMIZER_KERNELS * hw.op_overhead
 
 

@@ -29,6 +29,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         micro_batch=cfg.micro_batch_size, num_microbatches=cfg.num_microbatches,
         tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, sequence_parallel=p.uses_sequence_parallel,
         recompute=cfg.recompute, distributed_optimizer=cfg.distributed_optimizer,
+        instances=cfg.num_distributed_optimizer_instances,
         overlap_param_gather=cfg.overlap_param_gather,
         param_gather_forward=cfg.overlap_param_gather,
         param_gather_with_optimizer_step=cfg.overlap_param_gather_with_optimizer_step,

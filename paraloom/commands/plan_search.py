@@ -29,7 +29,8 @@ __all__ = ["main"]
 
 _SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.cp",
                                   "parallel.ep", "parallel.vpp", "parallel.sequence_parallel",
-                                  "micro_batch_size", "recompute", "distributed_optimizer")
+                                  "micro_batch_size", "recompute", "distributed_optimizer",
+                                  "num_distributed_optimizer_instances")
                   for f in TRAIN_FLAGS[path].flags) + (
     "--num-layers-per-virtual-stage", "--num-layers-per-virtual-pipeline-stage", "--nprocs",
     "--nproc", "--nproc-per-node")
@@ -42,6 +43,13 @@ _EP_SHORT = {"allgather": "ag", "alltoall": "a2a"}
 """How the ep column names the MoE token dispatcher."""
 
 
+def _zero(x: Candidate) -> str:
+    """The zero column: off, on, or on/N with N distributed-optimizer instances."""
+    if not x.distributed_optimizer:
+        return "off"
+    return "on" if x.instances == 1 else f"on/{x.instances}"
+
+
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
     cp = f"{x.cp}" if x.cp == 1 else f"{x.cp} {_CP_SHORT[x.cp_comm_type]}"
@@ -49,7 +57,7 @@ def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     return (f"{i:>3} {x.tp:>3} {cp:>6} {ep:>6} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
             f"{x.micro_batch:>3} "
             f"{'on' if x.sequence_parallel else 'off':>3} {x.recompute:>9} "
-            f"{'on' if x.distributed_optimizer else 'off':>4} {x.step_time_s:>9.3f} "
+            f"{_zero(x):>5} {x.step_time_s:>9.3f} "
             f"{r['mfu']:>5.1%} {human_bytes(x.memory_bytes):>10}  {explain(x, best, hw)}")
 
 
@@ -170,7 +178,7 @@ def _print_ranked(a: argparse.Namespace, cfg: TrainConfig, hw: Hardware, arch: A
         return 1
     print("  # " + " ".join(f"{h:>{w}}" for h, w in (
         ("tp", 3), ("cp", 6), ("ep", 6), ("pp", 3), ("dp", 5), ("vpp", 3), ("mb", 3), ("sp", 3),
-        ("recompute", 9), ("zero", 4), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
+        ("recompute", 9), ("zero", 5), ("step s", 9), ("MFU", 5), ("memory", 10))) + "  why")
     for i, x in enumerate(fits[:a.top], 1):
         print(_row(i, x, fits[0], hw))
     return 0

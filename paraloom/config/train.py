@@ -19,6 +19,7 @@ from .model import ModelConfig, check_layout
 from .optim import OptimConfig
 from .parallel import SCHEDULES, ParallelConfig, default_schedule, positive_int
 from .run import RunConfig
+from .sharding_checks import check_sharding
 
 __all__ = ["TrainConfig", "migrate"]
 
@@ -79,6 +80,13 @@ class TrainConfig:
                                          "--use-distributed-optimizer",
                                          help="ZeRO-1: optimizer states sharded over dp")
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
+    num_distributed_optimizer_instances: int = option(
+        1, "--num-distributed-optimizer-instances",
+        help="with --distributed-optimizer: shard the optimizer within each of N blocks of the "
+             "dp group (reduce-scatter inside a block, all-reduce of the shard across blocks; "
+             "Megatron's partial distributed optimizer, default 1)")
+    """Megatron's ``--num-distributed-optimizer-instances`` (:mod:`paraloom.data_parallel.ddp`;
+    groups: :func:`paraloom.mesh.instance_rank_groups`)."""
     overlap_param_gather: bool = option(False, "--overlap-param-gather", negatable=True,
                                         help="with --distributed-optimizer: all-gather each "
                                              "parameter bucket in the next forward, ahead of "
@@ -154,32 +162,11 @@ class TrainConfig:
         self._check_schedule()
         if self.bucket_size is not None:
             positive_int("bucket_size (--bucket-size, elements)", self.bucket_size)
-        self._check_param_gather()
+        check_sharding(self)
         if isinstance(self.bucket_tail_splits, bool) or not isinstance(
                 self.bucket_tail_splits, int) or not 0 <= self.bucket_tail_splits <= 8:
             raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
                              f"from 0 to 8, got {self.bucket_tail_splits!r}")
-
-    def _check_param_gather(self) -> None:
-        """Megatron-LM's own conditions for ``--overlap-param-gather`` (and its variant)."""
-        if self.overlap_param_gather_with_optimizer_step and not (
-                self.overlap_param_gather and self.distributed_optimizer
-                and self.parallel.vpp and self.parallel.vpp > 1):
-            raise ValueError(f"--overlap-param-gather-with-optimizer-step needs --distributed-"
-                             f"optimizer, --overlap-param-gather and --vpp > 1 (Megatron-LM's "
-                             f"conditions), got distributed_optimizer = "
-                             f"{self.distributed_optimizer}, overlap_param_gather = "
-                             f"{self.overlap_param_gather}, vpp = {self.parallel.vpp}")
-        if not self.overlap_param_gather:
-            return
-        if not self.distributed_optimizer:
-            raise ValueError("--overlap-param-gather needs --distributed-optimizer (there is no "
-                             "parameter all-gather to overlap without it; Megatron-LM refuses "
-                             "it too)")
-        if not self.overlap_grad_reduce:
-            raise ValueError("--overlap-param-gather needs --overlap-grad-reduce, got "
-                             "--no-overlap-grad-reduce (Megatron-LM: 'Must use "
-                             "--overlap-param-gather with --overlap-grad-reduce')")
 
     def _check_schedule(self) -> None:
         p = self.parallel

@@ -11,7 +11,8 @@ neighbours, so the norm is a few reductions per bucket rather than one per param
 :meth:`GradNorm.local_sq_norm` is this rank's part of the squared norm; :meth:`GradNorm.total`
 sums it as Megatron-Core's ``get_grad_norm_fp32`` does, inside the optimizer step: one fp32 ``[1]``
 all-reduce over the optimizer's grad-stats group — the model-parallel group ``mesh.mp`` (tp x pp,
-kind ``mp``), or, with the distributed optimizer, the optimizer instance (every rank, kind
+kind ``mp``), or, with the distributed optimizer, the optimizer instance (every rank, or with
+``--num-distributed-optimizer-instances N`` the ``1/N`` of them in this rank's instance; kind
 ``distopt``). Expert gradients (MoE) are a second optimizer in Megatron (its ``ChainedOptimizer``):
 their part is a second ``[1]`` over tp x ep x pp (kind ``tp_ep_pp``; the instance with the
 distributed optimizer), and the norm is the root of the two sums. In the first step only,
@@ -53,19 +54,19 @@ class GradNorm:
         self.ddps, self.mesh = ddps, mesh
         self.pieces: list[tuple] = []  # (bucket, lo, hi), in buffer order
         self.expert_pieces: list[tuple] = []
-        self.expert = any(b.axis is not ddp.dp for ddp in ddps for b in ddp.buckets)
+        self.expert = any(b.expert for ddp in ddps for b in ddp.buckets)
         for ddp in ddps:
             for bucket in ddp.buckets:
                 axis = bucket.axis  # mesh.dp, or mesh.edp for experts (distinct over ep)
                 lo, hi = bucket.shard(axis.rank, axis.size) if sharded else (0, bucket.numel)
-                into = self.expert_pieces if axis is not ddp.dp else self.pieces
+                into = self.expert_pieces if bucket.expert else self.pieces
                 for param in bucket.params:  # in buffer order: offsets increase
                     if _counts_once(param, mesh):
                         _, a, b = ddp.param_range(param)
                         self._add(into, bucket, max(a, lo), min(b, hi))
         # the grad-stats groups of Megatron's dense and expert optimizers, with their kinds
         if sharded:
-            self.groups = [(mesh.world, "distopt")] * (2 if self.expert else 1)
+            self.groups = [(ddps[0].distopt, "distopt")] * (2 if self.expert else 1)
         else:
             self.groups = [(mesh.mp, "mp")] + ([(mesh.tp_ep_pp, "tp_ep_pp")] if self.expert
                                                else [])

@@ -32,6 +32,12 @@ buffers of their own reduced over ``mesh.edp`` (divided by the full dp size too:
 gradient already sums its ep group's data); ``bucket.axis`` says which. Parameters that never got
 a gradient by :meth:`finish_grad_sync` raise a ``RuntimeError`` naming them; their bucket is never
 launched, so no rank waits in a collective the others never start.
+
+With ``instances = N > 1`` (Megatron's ``--num-distributed-optimizer-instances``, distributed
+optimizer only) a bucket is sharded and reduce-scattered over its block of ``dp x cp / N`` ranks
+(``bucket.axis``: ``dp_intra``, or ``edp_intra``), then its shard is all-reduced across the ``N``
+blocks (``bucket.inter``, kind ``dp_inter``); both are synchronous, as Megatron issues them then
+(on a side stream, so the host does not wait for them, and the record shows ``async`` false).
 """
 from __future__ import annotations
 
@@ -43,25 +49,15 @@ from torch import nn
 from .. import comm
 from ..mesh import ParallelMesh
 from ..tensor_parallel.weight_grad import hooks_fire_without_grad
-from .grad_buffer import Bucket, GradBuffer, default_bucket_size
+from .grad_buffer import Bucket, GradBuffer, accumulate_grad, default_bucket_size
 
 __all__ = ["DistributedDataParallel"]
 
 
-def _accumulate(main: torch.Tensor, grad: torch.Tensor, scale: float, overwrite: bool) -> None:
-    """``main = scale * grad`` (``overwrite``) or ``main += scale * grad``, in fp32: one pass."""
-    if not overwrite:
-        main.add_(grad, alpha=scale)  # fp32 accumulation whatever .grad's dtype
-    elif grad.dtype == main.dtype and scale != 1.0:
-        torch.mul(grad, scale, out=main)
-    elif grad.dtype == main.dtype:
-        main.copy_(grad)
-    else:  # widen first: a 16-bit product would be rounded before it reached main_grad
-        main.copy_(grad)
-        if scale != 1.0:
-            main.mul_(scale)
-
 _SITE = "DistributedDataParallel.{phase}:bucket_grads"
+_INTER = "DistributedDataParallel.{phase}:shard_across_instances"
+_SHARD = "gradient bucket, 1/dp contiguous shard"
+_ACROSS = "gradient shard, summed across optimizer instances"
 
 
 class DistributedDataParallel(nn.Module):
@@ -84,6 +80,8 @@ class DistributedDataParallel(nn.Module):
         disable_bucketing: one bucket (Megatron-LM passes it for every model chunk but the
             first).
         tail_splits: paraloom's halving of the last buckets of backward (off: 0).
+        instances: distributed-optimizer instances (``use_distributed_optimizer`` only): each
+            bucket sharded within a block of ``dp x cp / instances`` ranks (see above).
     """
 
     param_gather = None  # a ParamGather (.param_gather) under --overlap-param-gather
@@ -92,7 +90,7 @@ class DistributedDataParallel(nn.Module):
                  bucket_size: int | None = None, average_in_collective: bool = False,
                  grad_reduce_in_fp32: bool = True, use_distributed_optimizer: bool = False,
                  average: bool = True, disable_bucketing: bool = False,
-                 tail_splits: int = 0) -> None:
+                 tail_splits: int = 0, instances: int = 1) -> None:
         super().__init__()
         self.module, self.mesh = module, mesh
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -117,13 +115,16 @@ class DistributedDataParallel(nn.Module):
             raise ValueError("DistributedDataParallel: the module has no trainable parameters")
         self.buffers_: list[GradBuffer] = []
         self.buckets: list[Bucket] = []
+        axes = mesh.optimizer_instances(instances if use_distributed_optimizer else 1)
+        self.distopt = axes["distopt"]  # the optimizer instance: its grad norm's group
         for (_, expert), named in by_dtype.items():
-            axis = mesh.edp if expert else mesh.dp_cp
+            axis, inter = (axes["edp_intra"], axes["edp_inter"]) if expert else \
+                (axes["dp_intra"], axes["dp_inter"])
             buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
                              shard_over=axis.size if use_distributed_optimizer else 1,
                              hold_params=use_distributed_optimizer, tail_splits=tail_splits)
             for bucket in buf.buckets:
-                bucket.axis = axis
+                bucket.axis, bucket.inter, bucket.expert = axis, inter, expert
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         for bucket in self.buckets:
@@ -139,7 +140,7 @@ class DistributedDataParallel(nn.Module):
         # accumulates .grad over the microbatches and finish_grad_sync folds it into main_grad
         # once (a Python call per parameter per microbatch, and a free in the middle of every
         # backward, saved: ~2 % of a one-rank step)
-        self.hookless = all(b.axis.size == 1 for b in self.buckets)
+        self.hookless = all(b.axis.size * b.inter.size == 1 for b in self.buckets)
         for bucket in self.buckets:
             for param in bucket.params:
                 param.grad_added_to_main_grad = False  # opt in to the layers' fusion protocol
@@ -161,7 +162,7 @@ class DistributedDataParallel(nn.Module):
             # with a direct write, .grad is another use's share (a tied embedding), unless the
             # layer had to hand autograd a placeholder (see tensor_parallel/weight_grad.py)
             if not (direct and self._placeholders):
-                _accumulate(param.main_grad, grad, self._scale, param.overwrite_main_grad)
+                accumulate_grad(param.main_grad, grad, self._scale, param.overwrite_main_grad)
             param.grad = None  # the gradient lives in main_grad from now on
         param.grad_added_to_main_grad = param.overwrite_main_grad = False
         return True
@@ -187,11 +188,15 @@ class DistributedDataParallel(nn.Module):
         send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
         args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=async_op,
                     bucket=bucket.index, params=list(bucket.names))
-        if dp is not self.dp:
+        if bucket.expert:
             args["expert"] = True  # over mesh.edp
-        if bucket.reduce_scatter:
-            handle = comm.reduce_scatter(send, dp, split="gradient bucket, 1/dp contiguous shard",
-                                         **args)
+        if bucket.inter.size > 1:  # partial distributed optimizer: in the block, then across
+            args["async_op"] = async_op = False
+            shard = comm.reduce_scatter(send, dp, split=_SHARD, **args)
+            args.update(kind="dp_inter", site=_INTER.format(phase=phase))
+            handle = comm.all_reduce(shard, bucket.inter, split=_ACROSS, **args)
+        elif bucket.reduce_scatter:
+            handle = comm.reduce_scatter(send, dp, split=_SHARD, **args)
         else:
             handle = comm.all_reduce(send, dp, split="gradient bucket (replicated)", **args)
         if not async_op:  # without overlap Megatron reduces synchronously: done already
@@ -279,14 +284,6 @@ class DistributedDataParallel(nn.Module):
                 param.grad_added_to_main_grad = False
                 param.overwrite_main_grad = True
         self._synced = False
-
-    def broadcast_params(self) -> None:
-        """Copy data-parallel rank 0's parameters to the other replicas (phase ``setup``)."""
-        src = self.dp.ranks[0] if self.dp.size > 1 else None
-        for name, param in self.module.named_parameters():
-            if src is not None:
-                comm.broadcast(param.data, self.dp, src=src, phase="setup", kind="dp",
-                               site="DistributedDataParallel.broadcast_params", module=name)
 
     def param_range(self, param: nn.Parameter) -> tuple[Bucket, int, int]:
         """``(bucket, start, end)`` of ``param``, bucket-relative."""

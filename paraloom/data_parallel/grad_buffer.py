@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Bucket", "GradBuffer", "default_bucket_size", "bucket_layout", "PARAM_ALIGN",
+__all__ = ["Bucket", "GradBuffer", "accumulate_grad", "default_bucket_size", "bucket_layout",
+           "PARAM_ALIGN",
            "bucket_divisor"]
 
 PARAM_ALIGN = 64
@@ -116,6 +117,21 @@ def _tail_cut(params, bucket_size: int, limits: list[int]) -> set[int]:
     return cuts
 
 
+def accumulate_grad(main: torch.Tensor, grad: torch.Tensor, scale: float,
+                    overwrite: bool) -> None:
+    """``main = scale * grad`` (``overwrite``) or ``main += scale * grad``, in fp32: one pass."""
+    if not overwrite:
+        main.add_(grad, alpha=scale)  # fp32 accumulation whatever .grad's dtype
+    elif grad.dtype == main.dtype and scale != 1.0:
+        torch.mul(grad, scale, out=main)
+    elif grad.dtype == main.dtype:
+        main.copy_(grad)
+    else:  # widen first: a 16-bit product would be rounded before it reached main_grad
+        main.copy_(grad)
+        if scale != 1.0:
+            main.mul_(scale)
+
+
 @dataclass(eq=False)
 class Bucket:
     """A contiguous slice ``[start, end)`` of a :class:`GradBuffer`, reduced by one collective."""
@@ -136,8 +152,14 @@ class Bucket:
     pending: object = None
     """``(handle, sent_tensor)`` of the reduction in flight, or ``None``."""
     axis: object = None
-    """The :class:`~paraloom.mesh.Axis` this bucket is reduced (and sharded) over: ``mesh.dp``,
-    or ``mesh.edp`` for expert parameters (set by the DDP wrapper)."""
+    """The :class:`~paraloom.mesh.Axis` this bucket is reduced (and sharded) over: ``mesh.dp_cp``,
+    or ``mesh.edp`` for expert parameters; with several distributed-optimizer instances their
+    block of it (set by the DDP wrapper)."""
+    inter: object = None
+    """With several distributed-optimizer instances, the axis across the blocks over which the
+    shard is then all-reduced (size 1 otherwise)."""
+    expert: bool = False
+    """Whether the bucket holds expert parameters (reduced over edp)."""
 
     @property
     def numel(self) -> int:

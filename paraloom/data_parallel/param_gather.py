@@ -70,8 +70,8 @@ class ParamGather:
         self.ddp, self.aligned = ddp, aligned
         self.with_optimizer_step = with_optimizer_step
         self._owner = {id(p): b for b in ddp.buckets for p in b.params}
-        dense = [b for b in ddp.buckets if b.axis is ddp.dp]
-        expert = [b for b in ddp.buckets if b.axis is not ddp.dp]
+        dense = [b for b in ddp.buckets if not b.expert]
+        expert = [b for b in ddp.buckets if b.expert]
         self._order = dense + expert
         self._next: dict[int, Bucket] = {}
         for chain in (dense, expert):
@@ -188,7 +188,7 @@ def gather_bucket(ddp, bucket: Bucket, *, phase: str, site: str, async_op: bool 
     """All-gather one bucket's parameters from every rank's ``1/dp`` shard of it (kind ``dp``,
     over the bucket's axis): the full flat bucket, or a Handle with ``async_op``."""
     lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-    expert = {"expert": True} if bucket.axis is not ddp.dp else {}
+    expert = {"expert": True} if bucket.expert else {}
     return comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase=phase, kind="dp",
                            site=site, module=module,
                            split="parameter bucket, 1/dp contiguous shard", async_op=async_op,

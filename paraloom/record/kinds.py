@@ -2,10 +2,12 @@
 
 In order: Megatron-Core's ``parallel_state`` groups (only when the program has already imported
 ``megatron.core.parallel_state``; nothing is imported for it: :data:`MEGATRON_GROUPS`, e.g. the
-model-parallel group ``mp`` of the grad norm and the distributed optimizer's instance group
-``distopt``), then the dimension names of the DeviceMeshes the program built (DTensor, FSDP2;
-``DeviceMesh`` objects are collected while the recorder is installed, and a mesh group's
-``group_desc`` — ``mesh_<dim>`` — names it otherwise), then ``world`` for the default group,
+model-parallel group ``mp`` of the grad norm, the distributed optimizer's instance group
+``distopt`` and, with several instances, ``dp`` for a block of the data-parallel ranks and
+``dp_inter`` across the blocks), then the dimension names of the DeviceMeshes the program
+built (DTensor, FSDP2; ``DeviceMesh`` objects are collected while the recorder is installed,
+and a mesh group's ``group_desc`` — ``mesh_<dim>`` — names it otherwise), then ``world`` for
+the default group,
 else the group's global ranks, ``group[0,1]``. Groups are matched by their ``group_name``, which
 identifies one process group, so two groups with the same ranks (Megatron's model-parallel and
 tensor-parallel groups at pp=1) keep their own names.
@@ -28,6 +30,9 @@ MEGATRON_GROUPS = (  # (kind, getter, keyword arguments), first match wins
     ("pp", "get_pipeline_model_parallel_group", {}),
     ("dp", "get_data_parallel_group", {}),
     ("dp", "get_data_parallel_group", {"with_context_parallel": True}),
+    ("dp", "get_data_parallel_group", {"with_context_parallel": True,
+                                       "partial_data_parallel": True}),
+    ("dp_inter", "get_inter_distributed_optimizer_instance_group", {}),
     ("emb", "get_embedding_group", {}),
     ("emb", "get_position_embedding_group", {}),
     ("etp", "get_expert_tensor_parallel_group", {}),

@@ -107,8 +107,9 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
                                     disable_bucketing=c > 0 or with_step,  # Megatron-LM's rule
-                                    tail_splits=cfg.bucket_tail_splits) for c, chunk in
-            enumerate(chunks)]
+                                    tail_splits=cfg.bucket_tail_splits,
+                                    instances=cfg.num_distributed_optimizer_instances)
+            for c, chunk in enumerate(chunks)]
     for c, d in enumerate(ddps if cfg.overlap_param_gather else []):  # hooks: after a step
         ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather,
                     with_optimizer_step=with_step and c == 0)
