@@ -36,7 +36,7 @@ MODEL = "--hidden 64 --heads 4 --seq-len 32 --micro-batch-size 2"
 
 def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recompute=False,
             bf16=False, bucket=None, overlap=True, align=True, microbatches=4, hidden=64,
-            heads=4, opg=False, with_step=False):
+            heads=4, opg=False, with_step=False, instances=1):
     """(world size, the example's flags, paraloom train's flags) of one layout."""
     ex = [f"--tp {tp}", f"--pp {pp}", f"--layers {layers}", f"--microbatches {microbatches}",
           f"--hidden {hidden}", f"--heads {heads}"]
@@ -53,7 +53,9 @@ def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recom
                      (bf16, "--bf16", "--dtype bf16"),
                      (bucket, f"--bucket-size {bucket}", f"--bucket-size {bucket}"),
                      (not overlap, "--no-overlap-grad-reduce", "--no-overlap-grad-reduce"),
-                     (not align, "--no-align-grad-reduce", "--no-align-grad-reduce")):
+                     (not align, "--no-align-grad-reduce", "--no-align-grad-reduce"),
+                     (instances > 1, f"--num-distributed-optimizer-instances {instances}",
+                      f"--num-distributed-optimizer-instances {instances}")):
         if on:
             ex.append(e)
             ours.append(o)
@@ -116,13 +118,20 @@ LAYOUTS = {
     "pp2-dp2-distopt-opg": _layout(pp=2, dp=2, distopt=True, opg=True),
     "tp2-dp2-sp-distopt-opg": _layout(tp=2, dp=2, sp=True, distopt=True, opg=True),
     "dp4-bf16-distopt-opg": _layout(dp=4, distopt=True, bf16=True, opg=True),
-    # six ranks: interleaving with dp and the distributed optimizer (a known difference:
-    # Megatron's coalesced bucket group on the stage holding the tied embedding)
+    # six ranks: interleaving with dp and the distributed optimizer (Megatron's coalesced bucket
+    # group on the stage holding the tied embedding)
     "pp3-vpp2-dp2-distopt": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
                                     distopt=True),
     # chunk 0's parameter all-gather launched by its own optimizer step
     "pp3-vpp2-dp2-distopt-opg-with-step": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
                                                   distopt=True, opg=True, with_step=True),
+    # the schedule launches every chunk's parameter all-gathers (--align-param-gather)
+    "pp3-vpp2-dp2-distopt-opg": _layout(pp=3, vpp=2, dp=2, layers=6, microbatches=6,
+                                        distopt=True, opg=True),
+    # the partial distributed optimizer: blocks of 2 dp ranks, the shards all-reduced across
+    "small-buckets-dp4-distopt-instances2": _layout(dp=4, distopt=True, bucket=3000,
+                                                    instances=2),
+    "dp4-distopt-opg-instances2": _layout(dp=4, distopt=True, opg=True, instances=2),
 }
 
 

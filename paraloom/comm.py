@@ -40,8 +40,8 @@ from .comm_wait import (
 )
 from .mesh import Axis
 
-__all__ = ["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "batch_p2p",
-           "barrier",
+__all__ = ["all_reduce", "all_gather", "reduce_scatter", "coalesced", "all_to_all", "broadcast",
+           "batch_p2p", "barrier",
            "gather_objects", "Handle", "CommTimeout", "set_timeout", "get_timeout",
            "flight_recorder"]
 
@@ -154,6 +154,35 @@ def reduce_scatter(tensor: torch.Tensor, axis: Axis, *, dim: int = 0, phase: str
                   split=split, tensor=tensor, **extra)
     return _run(lambda: _reduce_scatter_single(out, full, group=axis.group, async_op=True), out,
                 axis, async_op, None, record, f"reduce_scatter at {site}")
+
+
+def coalesced(op: str, tensors: list[torch.Tensor], axis: Axis, *, phase: str, kind: str,
+              site: str, split: str | None = None, async_op: bool = False, **extra):
+    """Several ``op`` s (``all_reduce`` in place, ``reduce_scatter`` or ``all_gather`` of flat
+    tensors) as one coalesced collective, as Megatron issues a bucket group's buckets (torch's
+    ``_coalescing_manager``): one event, its shape the first tensor's, its bytes all of theirs,
+    ``tensors`` how many. Returns the results in order (or a Handle with ``async_op``)."""
+    if axis.size == 1:
+        return _done(list(tensors), async_op)
+    n = axis.size
+    outs = [t if op == "all_reduce" else
+            t.new_empty(t.numel() // n if op == "reduce_scatter" else t.numel() * n)
+            for t in tensors]
+    record = dict(op=op, phase=phase, kind=kind, site=site, split=split, tensor=tensors[0],
+                  nbytes=sum(t.numel() * t.element_size() for t in tensors),
+                  tensors=len(tensors), **extra)
+
+    def launch():
+        with dist._coalescing_manager(group=axis.group, async_ops=True) as cm:
+            for t, out in zip(tensors, outs, strict=True):
+                if op == "all_reduce":
+                    dist.all_reduce(t, group=axis.group, async_op=True)
+                elif op == "reduce_scatter":
+                    _reduce_scatter_single(out, t, group=axis.group, async_op=True)
+                else:
+                    _all_gather_single(out, t, group=axis.group, async_op=True)
+        return cm.works[0]  # the one Work of the coalesced call
+    return _run(launch, outs, axis, async_op, record=record, what=f"coalesced {op} at {site}")
 
 
 def all_to_all(tensor: torch.Tensor, axis: Axis, *, input_splits: list[int] | None = None,

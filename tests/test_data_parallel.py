@@ -120,13 +120,17 @@ def _close(got, want, fp32: bool, what: str, lr: float | None = None, step: int 
 
 
 # --------------------------------------------------------------------------- equivalence
-def train_case(tp, dp, mbs, distributed, overlap, fp32, in_collective=False):
+def train_case(tp, dp, mbs, distributed, overlap, fp32, in_collective=False,
+               disable_bucketing=False):
     mesh = _mesh(tp, dp)
     torch.manual_seed(0)
     model = Net(mesh, fusion=True)
+    if disable_bucketing:  # a bucket of its own under the distributed optimizer (the tied
+        model.blocks[0].ln.weight.shared_embedding = True  # embedding's rule)
     ddp = DistributedDataParallel(model, mesh, overlap_grad_reduce=overlap, bucket_size=BUCKET,
                                   grad_reduce_in_fp32=fp32, use_distributed_optimizer=distributed,
-                                  average_in_collective=in_collective)
+                                  average_in_collective=in_collective,
+                                  disable_bucketing=disable_bucketing)
     opt = (DistributedOptimizer if distributed else MainParamsOptimizer)(ddp, **HP)
     ref = Net(ONE, fusion=False)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP, foreach=False)
@@ -224,6 +228,26 @@ def test_equivalence_and_ledger(world4, case):
                 assert first["t_start"] < max(e["t_end"] for e in spans)
                 # bucket 0 (head, ln_f, last fc2) is launched before the last fc1's dgrad starts
                 assert first["t_start"] <= spans[2]["t_start"], "bucket 0 did not overlap"
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_bucket_group_is_one_coalesced_collective_each_way(world4, overlap):
+    """``disable_bucketing`` (Megatron-LM's, for every model chunk but the first): a buffer's
+    buckets (here a parameter with a bucket of its own, as the tied embedding has under the
+    distributed optimizer, and the rest) are one group, reduce-scattered by one coalesced
+    collective once both are complete and gathered by one: the model still equals one
+    process (train_case checks every gradient and parameter)."""
+    for out in world4.run(train_case, 1, 4, 2, True, overlap, True, False, True):
+        buckets = out["buckets"]
+        assert len(buckets) == 2 and buckets[1]["names"] == ["blocks.0.ln.weight"]
+        for step in range(STEPS):
+            ev = [e for e in out["events"] if e["kind"] == "dp" and e["step"] == step]
+            assert [(e["op"], e["tensors"], e["bucket"], e["bytes"], e["shape"]) for e in ev] == [
+                (op, 2, 0, sum(b["numel"] for b in buckets) * 4 // div, [buckets[0]["numel"]
+                                                                         // div])
+                for op, div in (("reduce_scatter", 1), ("all_gather", 4))]
+            assert ev[0]["params"] == buckets[0]["names"] + buckets[1]["names"]
+            assert ev[0]["async"] == overlap and not ev[1]["async"]  # the gather: in the step
 
 
 # --------------------------------------------------------------------------- unused parameters

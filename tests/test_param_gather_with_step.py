@@ -6,7 +6,9 @@ chunk and its forward pre-hook only waits (``paraloom.data_parallel.param_gather
 pp 2 x vpp 2 x dp 2 with the distributed optimizer and ``--overlap-param-gather``, trained 4
 steps with and without the flag (the run with it saves after step 2): the same model; the
 ledgers differ by exactly chunk 0's gathers, which leave the next forward (and step 1, where the
-hooks are off, gains them) for the optimizer phase, async, in every step, and step 1 has one
+hooks are off, gains them) for the optimizer phase, async, in every step, chunk 0's two buckets on
+the first stage (the tied embedding's and the layer's) reduce-scattered and gathered as one
+coalesced group (bucketing is off with the flag, as Megatron-LM builds it), and step 1 has one
 more ``has_grad_norm_group`` agreement (Megatron chains two dense optimizers then); ``paraloom
 check`` is exact on every step; ``plan --table`` is the recorded step 1
 (``tests/test_plan_table.py``).
@@ -57,29 +59,41 @@ def test_the_flag_trains_the_same_model(runs):
                         rtol=1e-6)
 
 
+def _scatters(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["kind"] == "dp" and e["op"] == "reduce_scatter"]
+
+
 def test_chunk_zero_is_gathered_by_its_own_optimizer_step(runs):
     off, on = runs
     for step in range(1, 5):
         was, now = _comms(off, step), _comms(on, step)
         moved = [e for e in _gathers(now) if e["phase"] == "optimizer" and e.get("async")]
-        # chunk 0's buckets, every step (bucketing is off; the first stage's tied embedding
-        # keeps a bucket of its own): layers 0 (first stage) and 1 (second), never 2 or 3
-        assert Counter(e["rank"] for e in moved) == {0: 2, 1: 2, 2: 1, 3: 1}, step
-        chunk0 = {(e["rank"], tuple(e["params"])) for e in moved}
-        assert not any(n.startswith(("layers.2.", "layers.3.")) for _, ns in chunk0 for n in ns)
-        before = [e for e in _gathers(was) if (e["rank"], tuple(e["params"])) in chunk0]
+        # chunk 0's buckets, every step: layers 0 (first stage) and 1 (second), never 2 or 3;
+        # bucketing is off (Megatron-LM's rule), so on the first stage the tied embedding's
+        # bucket and the layer's are one group, one coalesced gather of two
+        assert Counter(e["rank"] for e in moved) == {0: 1, 1: 1, 2: 1, 3: 1}, step
+        assert [e.get("tensors", 1) for e in moved if e["rank"] < 2] == [2, 2]
+        chunk0 = {e["rank"]: set(e["params"]) for e in moved}
+        assert not any(n.startswith(("layers.2.", "layers.3.")) for ns in chunk0.values()
+                       for n in ns)
+        before = [e for e in _gathers(was) if set(e["params"]) <= chunk0.get(e["rank"], set())]
         if step == 1:  # the hooks are off in step 1: without the flag nobody gathers then
             assert before == [] and not _gathers(was)
-        else:  # the same gathers, moved out of this step's forward
-            assert Counter((e["rank"], e["bytes"]) for e in before) == \
-                Counter((e["rank"], e["bytes"]) for e in moved)
+        else:  # the same gathers, moved out of this step's forward (and coalesced)
+            assert sum(e["bytes"] for e in before) == sum(e["bytes"] for e in moved)
+            assert Counter(e["rank"] for e in before) == {0: 2, 1: 2, 2: 1, 3: 1}
             assert {e["phase"] for e in before} == {"forward"}
+        # the same gradients reduce-scattered, chunk 0's pair on the first stage coalesced
+        for rank in range(4):
+            mine = [[e for e in _scatters(events) if e["rank"] == rank] for events in (was, now)]
+            assert sum(e["bytes"] for e in mine[0]) == sum(e["bytes"] for e in mine[1])
+            assert len(mine[0]) - len(mine[1]) == (1 if rank < 2 else 0), (step, rank)
         # the save after step 2 gathers off the record (chunk 0's in flight is only waited for);
         # with interleaving the schedule launches chunk 1's gathers in step 3 all the same, as
         # Megatron's schedule does after its force_param_sync
         assert not [e for e in _gathers(now) if e["phase"] == "optimizer" and not e.get("async")]
-        rest_now = Counter(_key(e) for e in now if e not in moved)
-        rest_was = Counter(_key(e) for e in was if e not in before)
+        rest_now = Counter(_key(e) for e in now if e not in moved and e not in _scatters(now))
+        rest_was = Counter(_key(e) for e in was if e not in before and e not in _scatters(was))
         if step == 1:  # Megatron chains two dense optimizers: two has_grad_norm_group flags
             flags = Counter((r, "distopt", "all_reduce", "optimizer", 4, False) for r in range(4))
             assert rest_now - rest_was == flags and rest_was - rest_now == Counter()

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
-from .layout import chunk_buckets, layers_per_stage, sp_elems
+from .layout import chunk_groups, layers_per_stage, sp_elems
 from .moe_formulas import moe_comm
 from .spec import F32, CommConfig
 
@@ -162,8 +162,9 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         phase = _bucket_phase(c, r)
         edp = c.dp // c.moe.ep if c.moe is not None else c.dp
         if c.buckets is None:
-            buckets = [(b.numel, b.reduce_scatter, edp if b.expert else c.dp, chunk)
-                       for chunk in range(c.v) for b in chunk_buckets(c, r, chunk)]
+            buckets = [(sum(b.numel for b in g), g[0].reduce_scatter,  # one op per group
+                        edp if g[0].expert else c.dp, chunk)
+                       for chunk in range(c.v) for g in chunk_groups(c, r, chunk)]
         else:
             buckets = [(n, c.distributed_optimizer, c.dp, 0) for n in c.buckets]
         for n, scatter, size, chunk in buckets:

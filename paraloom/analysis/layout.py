@@ -90,6 +90,18 @@ def chunk_buckets(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Bucket]:
         _cut(c, [p for p in params if p.expert], edp // n, True, size)
 
 
+def chunk_groups(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[list[Bucket]]:
+    """Megatron's bucket groups of a chunk (:mod:`paraloom.data_parallel.bucket_group`): one
+    per bucket, or where bucketing is disabled (a chunk after the first; every chunk with
+    ``param_gather_with_optimizer_step``) the non-expert buckets together and the expert
+    buckets together, each group one coalesced collective."""
+    buckets = chunk_buckets(c, pp_rank, chunk)
+    if not (chunk > 0 or c.param_gather_with_optimizer_step):
+        return [[b] for b in buckets]
+    kinds = [b for b in buckets if not b.expert], [b for b in buckets if b.expert]
+    return [kind for kind in kinds if kind]
+
+
 def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool,
          size: int | None) -> list[Bucket]:
     if not params:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from ..config.train import TrainConfig
 from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
-from .layout import chunk_buckets, sp_elems
+from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
 from .order_dp import bucket_rows, gather_site
 from .spec import CommConfig
@@ -193,8 +193,8 @@ def _buckets(r: _Rank, out: list, chunk: int, phase: str) -> None:
     """A chunk's gradient buckets launched at once (``start_grad_sync`` / ``finish_grad_sync``)."""
     if r.cfg.parallel.dp * r.cp == 1:
         return
-    numels = [b.numel for b in chunk_buckets(r.c, r.pp_rank, chunk)]
-    for row in bucket_rows(r.cfg, numels, r.cp, phase):
+    groups = [[b.numel for b in g] for g in chunk_groups(r.c, r.pp_rank, chunk)]
+    for row in bucket_rows(r.cfg, groups, r.cp, phase):
         _event(out, rank=r.rank, microbatch=0, phase=phase, **row)
 
 
@@ -225,10 +225,12 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
             _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
                    split="whether any rank has separately-normed parameters")
     with_step = cfg.overlap_param_gather_with_optimizer_step  # chunk 0's, launched at once
-    for chunk, b in [(k, b) for k in range(r.v) for b in chunk_buckets(c, r.pp_rank, k)] \
-            if zero and p.dp * p.cp // n > 1 else []:
+    block = p.dp * p.cp // n  # a group's gather: one (coalesced) all-gather of its shards
+    for chunk, g in [(k, g) for k in range(r.v) for g in chunk_groups(c, r.pp_rank, k)] \
+            if zero and block > 1 else []:
         if not cfg.overlap_param_gather or (with_step and chunk == 0):
-            _event(out, **ev, kind="dp", op="all_gather", shape=[b.numel // (p.dp * p.cp // n)],
+            _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
+                   bytes=sum(b.numel for b in g) // block * r.item,
                    split="parameter bucket, 1/dp contiguous shard", **gather_site(with_step))
     if r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",

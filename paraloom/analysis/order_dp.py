@@ -7,25 +7,28 @@ from __future__ import annotations
 __all__ = ["bucket_rows", "gather_site"]
 
 
-def bucket_rows(cfg, numels: list[int], cp: int, phase: str) -> list[dict]:
-    """The events (kind, op, site, split, shape, async) of buckets of ``numels`` elements: one
-    all-reduce each (reduce-scatter under the distributed optimizer, asynchronous); with
-    ``--num-distributed-optimizer-instances N > 1`` the reduce-scatter covers a block of
-    ``dp x cp / N`` ranks and this rank's shard is then all-reduced across the blocks (kind
-    ``dp_inter``), both synchronous, as Megatron issues them then."""
+def bucket_rows(cfg, groups: list[list[int]], cp: int, phase: str) -> list[dict]:
+    """The events (kind, op, site, split, shape, bytes, async) of bucket groups (each the
+    elements of its buckets; :func:`~.layout.chunk_groups`): one all-reduce each (reduce-scatter
+    under the distributed optimizer, asynchronous), coalesced over a group's buckets (the first
+    one's shape, all of their bytes); with ``--num-distributed-optimizer-instances N > 1`` the
+    reduce-scatter covers a block of ``dp x cp / N`` ranks and this rank's shard is then
+    all-reduced across the blocks (kind ``dp_inter``), both synchronous, as Megatron issues them
+    then."""
     zero, n = cfg.distributed_optimizer, cfg.num_distributed_optimizer_instances
     block = cfg.parallel.dp * cp // n  # the ranks a bucket is sharded over
     rows = []
-    for numel in numels:
+    for numels in groups:
         if block > 1:
             rows.append(dict(kind="dp", op="reduce_scatter" if zero else "all_reduce",
                              site=f"DistributedDataParallel.{phase}:bucket_grads",
-                             shape=[numel], split="gradient bucket, 1/dp contiguous shard"
+                             shape=[numels[0]], bytes=4 * sum(numels),
+                             split="gradient bucket, 1/dp contiguous shard"
                              if zero else "gradient bucket (replicated)", **{"async": n == 1}))
         if n > 1:
             rows.append(dict(kind="dp_inter", op="all_reduce",
                              site=f"DistributedDataParallel.{phase}:shard_across_instances",
-                             shape=[numel // block],
+                             shape=[numels[0] // block], bytes=4 * sum(numels) // block,
                              split="gradient shard, summed across optimizer instances",
                              **{"async": False}))
     return rows

@@ -18,7 +18,9 @@ the hooks (Megatron learns then which gradients a step makes): its reductions st
 schedule's ``grad_sync_func`` under ``--align-grad-reduce``). The buckets are Megatron's
 (:mod:`.grad_buffer`): ``bucket_size`` applies only with overlap, on the first pipeline stage and
 to a rank's first model chunk (``disable_bucketing`` for the others, as Megatron-LM builds them);
-elsewhere the chunk is one bucket. A bucket is launched from the hook that completes it, so buckets
+elsewhere the chunk is one bucket. A bucket is launched from the hook that completes it (with
+``disable_bucketing`` a buffer's buckets form one group, launched as one coalesced collective once
+all are complete: :mod:`.bucket_group`, Megatron's bucket groups), so buckets
 go out in the order they complete (Megatron-Core's ``register_grad_ready``), which is the same on
 every rank because every rank runs the same graph; the buckets launched from
 :meth:`start_grad_sync` and :meth:`finish_grad_sync` go out in index order.
@@ -46,18 +48,14 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .. import comm
 from ..mesh import ParallelMesh
 from ..tensor_parallel.weight_grad import hooks_fire_without_grad
+from .bucket_group import group_buckets
 from .grad_buffer import Bucket, GradBuffer, accumulate_grad, default_bucket_size
 
 __all__ = ["DistributedDataParallel"]
 
 
-_SITE = "DistributedDataParallel.{phase}:bucket_grads"
-_INTER = "DistributedDataParallel.{phase}:shard_across_instances"
-_SHARD = "gradient bucket, 1/dp contiguous shard"
-_ACROSS = "gradient shard, summed across optimizer instances"
 
 
 class DistributedDataParallel(nn.Module):
@@ -129,6 +127,9 @@ class DistributedDataParallel(nn.Module):
             self.buckets.extend(buf.buckets)
         for bucket in self.buckets:
             bucket.reduce_scatter = use_distributed_optimizer
+        self.groups = group_buckets(self.buckets, single=disable_bucketing)
+        """Megatron's bucket groups (:mod:`.bucket_group`): one bucket each, or with
+        ``disable_bucketing`` every bucket of a buffer in one coalesced group."""
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync = True
         self._synced = False  # finish_grad_sync completed since the last synchronising backward
@@ -173,46 +174,16 @@ class DistributedDataParallel(nn.Module):
         self._synced = False
         bucket = self._bucket_of[id(param)]
         bucket.ready.add(id(param))
-        if self.overlap_grad_reduce and not self._first_batch and bucket.is_complete() \
-                and bucket.pending is None:
-            self._launch(bucket, "backward")  # as soon as it is complete, as Megatron-Core
+        group = bucket.group
+        if self.overlap_grad_reduce and not self._first_batch and group.is_complete() \
+                and group.pending is None:  # as soon as it is complete, as Megatron-Core
+            group.launch_grads("backward", True, self.grad_reduce_in_fp32)
 
     def _launch_ready(self, phase: str, async_op: bool = True) -> None:
-        """Launch every complete bucket not launched yet, in index order."""
-        for bucket in self.buckets:
-            if bucket.pending is None and bucket.is_complete():
-                self._launch(bucket, phase, async_op)
-
-    def _launch(self, bucket: Bucket, phase: str, async_op: bool = True) -> None:
-        dp = bucket.axis
-        send = bucket.grad if self.grad_reduce_in_fp32 else bucket.grad.to(torch.bfloat16)
-        args = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=async_op,
-                    bucket=bucket.index, params=list(bucket.names))
-        if bucket.expert:
-            args["expert"] = True  # over mesh.edp
-        if bucket.inter.size > 1:  # partial distributed optimizer: in the block, then across
-            args["async_op"] = async_op = False
-            shard = comm.reduce_scatter(send, dp, split=_SHARD, **args)
-            args.update(kind="dp_inter", site=_INTER.format(phase=phase))
-            handle = comm.all_reduce(shard, bucket.inter, split=_ACROSS, **args)
-        elif bucket.reduce_scatter:
-            handle = comm.reduce_scatter(send, dp, split=_SHARD, **args)
-        else:
-            handle = comm.all_reduce(send, dp, split="gradient bucket (replicated)", **args)
-        if not async_op:  # without overlap Megatron reduces synchronously: done already
-            handle = comm.Handle([], handle)
-        bucket.pending = (handle, send)
-
-    def _complete(self, bucket: Bucket) -> None:
-        handle, _ = bucket.pending
-        result = handle.wait()
-        target = bucket.grad
-        if bucket.reduce_scatter:
-            lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-            target = target[lo:hi]
-        if result.data_ptr() != target.data_ptr():
-            target.copy_(result)
-        bucket.pending = None
+        """Launch every complete bucket group not launched yet, in index order."""
+        for group in self.groups:
+            if group.pending is None and group.is_complete():
+                group.launch_grads(phase, async_op, self.grad_reduce_in_fp32)
 
     # ------------------------------------------------------------------ public API
     @contextmanager
@@ -258,9 +229,9 @@ class DistributedDataParallel(nn.Module):
         missing = [name for b in self.buckets for name in b.missing()]
         if not missing:
             self._launch_ready("optimizer", async_op=self.overlap_grad_reduce)
-        for bucket in self.buckets:
-            if bucket.pending is not None:
-                self._complete(bucket)
+        for group in self.groups:
+            if group.pending is not None:
+                group.finish_grads()
         for bucket in self.buckets:
             bucket.ready.clear()
         self._synced = not missing
@@ -274,11 +245,12 @@ class DistributedDataParallel(nn.Module):
     def zero_grad_buffer(self) -> None:
         """Start a step: every ``main_grad`` counts as zero (the next gradient overwrites it; no
         pass over the buffer) and readiness and pending work are forgotten."""
+        for group in self.groups:
+            if group.pending is not None:
+                group.pending[0].wait()
+                group.pending = None
         for bucket in self.buckets:
             bucket.ready.clear()
-            if bucket.pending is not None:
-                bucket.pending[0].wait()
-                bucket.pending = None
             for param in bucket.params:
                 param.grad = None
                 param.grad_added_to_main_grad = False

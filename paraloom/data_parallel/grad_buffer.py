@@ -149,8 +149,8 @@ class Bucket:
     """Reduce-scatter this bucket (distributed optimizer) instead of all-reducing it."""
     ready: set = field(default_factory=set)
     """``id`` of each parameter whose gradient hook fired in the current synchronising backward."""
-    pending: object = None
-    """``(handle, sent_tensor)`` of the reduction in flight, or ``None``."""
+    group: object = None
+    """The :class:`~paraloom.data_parallel.bucket_group.BucketGroup` launched with it."""
     axis: object = None
     """The :class:`~paraloom.mesh.Axis` this bucket is reduced (and sharded) over: ``mesh.dp_cp``,
     or ``mesh.edp`` for expert parameters; with several distributed-optimizer instances their

@@ -32,8 +32,8 @@ import math
 
 import torch
 
+from .bucket_group import gather_params, land_params
 from .ddp import DistributedDataParallel
-from .param_gather import gather_bucket, land
 
 __all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer",
            "no_weight_decay_cond"]
@@ -255,6 +255,6 @@ class DistributedOptimizer(_AdamBase):
         if self.ddp.param_gather is not None:  # the next forward gathers them, or (the first
             self.ddp.param_gather.after_step()  # chunk with_optimizer_step) it starts now
             return
-        for bucket, *_ in self.shards:  # Megatron's start_param_sync: in bucket order,
-            land(bucket, gather_bucket(self.ddp, bucket, phase="optimizer",  # synchronous
-                                       site="DistributedOptimizer.step:param_shards"))
+        for group in self.ddp.groups:  # Megatron's start_param_sync: in bucket order,
+            land_params(group, gather_params(group, phase="optimizer",  # synchronous
+                                             site="DistributedOptimizer.step:param_shards"))

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from .. import comm
-from .grad_buffer import Bucket
+from .bucket_group import BucketGroup, gather_params, land_params
 
 __all__ = ["ParamGather", "force_param_sync", "paused"]
 
@@ -69,14 +69,15 @@ class ParamGather:
                              "optimizer there is no parameter all-gather to overlap")
         self.ddp, self.aligned = ddp, aligned
         self.with_optimizer_step = with_optimizer_step
-        self._owner = {id(p): b for b in ddp.buckets for p in b.params}
-        dense = [b for b in ddp.buckets if not b.expert]
-        expert = [b for b in ddp.buckets if b.expert]
+        # the unit is Megatron's bucket group (one bucket, or a chunk's buckets coalesced)
+        self._owner = {id(p): b.group for b in ddp.buckets for p in b.params}
+        dense = [g for g in ddp.groups if not g.lead.expert]
+        expert = [g for g in ddp.groups if g.lead.expert]
         self._order = dense + expert
-        self._next: dict[int, Bucket] = {}
+        self._next: dict[int, BucketGroup] = {}
         for chain in (dense, expert):
             for earlier, later in zip(chain, chain[1:], strict=False):
-                self._next[later.index] = earlier  # forward meets the buckets last to first
+                self._next[later.lead.index] = earlier  # forward meets them last to first
         self._dispatched: set[int] = set()
         self._pending: dict[int, comm.Handle] = {}
         self._hooks: list = []
@@ -107,12 +108,13 @@ class ParamGather:
 
     def sync(self) -> None:
         """Gather every bucket now, synchronously; a gather in flight is waited for instead."""
-        for bucket in self._order:
-            if bucket.index in self._pending:
-                land(bucket, self._pending.pop(bucket.index).wait())
+        for group in self._order:
+            index = group.lead.index
+            if index in self._pending:
+                land_params(group, self._pending.pop(index).wait())
             else:
-                land(bucket, self._launch(bucket, "optimizer", async_op=False))
-            self._dispatched.add(bucket.index)
+                land_params(group, self._launch(group, "optimizer", async_op=False))
+            self._dispatched.add(index)
 
     def start_all(self, *_unused, phase: str = "forward", force_dispatch: bool = False) -> None:
         """Launch every bucket's gather now, asynchronously (Megatron's ``start_param_sync``,
@@ -121,11 +123,11 @@ class ParamGather:
         unless ``force_dispatch`` (its gather is already in flight, as in Megatron)."""
         if self.with_optimizer_step and not force_dispatch:
             return
-        for bucket in self._order:
-            if bucket.index in self._pending:
-                raise RuntimeError(f"bucket {bucket.index}'s parameter all-gather is already "
-                                   f"in flight")
-            self._start(bucket, None, phase)
+        for group in self._order:
+            if group.lead.index in self._pending:
+                raise RuntimeError(f"bucket {group.lead.index}'s parameter all-gather is "
+                                   f"already in flight")
+            self._start(group, None, phase)
 
     def after_step(self) -> None:
         """This chunk's optimizer step is done: with ``with_optimizer_step`` (Megatron's
@@ -140,66 +142,47 @@ class ParamGather:
     def reset(self) -> None:
         """A step's gradients are reduced: the next forward gathers every bucket again."""
         for index in list(self._pending):  # a gather no module waited for (an unused bucket)
-            land(self._bucket(index), self._pending.pop(index).wait())
+            land_params(self._group(index), self._pending.pop(index).wait())
         self._dispatched.clear()
 
     # -- the hooks ---------------------------------------------------------------------------
     def _hook(self, module: nn.Module, _args) -> None:
         for param in module.parameters(recurse=False):
-            bucket = self._owner.get(id(param))
-            if bucket is not None:
-                self._finish(bucket, self._names.get(id(module)))
+            group = self._owner.get(id(param))
+            if group is not None:
+                self._finish(group, self._names.get(id(module)))
 
     def _output_weight(self, weight: torch.Tensor) -> None:
         """The output layer's weight, read without a module call of its own: its bucket
         gathered now, as Megatron's ``output_layer`` pre-hook gathers it."""
-        bucket = self._owner.get(id(weight))
-        if self._hooks and bucket is not None:
-            self._finish(bucket, "output_layer")
+        group = self._owner.get(id(weight))
+        if self._hooks and group is not None:
+            self._finish(group, "output_layer")
 
-    def _finish(self, bucket: Bucket, module: str | None) -> None:
-        """Megatron's ``finish_param_sync``: this bucket gathered before ``module`` runs, and
-        the next bucket's gather started behind it (both recorded at ``module``)."""
-        if bucket.index not in self._dispatched:
-            self._start(bucket, module)
-        handle = self._pending.pop(bucket.index, None)
+    def _finish(self, group: BucketGroup, module: str | None) -> None:
+        """Megatron's ``finish_param_sync``: this group gathered before ``module`` runs, and
+        the next group's gather started behind it (both recorded at ``module``)."""
+        index = group.lead.index
+        if index not in self._dispatched:
+            self._start(group, module)
+        handle = self._pending.pop(index, None)
         if handle is None:
             return
-        land(bucket, handle.wait())
-        later = None if self.aligned else self._next.get(bucket.index)
-        if later is not None and later.index not in self._dispatched:
+        land_params(group, handle.wait())
+        later = None if self.aligned else self._next.get(index)
+        if later is not None and later.lead.index not in self._dispatched:
             self._start(later, module)
 
-    def _start(self, bucket: Bucket, module: str | None, phase: str = "forward") -> None:
-        self._pending[bucket.index] = self._launch(bucket, phase, True, module)
-        self._dispatched.add(bucket.index)
+    def _start(self, group: BucketGroup, module: str | None, phase: str = "forward") -> None:
+        self._pending[group.lead.index] = self._launch(group, phase, True, module)
+        self._dispatched.add(group.lead.index)
 
-    def _launch(self, bucket: Bucket, phase: str, async_op: bool, module: str | None = None):
-        return gather_bucket(self.ddp, bucket, phase=phase, site=SITE, async_op=async_op,
-                             module=module)
+    def _launch(self, group: BucketGroup, phase: str, async_op: bool,
+                module: str | None = None):
+        return gather_params(group, phase=phase, site=SITE, async_op=async_op, module=module)
 
-    def _bucket(self, index: int) -> Bucket:
-        return next(b for b in self.ddp.buckets if b.index == index)
-
-
-@torch.no_grad()
-def gather_bucket(ddp, bucket: Bucket, *, phase: str, site: str, async_op: bool = False,
-                  module: str | None = None):
-    """All-gather one bucket's parameters from every rank's ``1/dp`` shard of it (kind ``dp``,
-    over the bucket's axis): the full flat bucket, or a Handle with ``async_op``."""
-    lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-    expert = {"expert": True} if bucket.expert else {}
-    return comm.all_gather(bucket.param_data[lo:hi], bucket.axis, phase=phase, kind="dp",
-                           site=site, module=module,
-                           split="parameter bucket, 1/dp contiguous shard", async_op=async_op,
-                           bucket=bucket.index, params=list(bucket.names), **expert)
-
-
-@torch.no_grad()
-def land(bucket: Bucket, full: torch.Tensor) -> None:
-    """A gathered bucket into the parameters' flat buffer (nothing when it is the buffer)."""
-    if full.data_ptr() != bucket.param_data.data_ptr():
-        bucket.param_data.copy_(full)
+    def _group(self, index: int) -> BucketGroup:
+        return next(g for g in self.ddp.groups if g.lead.index == index)
 
 
 def _enabled(ddps) -> list[ParamGather]:

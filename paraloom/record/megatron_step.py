@@ -20,6 +20,12 @@ and a program without Megatron is untouched):
   regions is phase ``backward`` (Megatron's schedule launches the last stage's reduction after
   its last ``send_backward`` with ``--align-grad-reduce``, between autograd runs); inside
   ``finalize_model_grads`` (the first iteration, or without overlap) it stays ``optimizer``.
+  Its ``start_param_sync`` outside those regions, unless forced, is phase ``forward``: the
+  parameter all-gathers of ``--overlap-param-gather`` that the interleaved schedule launches
+  (``--align-param-gather``) ahead of the forward steps, between module calls (the forward
+  pre-hooks' are in a forward already); a forced sync (before a checkpoint) stays ``other``,
+  and the chained optimizer's dispatch (``--overlap-param-gather-with-optimizer-step``)
+  ``optimizer``.
 """
 
 from __future__ import annotations
@@ -114,10 +120,20 @@ def _finalize(module) -> None:
     _wrap(module, "finalize_model_grads", _region("optimizer"))
 
 
+def _gathering(orig):
+    forward = _region("forward", only_outside=True)(orig)
+
+    def start_param_sync(self, force_sync: bool = False, *args, **kwargs):
+        run = orig if force_sync else forward
+        return run(self, force_sync, *args, **kwargs)
+    return start_param_sync
+
+
 def _buffer(module) -> None:
     group = getattr(module, "_ParamAndGradBucketGroup", None)
     if group is not None:
         _wrap(group, "start_grad_sync", _region("backward", only_outside=True))
+        _wrap(group, "start_param_sync", _gathering)
 
 
 _HOOKS = ((_P2P, _p2p), (_SCHEDULES, _schedules), (_OPTIMIZERS, _optimizers),
