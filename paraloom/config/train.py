@@ -81,7 +81,7 @@ class TrainConfig:
                                          help="ZeRO-1: optimizer states sharded over dp")
     """ZeRO-1: shard optimizer states over dp (reduce-scatter grads, all-gather params)."""
     num_distributed_optimizer_instances: int = option(
-        1, "--num-distributed-optimizer-instances",
+        1, "--num-distributed-optimizer-instances", metavar="N",
         help="with --distributed-optimizer: shard the optimizer within each of N blocks of the "
              "dp group (reduce-scatter inside a block, all-reduce of the shard across blocks; "
              "Megatron's partial distributed optimizer, default 1)")

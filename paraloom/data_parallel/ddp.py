@@ -56,8 +56,6 @@ from .grad_buffer import Bucket, GradBuffer, accumulate_grad, default_bucket_siz
 __all__ = ["DistributedDataParallel"]
 
 
-
-
 class DistributedDataParallel(nn.Module):
     """Wrap ``module`` (already tensor-parallel, one pipeline stage) for data parallelism.
 

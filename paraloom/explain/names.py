@@ -39,7 +39,7 @@ ASYNC_BY_NATURE = {"isend", "irecv", "batch_isend_irecv", "P2POp"}
 """Calls that always return a request handle to wait on."""
 
 PHASES = ("forward", "backward", "optimizer", "setup", "data")
-KINDS = ("tp", "sp", "pp", "dp", "emb", "loss", "cp", "ep")
+KINDS = ("tp", "sp", "pp", "dp", "emb", "loss", "cp", "ep", "dp_inter")
 
 # name -> (forward op, backward op, kind, what moves); None = no communication in that pass.
 REGIONS = {
