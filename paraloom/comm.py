@@ -18,6 +18,8 @@ Conventions:
 * ``all_to_all`` moves rows of dim 0 with per-rank split sizes (Megatron's expert dispatch); its
   event carries ``input_splits`` / ``output_splits`` (rows) and ``row_bytes``, and ``bytes`` is the
   whole local input (the rows kept on this rank included), ``recv_bytes`` the whole output.
+* ``coalesced`` issues several all-reduces, reduce-scatters or all-gathers as one call (a
+  Megatron bucket group): one event, the first tensor's shape, every tensor's bytes, ``tensors``.
 """
 
 from __future__ import annotations
