@@ -31,13 +31,15 @@ _ACROSS = "gradient shard, summed across optimizer instances"
 _PARAMS = "parameter bucket, 1/dp contiguous shard"
 
 
+_PLAIN = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter,
+          "all_gather": comm.all_gather}
+
+
 def _op(op: str, tensors: list[torch.Tensor], axis, **kwargs):
     """One bucket's plain collective, or a group's coalesced one."""
     if len(tensors) > 1:
         return comm.coalesced(op, tensors, axis, **kwargs)
-    fn = {"all_reduce": comm.all_reduce, "reduce_scatter": comm.reduce_scatter,
-          "all_gather": comm.all_gather}[op]
-    return fn(tensors[0], axis, **kwargs)
+    return _PLAIN[op](tensors[0], axis, **kwargs)
 
 
 def _results(value) -> list[torch.Tensor]:
@@ -61,20 +63,21 @@ class BucketGroup:
     def is_complete(self) -> bool:
         return all(b.is_complete() for b in self.buckets)
 
-    def _fields(self, phase: str, async_op: bool) -> dict:
-        lead = self.lead
-        fields = dict(phase=phase, kind="dp", site=_SITE.format(phase=phase), async_op=async_op,
-                      bucket=lead.index, params=[n for b in self.buckets for n in b.names])
-        if lead.expert:
-            fields["expert"] = True  # over mesh.edp
-        return fields
+    def fields(self, **event) -> dict:
+        """``event``'s ledger fields plus the group's: its lead bucket, every parameter name,
+        and ``expert`` for a group reduced over mesh.edp."""
+        event.update(kind="dp", bucket=self.lead.index,
+                     params=[n for b in self.buckets for n in b.names])
+        if self.lead.expert:
+            event["expert"] = True
+        return event
 
     def launch_grads(self, phase: str, async_op: bool, fp32: bool) -> None:
         """Reduce the group's gradients (reduce-scatter under the distributed optimizer; with
         several instances then the shards all-reduced across, both synchronous)."""
         lead = self.lead
         sends = [b.grad if fp32 else b.grad.to(torch.bfloat16) for b in self.buckets]
-        args = self._fields(phase, async_op)
+        args = self.fields(phase=phase, site=_SITE.format(phase=phase), async_op=async_op)
         if lead.inter.size > 1:  # partial distributed optimizer: in the block, then across
             args["async_op"] = async_op = False
             shards = _results(_op("reduce_scatter", sends, lead.axis, split=_SHARD, **args))
@@ -117,12 +120,8 @@ def gather_params(group: BucketGroup, *, phase: str, site: str, async_op: bool =
     """All-gather the group's parameters from every rank's ``1/dp`` shard of each bucket (kind
     ``dp``, over the buckets' axis): the full flat buckets (one, or a list), or a Handle."""
     shards = [b.param_data[slice(*b.shard(b.axis.rank, b.axis.size))] for b in group.buckets]
-    fields = dict(phase=phase, kind="dp", site=site, module=module, split=_PARAMS,
-                  async_op=async_op, bucket=group.lead.index,
-                  params=[n for b in group.buckets for n in b.names])
-    if group.lead.expert:
-        fields["expert"] = True
-    return _op("all_gather", shards, group.lead.axis, **fields)
+    return _op("all_gather", shards, group.lead.axis, split=_PARAMS,
+               **group.fields(phase=phase, site=site, module=module, async_op=async_op))
 
 
 @torch.no_grad()
