@@ -16,7 +16,8 @@ parallel" (the dp x cp ranks holding the same model shard), over which gradients
 ranks holding one replica of the model), over which the gradient norm is summed and the step's
 update flag and norm are agreed.
 
-The grid itself (:func:`rank_groups`) is pure logic, tested without processes.
+The grid itself (:mod:`paraloom.grid`: :func:`rank_groups` and the others) is pure logic, tested
+without processes.
 
 Expert parallelism (:func:`expert_rank_groups`) is carved out of the data-parallel ranks (times
 context parallelism), as in Megatron-Core: of the ``dp * cp`` ranks that share a (pp, tp)
@@ -40,9 +41,16 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .config import ParallelConfig
+from .grid import (
+    expert_rank_groups,
+    hierarchical_cp_rank_groups,
+    instance_rank_groups,
+    rank_coords,
+    rank_groups,
+)
 
 __all__ = ["Axis", "ParallelMesh", "rank_groups", "rank_coords", "expert_rank_groups",
-           "instance_rank_groups", "world_axis"]
+           "instance_rank_groups", "hierarchical_cp_rank_groups", "world_axis"]
 
 
 @dataclass(frozen=True)
@@ -73,108 +81,6 @@ def world_axis() -> Axis:
                 dist.group.WORLD if world > 1 else None)
 
 
-def rank_coords(rank: int, tp: int, pp: int, dp: int, cp: int = 1) -> tuple[int, ...]:
-    """``(pp_rank, dp_rank, tp_rank)`` of a global rank; ``(pp, dp, cp, tp)`` ranks if
-    ``cp > 1``."""
-    world = tp * cp * pp * dp
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside a world of tp*cp*pp*dp = "
-                         f"{tp}*{cp}*{pp}*{dp} = {world}")
-    coords = rank // (dp * cp * tp), (rank // (cp * tp)) % dp, (rank // tp) % cp, rank % tp
-    return coords if cp > 1 else (coords[0], coords[1], coords[3])
-
-
-def rank_groups(tp: int, pp: int, dp: int, cp: int = 1) -> dict[str, list[tuple[int, ...]]]:
-    """Every group of every axis, in a fixed order that all ranks share.
-
-    >>> rank_groups(2, 2, 1)["pp"]
-    [(0, 2), (1, 3)]
-    >>> rank_groups(1, 1, 2, cp=2)["dp_cp"]
-    [(0, 1, 2, 3)]
-    """
-    def r(p: int, d: int, c: int, t: int) -> int:
-        return ((p * dp + d) * cp + c) * tp + t
-
-    P, D, C, T = range(pp), range(dp), range(cp), range(tp)
-    groups = {
-        "tp": [tuple(r(p, d, c, t) for t in T) for p in P for d in D for c in C],
-        "dp": [tuple(r(p, d, c, t) for d in D) for p in P for c in C for t in T],
-        "pp": [tuple(r(p, d, c, t) for p in P) for d in D for c in C for t in T],
-        "cp": [tuple(r(p, d, c, t) for c in C) for p in P for d in D for t in T],
-        "dp_cp": [tuple(r(p, d, c, t) for d in D for c in C) for p in P for t in T],
-        "mp": [tuple(r(p, d, c, t) for p in P for t in T) for d in D for c in C],
-        "tp_cp": [tuple(r(p, d, c, t) for c in C for t in T) for p in P for d in D],
-    }
-    groups["emb"] = [tuple(dict.fromkeys((g[0], g[-1]))) for g in groups["pp"]]
-    return groups
-
-
-def expert_rank_groups(tp: int, pp: int, dp: int, ep: int, cp: int = 1
-                       ) -> dict[str, list[tuple[int, ...]]]:
-    """The ``ep`` and ``edp`` groups (Megatron-Core's expert-model-parallel and expert-data-parallel
-    groups): the ``dp * cp`` ranks at each (pp, tp) position, in rank order ``tp-cp-dp-pp``, split
-    into consecutive blocks of ``ep``; ``tp_ep``, one block with its tp ranks (Megatron's
-    ``tp_ep`` group: the token dispatcher's counts are gathered over it); and ``tp_ep_pp``, the
-    ranks holding one replica of every expert (tp x ep x pp, Megatron's expert
-    tensor-model-pipeline group: the experts' grad norm).
-
-    >>> groups = expert_rank_groups(tp=1, pp=1, dp=4, ep=2)
-    >>> groups["ep"], groups["edp"], groups["tp_ep_pp"]
-    ([(0, 1), (2, 3)], [(0, 2), (1, 3)], [(0, 1), (2, 3)])
-    """
-    dp_cp = dp * cp
-    if ep < 1 or dp_cp % ep:
-        raise ValueError(f"ep = {ep} must divide dp * cp = {dp} * {cp} = {dp_cp} (expert "
-                         f"parallelism is carved out of the data-parallel ranks)")
-
-    def r(p: int, d: int, t: int) -> int:  # d: index in dp x cp (cp fastest)
-        return p * dp_cp * tp + d * tp + t
-
-    edp = dp_cp // ep
-    return {
-        "ep": [tuple(r(p, b * ep + e, t) for e in range(ep))
-               for p in range(pp) for b in range(edp) for t in range(tp)],
-        "edp": [tuple(r(p, b * ep + e, t) for b in range(edp))
-                for p in range(pp) for e in range(ep) for t in range(tp)],
-        "tp_ep_pp": [tuple(r(p, b * ep + e, t) for p in range(pp) for e in range(ep)
-                           for t in range(tp)) for b in range(edp)],
-        "tp_ep": [tuple(r(p, b * ep + e, t) for e in range(ep) for t in range(tp))
-                  for p in range(pp) for b in range(edp)],
-    }
-
-
-def instance_rank_groups(tp: int, pp: int, dp: int, n: int, cp: int = 1, ep: int = 1
-                         ) -> dict[str, list[tuple[int, ...]]]:
-    """The groups of ``n`` distributed-optimizer instances (Megatron-Core's intra- and
-    inter-instance groups): ``dp_intra`` / ``edp_intra`` cut every dp x cp / edp group into ``n``
-    consecutive blocks, ``dp_inter`` / ``edp_inter`` take the ranks at one place in every block,
-    ``distopt`` holds the ranks of one instance (sorted).
-
-    >>> groups = instance_rank_groups(tp=1, pp=1, dp=4, n=2)
-    >>> groups["dp_intra"], groups["dp_inter"], groups["distopt"]
-    ([(0, 1), (2, 3)], [(0, 2), (1, 3)], [(0, 1), (2, 3)])
-    """
-    dp_cp = dp * cp
-    if n < 1 or dp_cp % n or (dp_cp // ep) % n:
-        raise ValueError(f"num_distributed_optimizer_instances = {n} must divide dp * cp = "
-                         f"{dp_cp} and the expert-data-parallel size dp * cp / ep = "
-                         f"{dp_cp // ep}")
-
-    def split(groups: list[tuple[int, ...]]) -> tuple[list, list]:
-        size = len(groups[0]) // n
-        intra = [g[i * size:(i + 1) * size] for g in groups for i in range(n)]
-        inter = [g[j::size] for g in groups for j in range(size)]
-        return intra, inter
-
-    dense, expert = rank_groups(tp, pp, dp, cp)["dp_cp"], expert_rank_groups(tp, pp, dp, ep, cp)
-    out = dict(zip(("dp_intra", "dp_inter"), split(dense), strict=True))
-    out.update(zip(("edp_intra", "edp_inter"), split(expert["edp"]), strict=True))
-    block = dp_cp // n
-    out["distopt"] = [tuple(sorted(r for r in range(tp * pp * dp_cp)
-                                   if (r // tp) % dp_cp // block == i)) for i in range(n)]
-    return out
-
-
 class ParallelMesh:
     """Process groups for a (tp, pp, dp) layout; build it on every rank, in the same order.
 
@@ -202,6 +108,9 @@ class ParallelMesh:
                         **expert_rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.ep, cfg.cp)}, self.axes)
         if cfg.cp == 1:
             self.axes["dp_cp"] = self.axes["dp"]
+        if cfg.cp_sizes and len(cfg.cp_sizes) == 2 and cfg.cp > 1:  # Megatron makes them if given
+            self._add_axes(hierarchical_cp_rank_groups(cfg.tp, cfg.pp, cfg.dp, cfg.cp,
+                                                       cfg.cp_sizes[0]), self.axes)
         world_group = dist.group.WORLD if distributed and world > 1 else None
         self.axes["world"] = Axis("world", tuple(range(world)), self.rank, world_group)
 
@@ -239,6 +148,10 @@ class ParallelMesh:
     dp = property(lambda self: self.axes["dp"], doc="Data-parallel axis.")
     pp = property(lambda self: self.axes["pp"], doc="Pipeline axis (stage = ``mesh.pp.rank``).")
     cp = property(lambda self: self.axes["cp"], doc="Context-parallel axis (one sequence).")
+    cp_a2a = property(lambda self: self.axes["cp_a2a"],
+                      doc="Hierarchical cp level 0: consecutive cp ranks (a2a+p2p's all-to-all).")
+    cp_p2p = property(lambda self: self.axes["cp_p2p"],
+                      doc="Hierarchical cp level 1: cp ranks a level-0 size apart (the ring).")
     dp_cp = property(lambda self: self.axes["dp_cp"],
                      doc="Data-parallel x context-parallel axis: where gradients are reduced.")
     emb = property(lambda self: self.axes["emb"], doc="Embedding group (first + last stage).")
@@ -254,6 +167,11 @@ class ParallelMesh:
                      doc="tp x cp: one sequence's ranks (the MoE aux loss's token counts).")
     tp_ep_pp = property(lambda self: self.axes["tp_ep_pp"],
                         doc="tp x ep x pp: one replica of every expert (their grad norm).")
+
+    @property
+    def cp_levels(self) -> tuple[Axis, Axis] | None:
+        """``(cp_a2a, cp_p2p)`` with two hierarchical cp levels, else ``None``."""
+        return (self.cp_a2a, self.cp_p2p) if "cp_a2a" in self.axes else None
 
     @property
     def vpp(self) -> int:

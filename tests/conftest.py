@@ -189,12 +189,12 @@ def metrics(out) -> list[dict]:
 
 
 def layout_config(base, out, *, tp=1, cp=1, pp=1, dp=1, ep=1, vpp=None, sp=False, comm="p2p",
-                  schedule=None, **changes):
+                  schedule=None, cp_sizes=None, **changes):
     """``base`` (a TrainConfig) under the layout given, writing to ``out``; the schedule follows
     the layout unless given, other settings by name (``lr=...``, ``recompute=...``)."""
     from paraloom.config import ParallelConfig
     parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, vpp=vpp, sequence_parallel=sp,
-                              cp_comm_type=comm)
+                              cp_comm_type=comm, cp_sizes=cp_sizes)
     return base.replace(parallel=parallel, schedule=schedule, out=str(out), **changes)
 
 

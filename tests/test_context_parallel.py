@@ -56,7 +56,8 @@ def test_load_balanced_split():
 def test_bad_layouts_name_the_values():
     with pytest.raises(ValueError, match=r"seq_length = 12 is not divisible by 2 \* cp = 8"):
         check_layout(ModelConfig(seq_length=12), ParallelConfig(cp=4))
-    with pytest.raises(ValueError, match="cp_comm_type must be p2p, all_gather or a2a, got 'ring'"):
+    with pytest.raises(ValueError, match="cp_comm_type must be one of p2p, all_gather, a2a, "
+                                         "a2a\\+p2p, got 'ring'"):
         ParallelConfig(cp=2, cp_comm_type="ring")
     with pytest.raises(ValueError, match=r"seq_length / cp = 6 is not divisible by tp = 4"):
         check_layout(ModelConfig(seq_length=12), ParallelConfig(cp=2, tp=4,
@@ -73,11 +74,14 @@ def _reference(q, k, v):
 
 def attention_case(cp: int, comm_type: str):
     from paraloom import ledger
+    from paraloom.config import ParallelConfig
     from paraloom.context_parallel import ContextParallelAttention, split_sequence
     from paraloom.mesh import ParallelMesh
-    mesh = ParallelMesh(cp=cp, dp=4 // cp)
+    sizes = (2, 2) if comm_type == "a2a+p2p" else None  # two groups of two: a2a in, ring across
+    mesh = ParallelMesh(ParallelConfig(cp=cp, dp=4 // cp, cp_comm_type=comm_type,
+                                       cp_sizes=sizes))
     gen = torch.Generator().manual_seed(7)
-    b, a, s, d = 2, 4 if comm_type == "a2a" else 3, 8 * cp, 5  # a2a: heads divisible by cp
+    b, a, s, d = 2, 3 if comm_type in ("p2p", "all_gather") else 4, 8 * cp, 5  # a2a: divisible
     q, k, v, up = (torch.randn(b, a, s, d, generator=gen, dtype=torch.float64).float()
                    for _ in range(4))
     ref = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -86,14 +90,15 @@ def attention_case(cp: int, comm_type: str):
     mine = [split_sequence(t, mesh.cp.rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
     led = ledger.Ledger(rank=mesh.rank, t0=0.0)
     with ledger.recording(led):
-        out = ContextParallelAttention(mesh.cp, comm_type, "core")(*mine)
+        out = ContextParallelAttention(mesh.cp, comm_type, "core", levels=mesh.cp_levels)(*mine)
         out.backward(split_sequence(up, mesh.cp.rank, cp, dim=2))
     torch.testing.assert_close(out, split_sequence(out_ref, mesh.cp.rank, cp, dim=2),
                                rtol=1e-5, atol=1e-5)
     for got, want in zip(mine, ref, strict=True):
         torch.testing.assert_close(got.grad, split_sequence(want.grad, mesh.cp.rank, cp, dim=2),
                                    rtol=1e-5, atol=1e-5)
-    return [(e["op"], e["phase"], e["kind"], e["site"], e["bytes"]) for e in led.events]
+    return [(e["op"], e["phase"], e["kind"], e["site"], e["bytes"], len(e["group"]))
+            for e in led.events]
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])
@@ -115,6 +120,23 @@ def test_cp_attention_matches_causal_attention(world4, cp, comm_type):
     else:
         assert [(e[0], e[1], e[4]) for e in events] == [("all_gather", "forward", kv),
                                                         ("reduce_scatter", "backward", cp * kv)]
+
+
+def test_hierarchical_cp_attention_matches_causal_attention(world4):
+    """a2a+p2p at cp = 4 = 2 x 2: Ulysses' all-to-alls inside each pair of consecutive cp ranks,
+    the ring (one K/V exchange forward, three backward) across the pairs, on half the heads."""
+    events = world4.run(attention_case, 4, "a2a+p2p")[0]
+    one = 2 * 4 * 8 * 5 * 4      # [b, a, s/cp, d] fp32: each all-to-all moves a whole tensor
+    kv = 2 * 2 * 2 * 16 * 5 * 4  # [2, b, a/2, 2 s/cp, d]: the group's chunks, half the heads
+    a2a = [("all_to_all", phase, "cp", f"ulysses_attention:{name}", one, 2) for phase, names in
+           (("forward", ("q", "k", "v", "out")), ("backward", ("dout", "dq", "dk", "dv")))
+           for name in names]
+
+    def ring(phase, names):
+        return [(op, phase, "cp", f"ring_attention:{name}", kv, 2) for name in names
+                for op in ("send", "recv")]
+    assert events == a2a[:3] + ring("forward", ["kv"]) + a2a[3:5] + \
+        ring("backward", ["kv", "dkv", "dkv"]) + a2a[5:]
 
 
 def accessors_case():

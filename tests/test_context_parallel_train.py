@@ -55,6 +55,24 @@ def test_cp_layouts_train_the_same_model(tmp_path, reference, layout):
     assert grads == {layout.get("dp", 1) * layout["cp"]}
 
 
+def test_hierarchical_cp_trains_the_same_model_and_reshards(tmp_path, reference):
+    """a2a+p2p at cp = 4 = 2 x 2 with selective recomputation: the (1,1,1) model's losses, the
+    ledger exact, the all-to-alls within pairs of consecutive cp ranks and the ring across them;
+    its checkpoint resumes on one rank with the same losses."""
+    folder, ref = reference
+    run = layout_config(BASE, tmp_path / "hcp", cp=4, comm="a2a+p2p", cp_sizes=(2, 2),
+                        recompute="selective", save_every=2)
+    assert_same_metrics(run_training(run), ref)
+    assert check_main([str(tmp_path / "hcp"), "--only-diff"]) == 0
+    events = [json.loads(x) for x in (tmp_path / "hcp" / "ledger.jsonl").read_text().split("\n")
+              if x]
+    groups = {(e["op"], tuple(e["group"])) for e in events if e["kind"] == "cp"}
+    assert groups == {("all_to_all", (0, 1)), ("all_to_all", (2, 3)), ("send", (0, 2)),
+                      ("recv", (0, 2)), ("send", (1, 3)), ("recv", (1, 3))}
+    down = train(tmp_path, "to-cp1", resume=str(tmp_path / "hcp" / "checkpoints" / "step_2"))
+    assert_same_metrics(down, ref[2:])
+
+
 def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):
     folder, ref = reference
     straight = train(tmp_path, "cp2", cp=2, save_every=2)

@@ -24,8 +24,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "paraloom"
 
-LAYERS = ("config", "utils", "device", "mesh", "parallel_state", "ledger", "comm_wait", "comm",
-          "run_folder",
+LAYERS = ("config", "utils", "device", "grid", "mesh", "parallel_state", "ledger", "comm_wait",
+          "comm", "run_folder",
           "heartbeat", "launch", "tensor_parallel", "context_parallel", "moe", "pipeline_parallel",
           "data_parallel", "models", "data", "training", "analysis", "verify", "measure", "record",
           "diagnose", "explain", "llm", "report", "commands")

@@ -34,6 +34,9 @@ LAYOUTS = {
     # Ulysses: Q, K, V to head shards and the output back, each way; re-run by recomputation
     "cp a2a, selective recomputation": ["--tp", "1", "--pp", "1", "--dp", "1", "--cp", "2",
                                         "--cp-comm-type", "a2a", "--recompute", "selective"],
+    # hierarchical cp: Ulysses in pairs of consecutive cp ranks around the ring across them
+    "cp a2a+p2p": ["--tp", "1", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type",
+                   "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "2"],
     # chunk 0's parameter all-gather launched by its own optimizer step (async), step 1 too
     "interleaved dp, gather with the optimizer step": [
         "--tp", "1", "--pp", "2", "--dp", "2", "--vpp", "2", "--layers", "4",
@@ -61,7 +64,7 @@ def test_plan_table_is_the_recorded_table_row_for_row(name, tmp_path, capsys):
     assert main(["train", *flags, "--out", str(run)]) == 0
     capsys.readouterr()
     world = json.loads((run / "config.json").read_text())["parallel"]
-    for rank in range(world["tp"] * world["pp"] * world["dp"]):
+    for rank in range(world["tp"] * world["pp"] * world["dp"] * world["cp"]):
         want = _rows(capsys, ["table", str(run), "--step", "1", "--rank", str(rank),
                               "--format", "json"])
         got = _rows(capsys, ["plan", *flags, "--table", "--rank", str(rank), "--format",

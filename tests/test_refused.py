@@ -330,6 +330,22 @@ def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flag
       "--arch", "llama", "--heads", "8", "--group-query-attention", "--num-query-groups", "2",
       "--seq-len", "16"],
      r"key/value heads \(num_query_groups\) / tp = 2 / 1 = 2 is not divisible by cp = 4"),
+    # hierarchical cp (a2a inside the inner level, the ring across)
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+      "--seq-len", "16"],
+     r"--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes A B .* got not given"),
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "3", "--seq-len", "16"],
+     r"--hierarchical-context-parallel-sizes 2 3: the sizes must be positive integers whose "
+     r"product is cp = 4"),
+    (["train", "--tp", "1", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "4", "1", "--seq-len", "16"],
+     r"needs --hierarchical-context-parallel-sizes A B \(two levels, A \* B = cp = 4, each at "
+     r"least 2\), got 4 1; with one level use --cp-comm-type a2a or p2p"),
+    (["train", "--tp", "2", "--pp", "1", "--dp", "1", "--cp", "4", "--cp-comm-type", "a2a+p2p",
+      "--hierarchical-context-parallel-sizes", "2", "2", "--heads", "2", "--seq-len", "16"],
+     r"cp_comm_type a2a\+p2p: num_attention_heads / tp = 2 / 2 = 1 is not divisible by the "
+     r"inner hierarchical cp size = 2"),
     (["plan", "--layers", "2", "--hidden", "8", "--heads", "2", "--seq-len", "10",
       "--global-batch-size", "1", "--micro-batch-size", "1", "--cp", "2"],
      r"paraloom train would refuse this run: .*seq_length = 10 is not divisible by 2 \* cp = "

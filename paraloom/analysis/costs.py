@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cp_formulas import cp_kv_bytes, cp_q_bytes
+from .cp_formulas import cp_kv_bytes, cp_q_bytes, ring_size
 from .hardware import Hardware
 from .moe_formulas import split_tp
 from .spec import CommConfig
@@ -105,21 +105,27 @@ def cp_comm_time(c: CommConfig, hw: Hardware, attention: float) -> tuple[float, 
     ``2cp - 1`` backward, each step overlapping the attention of the chunk it already holds;
     ``all_gather`` gathers K/V before attention and reduce-scatters their gradient after it;
     ``a2a`` (Ulysses) all-to-alls Q, K, V before attention and the output after it (backward:
-    the output's gradient, then dQ, dK, dV), none of it hidden."""
+    the output's gradient, then dQ, dK, dV), none of it hidden; ``a2a+p2p`` adds Ulysses over
+    its inner ``A`` ranks to the ring over the ``cp / A`` groups (``A`` consecutive cp ranks
+    apart, so across nodes first)."""
     if c.cp == 1:
         return 0.0, 0.0
-    kv, cp = cp_kv_bytes(c), c.cp
+    kv, cp, a2a = cp_kv_bytes(c), c.cp, c.cp_a2a if c.cp_comm_type == "a2a+p2p" else c.cp
+    fwd = bwd = 0.0
+    if c.cp_comm_type in ("p2p", "a2a+p2p"):
+        ring = ring_size(c)
+        step = collective_time("p2p", 2, kv, hw, spans_nodes(c.tp * cp // ring, ring,
+                                                              hw.gpus_per_node))
+        hide = hw.overlap_efficiency * attention * (ring - 1) / ring  # the last has no peer
+        fwd, bwd = max(0.0, (ring - 1) * step - hide), max(0.0, (2 * ring - 1) * step - 2 * hide)
+    if c.cp_comm_type in ("a2a", "a2a+p2p"):  # Q, K, V and the output, each way, not hidden
+        q, inter = cp_q_bytes(c), spans_nodes(c.tp, a2a, hw.gpus_per_node)
+        each_way = sum(collective_time("all_to_all", a2a, b, hw, inter)
+                       for b in (q, q, kv / 2, kv / 2))
+        fwd, bwd = fwd + each_way, bwd + each_way
+    if c.cp_comm_type != "all_gather":
+        return fwd, bwd
     inter = spans_nodes(c.tp, cp, hw.gpus_per_node)
-    if c.cp_comm_type == "p2p":
-        step = collective_time("p2p", 2, kv, hw, inter)
-        hide = hw.overlap_efficiency * attention * (cp - 1) / cp  # the last chunk has no peer
-        return (max(0.0, (cp - 1) * step - hide),
-                max(0.0, (2 * cp - 1) * step - 2 * hide))
-    if c.cp_comm_type == "a2a":  # Q, K, V and the output, each way, nothing to hide behind
-        q = cp_q_bytes(c)
-        each_way = sum(collective_time("all_to_all", cp, b, hw, inter) for b in (q, q, kv / 2,
-                                                                                  kv / 2))
-        return each_way, each_way
     return (collective_time("all_gather", cp, cp * kv, hw, inter),
             collective_time("reduce_scatter", cp, cp * kv, hw, inter))
 

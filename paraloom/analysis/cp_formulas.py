@@ -12,6 +12,10 @@ elements (``[2, b, a/t, s/cp, d]``) in the activation dtype:
 * ``a2a`` (Ulysses): forward four all-to-alls, Q (``b (s/cp) (a d/t)`` elements), K and V
   (``b (s/cp) (g d/t)`` each) to head shards and the output (Q's size) back; backward the same
   four sizes (the output's gradient, then dQ, dK, dV). Each moves its whole tensor.
+* ``a2a+p2p`` (hierarchical, levels ``A x B``): Ulysses' four all-to-alls each way inside the
+  ``A`` ranks (the same bytes as ``a2a``: a rank's whole tensor), and between them the ring over
+  the ``B`` groups: ``B - 1`` exchanges forward, ``2B - 1`` backward, each of ``kv`` bytes (``A``
+  chunks of ``1/A`` of the heads).
 
 Recomputation (selective: the attention core; full: the layer, whose re-run includes the core)
 repeats the forward messages, keyed with phase ``recompute``. Elsewhere cp shortens every
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-__all__ = ["local_seq", "grad_sync_view", "add_cp_comm", "cp_kv_bytes", "cp_q_bytes",
+__all__ = ["local_seq", "grad_sync_view", "add_cp_comm", "cp_kv_bytes", "cp_q_bytes", "ring_size",
            "cp_activation_factor"]
 
 
@@ -53,21 +57,26 @@ def add_cp_comm(c, layer_passes: int, add) -> None:
         return
     kv, cp, n = cp_kv_bytes(c), c.cp, layer_passes
     phases = ["forward"] + (["recompute"] if c.recompute != "none" else [])
-    if c.cp_comm_type == "p2p":
-        for phase in phases:
-            add("cp", "send", phase, (cp - 1) * n, kv)
-            add("cp", "recv", phase, (cp - 1) * n, kv)
-        add("cp", "send", "backward", (2 * cp - 1) * n, kv)
-        add("cp", "recv", "backward", (2 * cp - 1) * n, kv)
-    elif c.cp_comm_type == "a2a":
+    if c.cp_comm_type in ("p2p", "a2a+p2p"):
+        ring = ring_size(c)
+        for op in ("send", "recv"):
+            for phase in phases:
+                add("cp", op, phase, (ring - 1) * n, kv)
+            add("cp", op, "backward", (2 * ring - 1) * n, kv)
+    if c.cp_comm_type in ("a2a", "a2a+p2p"):
         q = cp_q_bytes(c)  # Q and the output; K and V are kv / 2 each
         for phase in [*phases, "backward"]:
             add("cp", "all_to_all", phase, 2 * n, q)
             add("cp", "all_to_all", phase, 2 * n, kv // 2)
-    else:
+    if c.cp_comm_type == "all_gather":
         for phase in phases:
             add("cp", "all_gather", phase, n, kv)
         add("cp", "reduce_scatter", "backward", n, cp * kv)
+
+
+def ring_size(c) -> int:
+    """Ranks of the K/V ring: cp for ``p2p``, the outer level ``cp / A`` for ``a2a+p2p``."""
+    return c.cp // c.cp_a2a if c.cp_comm_type == "a2a+p2p" else c.cp
 
 
 def cp_q_bytes(c) -> int:

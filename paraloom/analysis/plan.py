@@ -89,7 +89,7 @@ def render_plan(c: CommConfig, p: dict) -> str:
     moe = (f", {c.moe.num_experts} experts top-{c.moe.topk} ep={c.moe.ep}" if c.moe else "")
     lines = [f"{human_count(p['parameters']['total'])} parameters on {p['gpus']} GPUs "
              f"(tp={c.tp} pp={c.pp} dp={c.dp} vpp={c.v}"
-             + (f" cp={c.cp} ({c.cp_comm_type})" if c.cp > 1 else "") + moe
+             + (f" cp={c.cp} ({c.cp_comm_type}{_levels(c)})" if c.cp > 1 else "") + moe
              + f", sp={'on' if c.sp else 'off'}, "
              f"recompute={c.recompute}, distributed optimizer="
              f"{'on' if c.distributed_optimizer else 'off'}"
@@ -113,3 +113,8 @@ def render_plan(c: CommConfig, p: dict) -> str:
     lines.append(f"hardware FLOPs       {p['hardware_flops_per_step']:.3e} "
                  f"(with recompute={c.recompute})")
     return "\n".join(lines)
+
+
+def _levels(c) -> str:
+    """`` A x B`` of hierarchical cp (``a2a+p2p``), else nothing."""
+    return f" {c.cp_a2a}x{c.cp // c.cp_a2a}" if c.cp_comm_type == "a2a+p2p" else ""

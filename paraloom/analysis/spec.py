@@ -179,7 +179,10 @@ class CommConfig:
     """Context-parallel size: each rank holds ``s/cp`` tokens of every sequence
     (:mod:`paraloom.analysis.cp_formulas`)."""
     cp_comm_type: str = "p2p"
-    """``p2p`` (K/V ring) or ``all_gather``."""
+    """``p2p`` (K/V ring), ``all_gather``, ``a2a`` (Ulysses) or ``a2a+p2p`` (hierarchical)."""
+    cp_a2a: int = 1
+    """``a2a+p2p``: the all-to-all level's size (``A`` of ``--hierarchical-context-parallel-sizes
+    A B``); the ring runs over the other ``cp / cp_a2a`` ranks."""
     moe: MoECommConfig | None = None
     """Mixture of experts (:class:`MoECommConfig`); ``None``:
     dense. Its all-to-alls are checked by :mod:`paraloom.analysis.moe_formulas`."""

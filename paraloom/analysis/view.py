@@ -38,6 +38,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         bucket_size=cfg.bucket_size, bucket_tail_splits=cfg.bucket_tail_splits,
         schedule=cfg.schedule, dtype_bytes=2 if cfg.dtype == "bf16" else 4, grad_bytes=4,
         arch=Architecture.from_model(model), cp=p.cp, cp_comm_type=p.cp_comm_type,
+        cp_a2a=p.cp_sizes[0] if p.cp_comm_type == "a2a+p2p" and p.cp > 1 else 1,
         moe=moe_from_run(model, dataclasses.asdict(p), cfg.micro_batch_size),
         megatron_lm_loop=cfg.megatron_lm_loop, rerun_vote=cfg.rerun_mode != "disabled",
         total_steps=cfg.steps, log_interval=cfg.run.log_interval)

@@ -39,7 +39,8 @@ __all__ = ["main"]
 _BASE = TrainConfig(parallel=ParallelConfig(), global_batch_size=8, micro_batch_size=1)
 """What ``eval`` starts from: one rank, small batches."""
 _LAYOUT = ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.vpp",
-           "parallel.sequence_parallel", "parallel.ep", "parallel.cp", "parallel.cp_comm_type")
+           "parallel.sequence_parallel", "parallel.ep", "parallel.cp", "parallel.cp_comm_type",
+           "parallel.cp_sizes")
 
 
 def _parser() -> argparse.ArgumentParser:

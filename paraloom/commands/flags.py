@@ -43,6 +43,8 @@ def _get(config, path: str):
 def _shown(value) -> str:
     if value is None:
         return "none"
+    if isinstance(value, tuple | list):
+        return " ".join(map(str, value))
     return "on" if value is True else "off" if value is False else f"{value:g}" \
         if isinstance(value, float) else str(value)
 
@@ -67,6 +69,8 @@ def add_flags(parser, paths, base, *, defaults: dict | None = None) -> None:
             kw.update(action="store_const", const=not flag.inverse)
         else:
             kw["type"] = flag.type
+            if flag.nargs:
+                kw["nargs"] = flag.nargs
             if flag.choices:
                 kw["choices"] = flag.choices
             kw["metavar"] = flag.metavar or (None if flag.choices else

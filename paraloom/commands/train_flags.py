@@ -37,7 +37,8 @@ __all__ = ["add_train_flags", "config_from_args", "absolute", "hf_tokenizer", "G
 
 GROUPS = {
     "layout": ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.vpp", "parallel.cp",
-               "parallel.cp_comm_type", "parallel.ep", "parallel.sequence_parallel",
+               "parallel.cp_comm_type", "parallel.cp_sizes", "parallel.ep",
+               "parallel.sequence_parallel",
                "parallel.async_grad_allreduce", "parallel.gradient_accumulation_fusion",
                "schedule", "overlap_grad_reduce", "align_grad_reduce", "overlap_p2p_comm",
                "distributed_optimizer", "num_distributed_optimizer_instances",

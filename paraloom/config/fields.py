@@ -6,7 +6,8 @@ short help, so the parser, ``--resume`` and the documentation read one source.
 ``flags[0]`` is paraloom's flag, the others are aliases (Megatron-LM's long names); the value's
 type and choices come from the annotation and ``choices``. A ``bool`` field is a switch
 (``--flag``), or ``--flag/--no-flag`` with ``negatable=True``; ``inverse=True`` makes the flag set
-the field to ``False`` (``--disable-bias-linear`` for ``add_bias_linear``). A field without
+the field to ``False`` (``--disable-bias-linear`` for ``add_bias_linear``). A ``tuple[int, ...]``
+field takes ``nargs`` values (``--hierarchical-context-parallel-sizes 2 2``). A field without
 ``option`` (a plain default) has no flag.
 """
 
@@ -20,12 +21,13 @@ __all__ = ["option", "Flag", "flags_of", "nested_configs"]
 
 
 def option(default, *flags: str, help: str, choices: tuple | None = None,  # noqa: A002
-           metavar: str | None = None, negatable: bool = False, inverse: bool = False):
+           metavar: str | None = None, negatable: bool = False, inverse: bool = False,
+           nargs: str | None = None):
     """A dataclass field with its command-line flag(s) in the metadata."""
     if not flags or not all(f.startswith("--") for f in flags):
         raise ValueError(f"option needs --flag names, got {flags!r}")
     meta = {"flags": flags, "help": help, "choices": choices, "metavar": metavar,
-            "negatable": negatable, "inverse": inverse}
+            "negatable": negatable, "inverse": inverse, "nargs": nargs}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -38,7 +40,8 @@ class Flag:
     flags: tuple[str, ...]
     help: str
     type: type
-    """``int``, ``float``, ``str`` or ``bool`` (the annotation, ``None`` taken off)."""
+    """``int``, ``float``, ``str`` or ``bool`` (the annotation, ``None`` taken off; a tuple's
+    element type)."""
     optional: bool
     """Whether ``None`` is a valid value (``int | None``)."""
     default: object
@@ -46,14 +49,20 @@ class Flag:
     metavar: str | None = None
     negatable: bool = False
     inverse: bool = False
+    nargs: str | None = None
+    """argparse's ``nargs`` of a tuple field (``"+"``), else ``None``."""
 
 
 def _base_type(hint) -> tuple[type, bool]:
     """``int | None`` -> ``(int, True)``; ``bool`` -> ``(bool, False)``."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return args[0], len(args) < len(typing.get_args(hint))
-    return hint, False
+        base, optional = args[0], len(args) < len(typing.get_args(hint))
+    else:
+        base, optional = hint, False
+    if typing.get_origin(base) is tuple:  # tuple[int, ...]: the flag takes several ints
+        base = typing.get_args(base)[0]
+    return base, optional
 
 
 def nested_configs(cls) -> dict[str, type]:
@@ -75,5 +84,6 @@ def flags_of(cls, prefix: str = "") -> list[Flag]:
             typ, optional = _base_type(hints[f.name])
             m = f.metadata
             out.append(Flag(f"{prefix}{f.name}", m["flags"], m["help"], typ, optional,
-                            f.default, m["choices"], m["metavar"], m["negatable"], m["inverse"]))
+                            f.default, m["choices"], m["metavar"], m["negatable"], m["inverse"],
+                            m.get("nargs")))
     return out

@@ -240,15 +240,19 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
     elif cp > 1 and parallel.sequence_parallel and (model.seq_length // cp) % tp:
         problems.append(f"seq_length / cp = {model.seq_length // cp} is not divisible by tp = "
                         f"{tp} (needed by sequence_parallel with context parallelism)")
-    if cp > 1 and parallel.cp_comm_type == "a2a":
+    if cp > 1 and parallel.cp_comm_type in ("a2a", "a2a+p2p"):
         named = [("num_attention_heads", model.num_attention_heads)]
         if model.num_query_groups:
             named.append(("key/value heads (num_query_groups)", model.num_query_groups))
+        # a2a+p2p: Ulysses inside the inner level only
+        a2a, what = (cp, "cp") if parallel.cp_comm_type == "a2a" else \
+            (parallel.cp_sizes[0], "the inner hierarchical cp size")
         for name, heads in named:
-            if heads % tp == 0 and (heads // tp) % cp:
-                problems.append(f"cp_comm_type a2a: {name} / tp = {heads} / {tp} = "
-                                f"{heads // tp} is not divisible by cp = {cp} (Ulysses gives "
-                                f"each cp rank a share of a tp rank's heads)")
+            if heads % tp == 0 and (heads // tp) % a2a:
+                problems.append(f"cp_comm_type {parallel.cp_comm_type}: {name} / tp = {heads} / "
+                                f"{tp} = {heads // tp} is not divisible by {what} = {a2a} "
+                                f"(Ulysses gives each of its ranks a share of a tp rank's "
+                                f"heads)")
     if cp > 1 and model.dropout > 0:
         problems.append(f"dropout = {model.dropout} with cp = {cp}: attention dropout is not "
                         f"implemented for context parallelism; use dropout 0")

@@ -3,11 +3,16 @@ switches), with Megatron's names and flags."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .fields import option
 
-__all__ = ["ParallelConfig", "positive_int", "default_schedule", "SCHEDULES"]
+__all__ = ["ParallelConfig", "positive_int", "default_schedule", "SCHEDULES", "CP_COMM_TYPES"]
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+"""Context-parallel attention (Megatron's ``--cp-comm-type``): the K/V ring, one all-gather,
+Ulysses' all-to-all, and Ulysses inside groups with the ring across them."""
 
 SCHEDULES = ("1f1b", "interleaved", "none", "zb-h1")
 """Pipeline schedules: 1F1B, interleaved 1F1B (virtual stages), none (gradient accumulation,
@@ -73,14 +78,24 @@ class ParallelConfig:
                      help="ranks sharing each sequence (load-balanced 2*cp chunks)")
     """Context-parallel size (``context_parallel_size``): ranks sharing each sequence, split
     load-balanced into ``2 * cp`` chunks (rank r holds chunks r and 2cp-1-r)."""
-    cp_comm_type: str = option("p2p", "--cp-comm-type", choices=("p2p", "all_gather", "a2a"),
+    cp_comm_type: str = option("p2p", "--cp-comm-type", choices=CP_COMM_TYPES,
                                help="context-parallel attention: p2p (K/V ring), all_gather "
-                                    "(one all-gather of K,V per layer) or a2a (Ulysses: Q,K,V "
-                                    "all-to-all from sequence to heads)")
+                                    "(one all-gather of K,V per layer), a2a (Ulysses: Q,K,V "
+                                    "all-to-all from sequence to heads) or a2a+p2p (a2a inside "
+                                    "groups of A cp ranks, the ring across them; needs "
+                                    "--hierarchical-context-parallel-sizes A B)")
     """How attention sees the other chunks: ``p2p`` (a K/V ring of cp steps, Megatron/TE's
-    default), ``all_gather`` (one all-gather of K,V per layer, as in Llama 3) or ``a2a``
+    default), ``all_gather`` (one all-gather of K,V per layer, as in Llama 3), ``a2a``
     (DeepSpeed-Ulysses: Q, K, V all-to-all'd to head shards; needs cp to divide the key/value
-    heads of a tp rank)."""
+    heads of a tp rank) or ``a2a+p2p`` (hierarchical: Ulysses inside each group of ``A``
+    consecutive cp ranks, then the ring across the ``B`` groups; ``cp_sizes = (A, B)``)."""
+    cp_sizes: tuple[int, ...] | None = option(
+        None, "--hierarchical-context-parallel-sizes", nargs="+", metavar="SIZE",
+        help="cp split into levels, innermost first (A B: groups of A consecutive cp ranks, "
+             "B of them); their product is cp; a2a+p2p needs exactly two, each > 1")
+    """Megatron's ``hierarchical_context_parallel_sizes``: the cp group split into levels, the
+    innermost first (level 0: ``A`` consecutive cp ranks; level 1: the ranks ``A`` apart).
+    ``--cp-comm-type a2a+p2p`` all-to-alls in level 0 and runs the ring over level 1."""
     ep: int = option(1, "--ep", "--expert-model-parallel-size",
                      help="expert-parallel size, carved out of --dp (must divide it)")
     """Expert-model-parallel size (``expert_model_parallel_size``): ranks the experts of each MoE
@@ -110,9 +125,29 @@ class ParallelConfig:
                 "sequence parallelism there is no input-gradient all-reduce to overlap (it is a "
                 "reduce-scatter, which already overlaps the weight-gradient GEMM); leave "
                 "async_grad_allreduce at its default (None: not used with sequence_parallel)")
-        if self.cp_comm_type not in ("p2p", "all_gather", "a2a"):
-            raise ValueError(f"cp_comm_type must be p2p, all_gather or a2a, got "
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type must be one of {', '.join(CP_COMM_TYPES)}, got "
                              f"{self.cp_comm_type!r}")
+        self._check_cp_sizes()
+
+    def _check_cp_sizes(self) -> None:
+        sizes = self.cp_sizes
+        if sizes is not None:
+            sizes = tuple(sizes)  # a list from the command line or a saved config.json
+            object.__setattr__(self, "cp_sizes", sizes)
+            if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes) \
+                    or math.prod(sizes) != self.cp:
+                raise ValueError(f"--hierarchical-context-parallel-sizes "
+                                 f"{' '.join(map(str, sizes))}: the sizes must be positive "
+                                 f"integers whose product is cp = {self.cp}")
+        if self.cp_comm_type != "a2a+p2p" or self.cp == 1:
+            return
+        if sizes is None or len(sizes) != 2 or min(sizes) < 2:
+            got = "not given" if sizes is None else " ".join(map(str, sizes))
+            raise ValueError(
+                f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B (two "
+                f"levels, A * B = cp = {self.cp}, each at least 2), got {got}; with one level "
+                f"use --cp-comm-type a2a or p2p")
 
     @property
     def uses_sequence_parallel(self) -> bool:

@@ -11,14 +11,17 @@
   backward a reduce-scatter of dK,dV.
 * :mod:`.ulysses` — ``a2a`` (DeepSpeed-Ulysses): Q, K, V all-to-all'd from sequence to head
   shards, attention over the whole sequence, the output all-to-all'd back.
+* :mod:`.hierarchical` — ``a2a+p2p``: Ulysses inside groups of consecutive cp ranks, the ring
+  across the groups.
 """
 
 from .all_gather import all_gather_attention
 from .attention import ContextParallelAttention
+from .hierarchical import hierarchical_attention
 from .ring import ring_attention
 from .split import chunk_ids, get_batch_on_this_cp_rank, position_ids, split_sequence
 from .ulysses import ulysses_attention
 
 __all__ = ["ContextParallelAttention", "ring_attention", "all_gather_attention",
-           "ulysses_attention", "chunk_ids",
+           "ulysses_attention", "hierarchical_attention", "chunk_ids",
            "get_batch_on_this_cp_rank", "position_ids", "split_sequence"]

@@ -81,7 +81,8 @@ class SelfAttention(nn.Module):
         # where the gradient buckets are cut
         self.core = make_core_attention(cfg.attention, cfg.dropout) if mesh.cp.size == 1 else \
             ContextParallelAttention(mesh.cp, mesh.config.cp_comm_type, f"{name}.core",
-                                     make_core_attention(cfg.attention, cfg.dropout))
+                                     make_core_attention(cfg.attention, cfg.dropout),
+                                     mesh.cp_levels)
         self.proj = RowParallelLinear(h, h, bias=bias, input_is_parallel=True,
                                       sequence_parallel=sp, init_method=out_init,
                                       name=f"{name}.proj", **common)

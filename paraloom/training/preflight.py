@@ -63,7 +63,11 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
     if cfg.parallel.cp == 1 and cfg.parallel.cp_comm_type != "p2p":
         notes.append(f"--cp-comm-type {cfg.parallel.cp_comm_type} has no effect with cp = 1 "
                      f"(attention is not split over context ranks)")
-    if cfg.parallel.cp > 1 and cfg.model.attention == "sdpa":
+    if cfg.parallel.cp_sizes and cfg.parallel.cp_comm_type != "a2a+p2p":
+        notes.append(f"--hierarchical-context-parallel-sizes has no effect with --cp-comm-type "
+                     f"{cfg.parallel.cp_comm_type} (only a2a+p2p uses the levels)")
+    if cfg.parallel.cp > 1 and cfg.model.attention == "sdpa" \
+            and cfg.parallel.cp_comm_type != "a2a":  # Ulysses runs the model's own kernel
         notes.append(f"--attention sdpa has no effect with cp = {cfg.parallel.cp}: context-"
                      f"parallel attention ({cfg.parallel.cp_comm_type}) computes each block with "
                      f"its own kernel")
