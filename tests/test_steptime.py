@@ -29,6 +29,7 @@ from paraloom.commands.plan_search import main as search_main
 from paraloom.verify.validation import CALIBRATION_ROWS, ROWS, fit, summary, validate
 
 A100 = GPUS["a100-80gb"]
+H100 = GPUS["h100-sxm"]
 
 
 def test_presets_toml_and_overrides(tmp_path):
@@ -448,3 +449,32 @@ def test_search_tries_each_cp_comm_type_where_it_applies(capsys):
     assert plan_main(argv + ["--cp-comm-type", "a2a"]) == 0
     ranked = json.loads(capsys.readouterr().out)["ranked"]
     assert {x["cp_comm_type"] for x in ranked if x["cp"] > 1} == {"a2a"}
+    # hierarchical a2a+p2p: only where a level of at least 2 leaves at least 2 groups (cp 4 =
+    # 2 x 2 here), a level within a node that divides a tp rank's heads
+    fits, _ = search(16, A100, **job, cps=(1, 2, 4), cp_comm_types=("p2p", "a2a+p2p"))
+    hier = {(x.tp, x.cp, x.cp_a2a) for x in fits if x.cp_comm_type == "a2a+p2p"}
+    assert hier and {(cp, a) for _, cp, a in hier} == {(4, 2)}
+    assert plan_main(argv + ["--cp-comm-type", "a2a+p2p"]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert {(x["cp"], x["cp_a2a"]) for x in ranked if x["cp"] > 1} == {(4, 2)}
+
+
+def test_hierarchical_cp_keeps_the_all_to_all_in_the_node():
+    """cp = 16 with tp = 4 on 8-GPU nodes: Ulysses over all 16 cp ranks all-to-alls across
+    nodes; a2a+p2p 2 x 8 keeps the all-to-all inside a node and rings across: with nothing to
+    hide behind it costs less than the plain ring (7 steps across nodes, not 15), and once
+    attention hides its ring only the in-node all-to-alls are left, less than Ulysses' across
+    nodes."""
+    from dataclasses import replace
+
+    from paraloom.analysis.costs import cp_comm_time
+    from paraloom.analysis.spec import CommConfig
+    c = CommConfig(layers=8, hidden=4096, heads=32, seq_len=65536, vocab=50304, micro_batch=1,
+                   num_microbatches=1, tp=4, pp=1, dp=1, cp=16, dtype_bytes=2)
+    a2a = cp_comm_time(replace(c, cp_comm_type="a2a"), H100, attention=0.0)
+    hier = cp_comm_time(replace(c, cp_comm_type="a2a+p2p", cp_a2a=2), H100, attention=0.0)
+    ring = cp_comm_time(replace(c, cp_comm_type="p2p"), H100, attention=0.0)
+    assert hier[0] < ring[0] and hier[1] < ring[1]
+    # with attention long enough to hide every ring step, only the in-node all-to-alls remain
+    inner = cp_comm_time(replace(c, cp_comm_type="a2a+p2p", cp_a2a=2), H100, attention=1e3)
+    assert 0 < inner[0] < a2a[0] and inner[0] < hier[0] and inner[0] == inner[1]

@@ -6,8 +6,9 @@ distributed optimizer) for a fixed model, sequence length, global batch and GPU 
 the divisions Megatron needs hold (heads and hidden by tp, layers by pp * vpp, the global batch
 by micro batch * dp, microbatches by pp for the interleaved schedule, the sequence by tp under
 sequence parallelism and by 2 cp under cp, the experts and dp by ep). cp takes the powers of two
-up to ``--max-cp``, each with the ring, the all-gather and Ulysses' all-to-all (where cp divides
-a tp rank's heads) unless ``--cp-comm-type`` names one; ep is tried only for a MoE model
+up to ``--max-cp``, each with the ring, the all-gather, Ulysses' all-to-all (where cp divides
+a tp rank's heads) and hierarchical a2a+p2p (at :func:`hierarchical_inner`'s level) unless
+``--cp-comm-type`` names one; ep is tried only for a MoE model
 (``--num-experts``). Memory is
 :func:`paraloom.analysis.memory_formulas.memory_per_gpu` (the busiest stage) plus
 :func:`transient_bytes` (the layer being recomputed: a long sequence's attention scores),
@@ -62,6 +63,9 @@ class Candidate:
     """The MoE token dispatcher (``allgather`` or ``alltoall``; empty for a dense model)."""
     instances: int = 1
     """``--num-distributed-optimizer-instances`` (the distributed optimizer's copies)."""
+    cp_a2a: int = 1
+    """``a2a+p2p``: the all-to-all level ``A`` (``--hierarchical-context-parallel-sizes A
+    cp/A``)."""
 
 
 def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
@@ -69,6 +73,16 @@ def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
     the sequence into ``2 cp`` equal chunks (load-balanced causal attention)."""
     return tuple(cp for cp in (2 ** i for i in range(max_cp.bit_length()))
                  if cp <= max_cp and gpus % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1)
+
+
+def hierarchical_inner(cp: int, tp: int, heads: int, groups: int, gpus_per_node: int
+                       ) -> int | None:
+    """``A`` for ``a2a+p2p`` at this cp: the largest level that divides cp, leaves at least two
+    groups for the ring, divides a tp rank's query and key/value heads and keeps its tp x A
+    ranks in one node (the all-to-all on the fast links); ``None`` if there is none."""
+    fits = [a for a in range(2, cp // 2 + 1) if cp % a == 0 and (heads // tp) % a == 0
+            and (groups // tp) % a == 0 and tp * a <= gpus_per_node]
+    return max(fits, default=None)
 
 
 def instance_counts(dp_cp: int, edp: int, tp: int, gpus_per_node: int) -> tuple[int, ...]:
@@ -176,9 +190,10 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
     """All fitting layouts, fastest first, and how many valid ones did not fit. ``cps``:
     the cp sizes to try (default :func:`cp_sizes`), each with every comm type of
     ``cp_comm_types`` that applies (``a2a``: cp divides the heads and key/value heads of a tp
-    rank); with ``num_experts`` every ep that divides both dp and the experts is tried too,
-    with each token dispatcher of ``dispatchers``; the fastest distributed-optimizer layouts
-    with several optimizer instances too (:func:`_with_instances`)."""
+    rank; ``a2a+p2p``: at the level :func:`hierarchical_inner` picks); with ``num_experts``
+    every ep that divides both dp and the experts is tried too, with each token dispatcher of
+    ``dispatchers``; the fastest distributed-optimizer layouts with several optimizer instances
+    too (:func:`_with_instances`)."""
     o, arch = options or Options(), arch or Architecture()
     fits, too_big, zeros = [], 0, []
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
@@ -187,9 +202,11 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
         if arch.num_query_groups and arch.num_query_groups % tp:  # GQA: groups split over tp
             continue
         eps = [e for e in divisors(dp) if num_experts % e == 0] if num_experts else [1]
-        kinds = [k for k in cp_comm_types if k != "a2a" or (
-            heads // tp % cp == 0 and (arch.num_query_groups or heads) // tp % cp == 0)] \
-            if cp > 1 else [cp_comm_types[0]]
+        inner = hierarchical_inner(cp, tp, heads, arch.num_query_groups or heads,
+                                   hw.gpus_per_node) if cp > 1 else None
+        kinds = [k for k in cp_comm_types if (k != "a2a" or (
+            heads // tp % cp == 0 and (arch.num_query_groups or heads) // tp % cp == 0))
+            and (k != "a2a+p2p" or inner)] if cp > 1 else [cp_comm_types[0]]
         # where nothing is dispatched (ep 1, every tp rank routing all tokens) one suffices
         ways = {e: ("",) if not num_experts else dispatchers if e > 1 or (tp > 1 and sp)
                 else dispatchers[:1] for e in eps}
@@ -204,14 +221,15 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                            num_microbatches=global_batch // (b * dp), tp=tp, pp=pp, dp=dp,
                            vpp=v if v > 1 else None, sequence_parallel=sp, recompute=rc,
                            distributed_optimizer=zero, dtype_bytes=dtype_bytes, buckets=(1,),
-                           cp=cp, cp_comm_type=cp_comm_type, moe=moe, arch=arch)
+                           cp=cp, cp_comm_type=cp_comm_type, moe=moe, arch=arch,
+                           cp_a2a=inner if cp_comm_type == "a2a+p2p" else 1)
             mem = memory_fit(c, hw, fit_fraction)["need_bytes"]
             if mem > fit_fraction * hw.hbm_bytes:
                 too_big += 1
                 continue
             r = step_time(c, hw, o)
             fits.append(Candidate(tp, pp, dp, v, b, sp, rc, zero, cp, r["step_time_s"], mem, r,
-                                  ep, cp_comm_type, way))
+                                  ep, cp_comm_type, way, cp_a2a=c.cp_a2a))
             if zero:
                 zeros.append((fits[-1], c))
     too_big += _with_instances(fits, zeros, hw, o, fit_fraction)

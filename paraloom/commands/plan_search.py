@@ -37,8 +37,9 @@ _SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "p
 """Layout flags of ``train`` (and their Megatron-LM aliases): the search enumerates them."""
 
 
-_CP_SHORT = {"p2p": "ring", "all_gather": "ag", "a2a": "a2a"}
-"""How the cp column names the comm type: the ring, the all-gather, Ulysses' all-to-all."""
+_CP_SHORT = {"p2p": "ring", "all_gather": "ag", "a2a": "a2a", "a2a+p2p": "h"}
+"""How the cp column names the comm type: the ring, the all-gather, Ulysses' all-to-all, and
+hierarchical ``h`` with its all-to-all level (``8 h4``: a2a in groups of 4, the ring across)."""
 _EP_SHORT = {"allgather": "ag", "alltoall": "a2a"}
 """How the ep column names the MoE token dispatcher."""
 
@@ -52,7 +53,8 @@ def _zero(x: Candidate) -> str:
 
 def _row(i: int, x: Candidate, best: Candidate, hw: Hardware) -> str:
     r = x.prediction
-    cp = f"{x.cp}" if x.cp == 1 else f"{x.cp} {_CP_SHORT[x.cp_comm_type]}"
+    cp = f"{x.cp}" if x.cp == 1 else f"{x.cp} {_CP_SHORT[x.cp_comm_type]}" \
+        + (f"{x.cp_a2a}" if x.cp_comm_type == "a2a+p2p" else "")
     ep = f"{x.ep} {_EP_SHORT[x.dispatcher]}" if x.dispatcher else f"{x.ep}"
     return (f"{i:>3} {x.tp:>3} {cp:>6} {ep:>6} {x.pp:>3} {x.dp:>5} {x.vpp:>3} "
             f"{x.micro_batch:>3} "
@@ -89,10 +91,10 @@ def _searched(typed: list[str]) -> str | None:
 
 
 def _cp_comm_types(typed: list[str], cfg: TrainConfig) -> tuple[str, ...]:
-    """The cp comm types to try: the one ``--cp-comm-type`` names, else all three."""
+    """The cp comm types to try: the one ``--cp-comm-type`` names, else all four."""
     if any(t == "--cp-comm-type" or t.startswith("--cp-comm-type=") for t in typed):
         return (cfg.parallel.cp_comm_type,)
-    return ("p2p", "all_gather", "a2a")
+    return ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 def _dispatchers(typed: list[str], cfg: TrainConfig) -> tuple[str, ...]:
