@@ -97,8 +97,12 @@ def attention_case(cp: int, comm_type: str):
     for got, want in zip(mine, ref, strict=True):
         torch.testing.assert_close(got.grad, split_sequence(want.grad, mesh.cp.rank, cp, dim=2),
                                    rtol=1e-5, atol=1e-5)
+    spans = [e["phase"] for e in led.events if e["op"] == "compute"]
+    if comm_type in ("p2p", "a2a+p2p"):  # each ring step's blocks: what its exchange overlaps
+        ring = cp // sizes[0] if sizes else cp
+        assert spans == ["forward"] * ring + ["backward"] * ring
     return [(e["op"], e["phase"], e["kind"], e["site"], e["bytes"], len(e["group"]))
-            for e in led.events]
+            for e in led.events if e["op"] != "compute"]
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "all_gather", "a2a"])

@@ -8,16 +8,18 @@ Every (query chunk, key chunk) pair is full, causal (its own chunk) or fully mas
 with the load-balanced split each rank computes the same number of blocks. Partial outputs are
 merged with their log-sum-exp.
 
-Backward goes around the ring again: K/V travel as in forward (``cp - 1`` exchanges) and with
-them an accumulator of dK/dV for the block, to which each rank adds its queries' contribution
-before passing it on (``cp`` exchanges; after the last, each rank holds its own dK/dV).
+Each step's blocks are a ledger compute span (``ring_attention.<phase>:blocks``): what the
+exchange in flight overlaps. Backward goes around the ring again: K/V travel as in forward
+(``cp - 1`` exchanges) and with them an accumulator of dK/dV for the block, to which each rank
+adds its queries' contribution before passing it on (``cp`` exchanges; after the last, each rank
+holds its own dK/dV).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import comm
+from .. import comm, ledger
 from ..mesh import Axis
 from .blocks import block_backward, block_forward, block_kind, merge
 from .split import chunk_ids
@@ -56,9 +58,10 @@ class _RingAttention(torch.autograd.Function):
             handle = _exchange(kv, axis, "forward", "ring_attention:kv", module) \
                 if step < cp - 1 else None
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
-            for a, c, causal in _blocks(axis, step):
-                o, lse = block_forward(qs[a], ks[c], vs[c], causal)
-                outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
+            with ledger.span("ring_attention.forward:blocks", phase="forward", module=module):
+                for a, c, causal in _blocks(axis, step):
+                    o, lse = block_forward(qs[a], ks[c], vs[c], causal)
+                    outs[a], lses[a] = merge(outs[a], lses[a], o, lse)
             if handle is not None:
                 kv = handle.wait()[1]
         out, lse = torch.cat(outs, 2), torch.cat(lses, 2)
@@ -82,11 +85,13 @@ class _RingAttention(torch.autograd.Function):
             ks, vs = kv[0].chunk(2, 2), kv[1].chunk(2, 2)
             dkv = torch.zeros_like(kv, dtype=torch.float32)
             dks, dvs = dkv[0].chunk(2, 2), dkv[1].chunk(2, 2)
-            for a, c, causal in _blocks(axis, step):
-                g = block_backward(qs[a], ks[c], vs[c], douts[a], lses[a], deltas[a], causal)
-                dqs[a].add_(g[0])
-                dks[c].add_(g[1])
-                dvs[c].add_(g[2])
+            with ledger.span("ring_attention.backward:blocks", phase="backward", module=module):
+                for a, c, causal in _blocks(axis, step):
+                    g = block_backward(qs[a], ks[c], vs[c], douts[a], lses[a], deltas[a],
+                                       causal)
+                    dqs[a].add_(g[0])
+                    dks[c].add_(g[1])
+                    dvs[c].add_(g[2])
             if pending is not None:  # the accumulator of this K/V block from the ranks before
                 dkv += pending.wait()[1].float()
             pending = _exchange(dkv.to(k.dtype), axis, "backward", "ring_attention:dkv", module)
