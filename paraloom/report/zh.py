@@ -79,6 +79,7 @@ _COMPUTE = (
     (re.compile(r"\bdgrad\b"), "输入梯度 GEMM"),
     (re.compile(r"\bwgrad\b"), "权重梯度 GEMM"),
     (re.compile(r"\bfprop\b"), "前向 GEMM"),
+    (re.compile(r"\bblocks\b"), "注意力块计算"),
     (re.compile(r"\bforward\b"), "前向"),
     (re.compile(r"\bbackward\b"), "反向"),
 )
