@@ -478,3 +478,19 @@ def test_hierarchical_cp_keeps_the_all_to_all_in_the_node():
     # with attention long enough to hide every ring step, only the in-node all-to-alls remain
     inner = cp_comm_time(replace(c, cp_comm_type="a2a+p2p", cp_a2a=2), H100, attention=1e3)
     assert 0 < inner[0] < a2a[0] and inner[0] < hier[0] and inner[0] == inner[1]
+
+
+def test_a_dense_models_dp_reduction_is_its_parameters_all_reduce_alone():
+    """Without experts there is no expert reduction to time: not even its latency (the
+    ``2 (dp - 1)`` alpha terms of an empty all-reduce over the expert-data-parallel ranks)."""
+    from paraloom.analysis.costs import collective_time, node_lanes, spans_nodes
+    from paraloom.analysis.spec import CommConfig
+    from paraloom.analysis.steptime import Options, _dp_comm
+    c = CommConfig(layers=8, hidden=1024, heads=16, seq_len=2048, vocab=50304, micro_batch=1,
+                   num_microbatches=4, tp=2, pp=1, dp=16, overlap_grad_reduce=False)
+    params = 10 ** 8
+    reduce, gather = _dp_comm(c, A100, Options(), params, 0, gemm=1.0)
+    lanes = node_lanes(2, 16, A100.gpus_per_node)
+    assert gather == 0.0
+    assert reduce == collective_time("all_reduce", 16, params * 4, A100,
+                                     spans_nodes(2, 16, A100.gpus_per_node), lanes)

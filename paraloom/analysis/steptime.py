@@ -183,7 +183,9 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
     edp = c.dp // c.moe.ep if c.moe is not None else c.dp
     for n_par, n, stride in ((params - experts, c.dp * c.cp, c.tp),
                              (experts, edp, c.tp * c.cp * c.dp // edp)):
-        if c.instances > 1 and n_par:  # the shard across the instances' blocks, then within
+        if not n_par:  # a dense model has no expert buffers: nothing reduced, no latency
+            continue
+        if c.instances > 1:  # the shard across the instances' blocks, then within
             n //= c.instances
             across = stride * n, c.instances
             reduce += collective_time("all_reduce", c.instances, n_par / n * c.grad_bytes, hw,
