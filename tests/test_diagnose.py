@@ -154,3 +154,17 @@ def test_train_names_a_rank_that_dies(tmp_path):
     assert proc.returncode not in (0, 3), text[-3000:]  # failed, not a hang verdict
     assert "rank 2" in text, text[-3000:]
     assert time.monotonic() - killed < 60
+
+
+def test_an_uneven_gather_is_no_mismatch():
+    """Megatron's alltoall dispatcher gathers each tp rank's own number of rows (``output_splits``
+    the same everywhere): the members agree; different splits, or another row width, do not."""
+    from paraloom.diagnose.match import signature
+
+    def gather(rows, splits, width=32):
+        return {"op": "all_gather", "dtype": "float32", "shape": [rows, width],
+                "output_splits": splits}
+    assert signature(gather(17, [17, 16])) == signature(gather(16, [17, 16]))
+    assert signature(gather(17, [17, 16])) != signature(gather(16, [17, 15]))
+    assert signature(gather(17, [17, 16])) != signature(gather(16, [17, 16], width=8))
+    assert signature(gather(17, None)) != signature(gather(16, None))  # even: shapes must match

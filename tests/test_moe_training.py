@@ -230,3 +230,71 @@ def test_mixtral_style_experts_train_check_and_reshard(tmp_path, capsys, extra):
     for got, want in zip(resumed, metrics[2:], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert got[key] == pytest.approx(want[key], rel=1e-5)
+
+
+def test_shared_expert_overlap_moves_its_communication_into_the_dispatcher(tmp_path, capsys):
+    """``--moe-shared-expert-overlap`` (tp2-dp2-ep2, sp, alltoall, gated shared expert): the same
+    losses and grad norms as the shared expert run first; ``paraloom check`` exact; on the
+    record, the shared expert's input gathered after the token counts and before the tokens'
+    all-to-all (not before the router), its output reduce-scattered right after the combine
+    all-to-all, its backward reduce-scatter after the tokens' gradient all-to-all and no
+    re-gather of its input; the checkpoint resumes at tp1-dp4-ep4 with the same losses."""
+    import json
+
+    from paraloom.commands.check import main as check_main
+
+    shape = ["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "2", "--hidden", "32",
+             "--heads", "4", "--seq-len", "16", "--global-batch-size", "4",
+             "--micro-batch-size", "1", "--ledger-steps", "1", "--disable-bias-linear",
+             "--moe-token-dispatcher-type", "alltoall", "--moe-shared-expert-intermediate-size",
+             "48", "--moe-shared-expert-gate", "--sequence-parallel", "--tp", "2", "--dp", "2",
+             "--ep", "2", "--pp", "1"]
+    on, off, again = tmp_path / "on", tmp_path / "off", tmp_path / "again"
+    assert main(["train", *shape, "--moe-shared-expert-overlap", "--steps", "4",
+                 "--save-every", "2", "--out", str(on)]) == 0
+    assert main(["train", *shape, "--steps", "2", "--out", str(off)]) == 0
+
+    def metrics(run):
+        return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for got, want in zip(metrics(on)[:2], metrics(off), strict=True):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5)
+    capsys.readouterr()
+    assert check_main([str(on), "--only-diff"]) == 0, capsys.readouterr().out
+
+    def layer0(run):  # rank 0's first microbatch of step 1: layer 0's MLP communication
+        events = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+        return [(e["phase"], e["op"], e["site"].split(":")[0].split(".")[0] + ":"
+                 + e["site"].rsplit(":", 1)[-1]) for e in events
+                if e["rank"] == 0 and e["step"] == 1 and e["microbatch"] == 0
+                and e["op"] != "compute" and (e.get("module") or "").startswith("layers.0.mlp")]
+    a2a = "MoEAlltoAllTokenDispatcher:"
+    dispatch = [("forward", "all_gather", a2a + "tokens_per_expert"),
+                ("forward", "all_to_all", a2a + "tokens"), ("forward", "all_to_all", a2a + "probs"),
+                ("forward", "all_gather", a2a + "tokens_tp"),
+                ("forward", "all_gather", a2a + "probs_tp"),
+                ("forward", "reduce_scatter", a2a + "tokens_tp"),
+                ("forward", "all_to_all", a2a + "tokens")]
+    back = [("backward", "all_to_all", a2a + "tokens_grad"),
+            ("backward", "all_gather", a2a + "tokens_tp_grad"),
+            ("backward", "reduce_scatter", a2a + "probs_tp_grad"),
+            ("backward", "reduce_scatter", a2a + "tokens_tp_grad"),
+            ("backward", "all_to_all", a2a + "probs_grad"),
+            ("backward", "all_to_all", a2a + "tokens_grad")]
+    counts = ("forward", "all_reduce", "MoELayer:tokens_per_expert")
+    assert layer0(off) == [
+        ("forward", "all_gather", "ColumnParallelLinear:input"),
+        ("forward", "reduce_scatter", "RowParallelLinear:output"), counts, *dispatch, *back,
+        ("backward", "all_gather", "RowParallelLinear:output_grad"),
+        ("backward", "all_gather", "ColumnParallelLinear:input (re-gather)"),
+        ("backward", "reduce_scatter", "ColumnParallelLinear:input_grad")]
+    assert layer0(on) == [
+        counts, dispatch[0], ("forward", "all_gather", "SharedExpertMLP:input"), *dispatch[1:],
+        ("forward", "reduce_scatter", "SharedExpertMLP:output"),
+        ("backward", "all_gather", "SharedExpertMLP:output_grad"), *back,
+        ("backward", "reduce_scatter", "SharedExpertMLP:input_grad")]
+    assert main(["train", "--resume", str(on / "checkpoints" / "step_2"), "--tp", "1",
+                 "--dp", "4", "--ep", "4", "--steps", "4", "--out", str(again)]) == 0
+    for got, want in zip(metrics(again), metrics(on)[2:], strict=True):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5)

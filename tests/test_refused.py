@@ -307,6 +307,15 @@ def test_moe_flags_without_experts_are_noted(capsys):
      "num_experts"),
     (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
       "0"], "moe_shared_expert_intermediate_size must be a positive integer, got 0"),
+    (["--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+      "64", "--moe-shared-expert-overlap"],
+     "moe_shared_expert_overlap runs the shared expert inside the alltoall dispatcher "
+     r"\(Megatron: alltoall or flex only\), got moe_token_dispatcher_type = 'allgather'"),
+    # a pipeline stage without a MoE layer: the expert grad norm's all-reduce would hang
+    (["--num-experts", "4", "--moe-layer-freq", "2", "--layers", "4", "--pp", "4",
+      "--nprocs", "4"],
+     r"pipeline stage 1 holds no MoE layer \(layers 1..1, moe_layer_freq = 2\).*choose "
+     r"--moe-layer-freq, --pp or --num-layers"),
 ])
 def test_bad_moe_flags_exit_2_naming_the_values(tmp_path, capsys, no_ranks, flags, message):
     out = tmp_path / "bad"

@@ -55,6 +55,7 @@ def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommCo
                          padded_rows=_padded_rows(model, micro_batch),
                          shared_ffn=model.get("moe_shared_expert_intermediate_size") or 0,
                          shared_gate=bool(model.get("moe_shared_expert_gate")),
+                         shared_overlap=bool(model.get("moe_shared_expert_overlap")),
                          dispatcher=model.get("moe_token_dispatcher_type", "allgather"),
                          aux_loss=model.get("moe_aux_loss_coeff", 1e-2) > 0)
 
@@ -184,12 +185,13 @@ def _allgather(c, group: int, n: int, mm: int, again: int, add) -> None:
 
 
 def _shared_expert(c, mm: int, again: int, act: int, add) -> None:
-    """A shared expert: one more dense MLP's tp/sp traffic."""
+    """A shared expert: one more dense MLP's tp/sp traffic (overlapped: its input's gather
+    kept for backward, as the dispatcher's explicit gather, not gathered again)."""
     shard = act // c.tp
     if c.sp:  # fc1 gathers its input, fc2 reduce-scatters; backward as a dense MLP's
         add("sp", "all_gather", "forward", mm, shard)
         add("sp", "reduce_scatter", "forward", mm, act)
-        add("sp", "all_gather", "backward", 2 * mm, shard)
+        add("sp", "all_gather", "backward", (1 if c.moe.shared_overlap else 2) * mm, shard)
         add("sp", "reduce_scatter", "backward", mm, act)
         add("sp", "all_gather", "recompute", again, shard)
         add("sp", "reduce_scatter", "recompute", again, act)

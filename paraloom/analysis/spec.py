@@ -71,6 +71,9 @@ class MoECommConfig:
     tp-split MLP in every MoE layer."""
     shared_gate: bool = False
     """The shared expert's sigmoid gate (``gate_weight [1, h]``, replicated)."""
+    shared_overlap: bool = False
+    """``moe_shared_expert_overlap``: its input gathered once by the dispatcher (no re-gather
+    in backward)."""
     dispatcher: str = "allgather"
     """Megatron's token dispatcher: ``allgather`` (its default) or ``alltoall``."""
     aux_loss: bool = True

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .fields import option
-from .moe_checks import check_moe
+from .moe_checks import check_moe, moe_stage_problems
 from .parallel import ParallelConfig, positive_int
 
 __all__ = ["ModelConfig", "check_layout", "LLAMA", "mlp_width", "padded_vocab_rows"]
@@ -135,6 +135,14 @@ class ModelConfig:
         help="scale the shared expert's output per token by sigmoid(x w), w [h] learned")
     """Multiply the shared expert's output by ``sigmoid(x @ gate_weight)`` per token (Megatron's
     ``moe_shared_expert_gate``; ``gate_weight [1, h]``, replicated over tp)."""
+    moe_shared_expert_overlap: bool = option(
+        False, "--moe-shared-expert-overlap",
+        help="run the shared expert inside the alltoall dispatcher, its pieces between the "
+             "token all-to-alls (Megatron's overlap; needs --moe-token-dispatcher-type alltoall)")
+    """Megatron's ``moe_shared_expert_overlap``: the shared expert runs after the router, in
+    pieces inside the alltoall dispatcher (its input gathered after the token counts, fc1 after
+    the tokens' all-to-all, fc2 and its output's reduction after the combine all-to-all;
+    :mod:`paraloom.moe.shared_overlap`) instead of before the router."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -225,6 +233,7 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig) -> None:
             problems.append(f"{name} = {value} is not divisible by tp = {tp}")
     if model.num_layers % chunks:
         problems.append(f"num_layers = {model.num_layers} is not divisible by pp * vpp = {chunks}")
+    problems += moe_stage_problems(model, parallel)
     if model.num_experts is not None and model.num_experts % parallel.ep:
         problems.append(f"num_experts = {model.num_experts} is not divisible by ep = "
                         f"{parallel.ep} (each ep rank holds num_experts / ep experts)")

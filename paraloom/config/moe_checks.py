@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .parallel import positive_int
 
-__all__ = ["check_moe"]
+__all__ = ["check_moe", "moe_stage_problems"]
 
 
 def check_moe(m) -> None:
@@ -41,6 +41,11 @@ def _check_moe(m) -> None:
     if m.moe_token_dispatcher_type not in ("allgather", "alltoall"):
         raise ValueError(f"moe_token_dispatcher_type must be allgather or alltoall, got "
                          f"{m.moe_token_dispatcher_type!r}")
+    if m.moe_shared_expert_overlap and m.moe_token_dispatcher_type != "alltoall":
+        raise ValueError(f"moe_shared_expert_overlap runs the shared expert inside the alltoall "
+                         f"dispatcher (Megatron: alltoall or flex only), got "
+                         f"moe_token_dispatcher_type = {m.moe_token_dispatcher_type!r}: add "
+                         f"--moe-token-dispatcher-type alltoall")
     if m.moe_pad_expert_input_to_capacity and m.moe_token_dispatcher_type != "alltoall":
         raise ValueError("moe_pad_expert_input_to_capacity pads the alltoall dispatcher's "
                          "rows (fixed split sizes); the allgather dispatcher moves whole "
@@ -63,3 +68,25 @@ def _check_shared_expert(m) -> None:
         raise ValueError(f"moe_shared_expert_intermediate_size = {size} with add_bias_linear = "
                          "True: shared experts have no biases (Megatron asserts it); add "
                          "--disable-bias-linear")
+
+
+def moe_stage_problems(m, parallel) -> list[str]:
+    """A pipeline stage without a MoE layer, named: Megatron builds the expert optimizer only
+    on ranks with expert parameters, so the other stages' expert gradient-norm all-reduce over
+    tp x ep x pp would wait for it forever (Megatron hangs there; paraloom refuses)."""
+    pp, v = parallel.pp, parallel.vpp or 1
+    if m.num_experts is None or pp == 1 or m.num_layers % (pp * v):
+        return []
+    per = m.num_layers // (pp * v)
+    out = []
+    for stage in range(pp):  # chunk c of stage p holds virtual stage c * pp + p
+        layers = [i for c in range(v) for i in range((c * pp + stage) * per,
+                                                     (c * pp + stage + 1) * per)]
+        if not any(i % m.moe_layer_freq == 0 for i in layers):
+            out.append(f"pipeline stage {stage} holds no MoE layer (layers {layers[0]}.."
+                       f"{layers[-1]}{' and others' if v > 1 else ''}, moe_layer_freq = "
+                       f"{m.moe_layer_freq}): the other stages' expert gradient norm is "
+                       f"all-reduced over tp x ep x pp with it, and it has no expert optimizer "
+                       f"to join (Megatron would hang); choose --moe-layer-freq, --pp or "
+                       f"--num-layers so that every stage holds a MoE layer")
+    return out

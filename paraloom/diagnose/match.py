@@ -4,7 +4,9 @@ A collective is identified across ranks by its group and its position in that gr
 (``gseq``), a message by its sender, receiver and position among their messages (``pseq``) --
 never by time or guesswork. What must agree at one position is the collective's *signature*: op,
 dtype, shape, root; the split sizes of an all-to-all must fit together (rank ``i`` sends
-``input_splits[j]`` rows to rank ``j``, which expects ``output_splits[i]``). Phase and module
+``input_splits[j]`` rows to rank ``j``, which expects ``output_splits[i]``), and an uneven
+all-gather or reduce-scatter (Megatron's dispatcher over tp) needs the same splits everywhere,
+each rank its own rows. Phase and module
 (what a record knows) are *soft*: they tell which collective a rank meant, e.g. FSDP all-gathers
 of two layers with the same sizes, but are not a mismatch on their own.
 """
@@ -61,8 +63,11 @@ def groups(ranks: dict) -> list[Group]:
 def signature(e: dict) -> tuple:
     """What every member must agree on at one position (split sizes: see :func:`splits_fit`)."""
     shape = e.get("shape")
+    uneven = e.get("output_splits") or e.get("input_splits")
     if e["op"] == "all_to_all" and shape:
         shape = shape[1:]  # rows may differ by rank; the row shape may not
+    elif e["op"] in ("all_gather", "reduce_scatter") and shape and uneven:
+        shape = [tuple(uneven), *shape[1:]]  # an uneven gather: each rank its rows, same splits
     return (e["op"], e.get("dtype"), tuple(shape) if shape is not None else e.get("bytes"),
             e.get("root", e.get("src")))
 

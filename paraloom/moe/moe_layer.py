@@ -6,6 +6,7 @@ parallelism (Megatron's order; Megatron-LM refuses MoE with tp > 1 without sp in
 
     shared expert (``moe_shared_expert_intermediate_size``): a dense tp MLP every token runs,
          computed first (Megatron's order), its output added to the routed experts'
+         (``moe_shared_expert_overlap``: in pieces inside the dispatcher, :mod:`.shared_overlap`)
     logits = router(x)                 # this rank's tokens: its sequence slice
     aux    = load-balancing (+ z) loss of this slice: tokens per expert summed over tp x cp
     probs, routing_map = topk_routing(logits)
@@ -56,6 +57,7 @@ from .router import (
     topk_routing,
     z_loss,
 )
+from .shared_overlap import SharedExpertOverlap
 from .token_dispatcher import MoEAlltoAllTokenDispatcher
 
 __all__ = ["MoELayer", "is_moe_layer", "moe_step_stats", "reset_moe_stats"]
@@ -95,11 +97,15 @@ class MoELayer(nn.Module):
                            dtype, swiglu=cfg.swiglu, bias=cfg.add_bias_linear)
             for g in self.local_ids})
         self.shared_experts = shared_experts  # registered after the experts, as Megatron's
+        # --moe-shared-expert-overlap: the shared expert in pieces inside the dispatcher
+        self.overlap = SharedExpertOverlap(shared_experts, mesh.tp, self.sp, name) \
+            if shared_experts is not None and cfg.moe_shared_expert_overlap else None
         # dropless under sp: each tp rank routes and dispatches its own tokens (Megatron's
         # order); else every tp rank routes the whole microbatch (capacity drops as one process)
         self.split_tp = self.sp and cfg.moe_expert_capacity_factor is None
         tp, group = (mesh.tp, mesh.tp_ep) if self.split_tp else (_one(mesh.ep), mesh.ep)
-        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, tp, group, module=name) \
+        self.dispatcher = MoEAlltoAllTokenDispatcher(e, mesh.ep, tp, group, module=name,
+                                                     shared=self.overlap) \
             if cfg.moe_token_dispatcher_type == "alltoall" else \
             MoEAllGatherTokenDispatcher(e, mesh.ep, group, module=name)
         self.layer = int(name.split(".")[1]) if name.startswith("layers.") else 0
@@ -119,8 +125,12 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [s(/tp), b, h]
         cfg, tp = self.cfg, self.mesh.tp
         s_local, b, h = x.shape
-        # Megatron computes the shared expert first (its own tp/sp traffic), then routes
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # Megatron computes the shared expert first (its own tp/sp traffic), then routes;
+        # overlapped, inside the dispatcher (its output taken after the combine)
+        shared = self.shared_experts(x) if self.shared_experts is not None \
+            and self.overlap is None else None
+        if self.overlap is not None:
+            self.overlap.start(x)
         logits_slice = self.router(x.reshape(-1, h))        # [n_local, E] fp32
         logits = self._tp(logits_slice, "router_logits", "router logits [tokens, E], sequence")
         n = logits.shape[0]                                 # tokens this rank routes
@@ -151,6 +161,8 @@ class MoELayer(nn.Module):
             kw = dict(site="MoELayer.output", module=self.name, split="expert outputs")
             y = reduce_scatter_to_sequence_parallel_region(y, tp, **kw) if self.sp else \
                 reduce_from_tensor_model_parallel_region(y, tp, **kw)
+        if self.overlap is not None:
+            shared = self.overlap.output()
         if shared is not None:
             y = y + shared
         if self.training:

@@ -148,10 +148,10 @@ class MoEAlltoAllTokenDispatcher:
         module: the layer's name for the ledger (``layers.3.mlp``).
     """
 
-    def __init__(self, num_experts: int, ep, tp, counts_axis, module: str | None = None
-                 ) -> None:
+    def __init__(self, num_experts: int, ep, tp, counts_axis, module: str | None = None,
+                 shared=None) -> None:
         self.num_experts, self.ep, self.tp, self.module = num_experts, ep, tp, module
-        self.counts_axis = counts_axis
+        self.counts_axis, self.shared = counts_axis, shared
         self.num_local = num_experts // ep.size
 
     def token_permutation(self, tokens: torch.Tensor, probs: torch.Tensor,
@@ -172,10 +172,12 @@ class MoEAlltoAllTokenDispatcher:
             self.token_ids, row_probs = _pad_to_capacity(self.token_ids, row_probs, counts,
                                                          pad_to)
             counts = torch.full_like(counts, pad_to)
-        permuted = tokens.index_select(0, self.token_ids)   # [M, h]
         if ep == 1 and tp == 1:
             self.grid = counts.view(1, local)
-            return permuted, row_probs, counts.tolist()
+            if self.shared is not None:  # nothing travels: the pieces in their order
+                self.shared.pre_forward_comm()
+                self.shared.fc1()
+            return tokens.index_select(0, self.token_ids), row_probs, counts.tolist()
         if pad_to is not None:  # every rank sends every expert ``pad_to`` rows: nothing to ask
             every = counts.new_full((ep, tp, e), pad_to)
         else:
@@ -183,6 +185,9 @@ class MoEAlltoAllTokenDispatcher:
                                     site=f"{_SITE}.token_permutation.forward:tokens_per_expert",
                                     module=self.module, split="token counts per expert")
             every = every.view(ep, tp, e)                   # [ep source, tp source, expert]
+        if self.shared is not None:  # Megatron: after the counts, before the permutation
+            self.shared.pre_forward_comm()
+        permuted = tokens.index_select(0, self.token_ids)   # [M, h]
         lo = self.ep.rank * local
         mine = every[:, :, lo:lo + local]                   # rows for my experts [ep, tp, local]
         self.send_splits = counts.view(ep, local).sum(1).tolist()
@@ -193,6 +198,8 @@ class MoEAlltoAllTokenDispatcher:
         x = all_to_all(permuted, self.ep, self.send_splits, self.recv_splits,
                        site=f"{_SITE}.token_permutation", what="tokens",
                        split="tokens by expert (rows to each ep rank's experts)", **kw)
+        if self.shared is not None:  # between the tokens' and the probabilities' all-to-alls
+            self.shared.fc1(x)
         p = all_to_all(row_probs, self.ep, self.send_splits, self.recv_splits,
                        site=f"{_SITE}.token_permutation", what="probs",
                        split="routing probabilities of the rows", **kw)
@@ -214,5 +221,8 @@ class MoEAlltoAllTokenDispatcher:
             y = all_to_all(y, self.ep, self.recv_splits, self.send_splits,
                            site=f"{_SITE}.token_unpermutation", module=self.module,
                            split="expert outputs back to their tokens' ranks")
+        if self.shared is not None:  # right after the combine all-to-all
+            self.shared.fc2(y)
+            self.shared.post_forward_comm()
         out = torch.zeros(self.n_tokens, y.shape[1], dtype=y.dtype, device=y.device)
         return out.index_add(0, self.token_ids, y)          # [N, h]

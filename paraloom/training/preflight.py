@@ -63,6 +63,9 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
     if cfg.parallel.cp == 1 and cfg.parallel.cp_comm_type != "p2p":
         notes.append(f"--cp-comm-type {cfg.parallel.cp_comm_type} has no effect with cp = 1 "
                      f"(attention is not split over context ranks)")
+    if cfg.model.moe_shared_expert_overlap and not cfg.model.moe_shared_expert_intermediate_size:
+        notes.append("--moe-shared-expert-overlap has no effect without a shared expert "
+                     "(--moe-shared-expert-intermediate-size)")
     if cfg.parallel.cp_sizes and cfg.parallel.cp_comm_type != "a2a+p2p":
         notes.append(f"--hierarchical-context-parallel-sizes has no effect with --cp-comm-type "
                      f"{cfg.parallel.cp_comm_type} (only a2a+p2p uses the levels)")
