@@ -64,6 +64,9 @@ def parse(argv=None) -> argparse.Namespace:
     a("--moe-router-topk", type=int, default=2)
     a("--moe-aux-loss-coeff", type=float, default=0.0, help="Megatron's default: 0 (none)")
     a("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    a("--moe-shared-expert-intermediate-size", type=int, default=None)
+    a("--moe-shared-expert-overlap", action="store_true",
+      help="the shared expert inside the alltoall dispatcher")
     a("--disable-bias-linear", dest="add_bias_linear", action="store_false",
       help="no biases in the linear layers (Megatron: MoE experts under tp need it)")
     a("--ep", type=int, default=1)
@@ -96,6 +99,8 @@ def build(args):
         num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, add_bias_linear=args.add_bias_linear,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_overlap=args.moe_shared_expert_overlap,
         expert_model_parallel_size=args.ep)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts)
     chunks = []

@@ -14,8 +14,14 @@ gloo ranks, and ``paraloom train`` runs the same model and layout:
 One difference remains on every rank, the last event of each step: paraloom's all-reduce of
 its MoE statistics (aux and z loss, drops, tokens per expert: ``3 + L E`` float64, kind
 ``world``) for ``metrics.jsonl``; Megatron-Core's step keeps no such statistics (Megatron-LM's
-``training_log`` reduces its own). The alltoall dispatcher with tp > 1 is not compared: Megatron
-all-gathers the received rows over tp with uneven sizes, which gloo refuses.
+``training_log`` reduces its own).
+
+* the alltoall dispatcher at tp2 x dp2 x ep2 with sp and a shared expert under
+  ``--moe-shared-expert-overlap``: every event agrees in op, kind, group, phase, async and dtype
+  (the shared expert's gathers and reduce-scatters between the dispatcher's exchanges, forward
+  and backward, and Megatron's all-to-alls launched async on its side stream). Megatron
+  all-gathers the received rows over tp with uneven sizes, which gloo refuses: ``--megatron-on-
+  cpu`` runs them padded and records them as issued (``paraloom/record/gloo_uneven.py``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,21 @@ LAYOUTS = {  # name: (the example's flags, paraloom train's flags, diff's fields
         "--ep 2 --moe-token-dispatcher-type alltoall",
         "--tp 1 --pp 1 --dp 4 --ep 2 --moe-token-dispatcher-type alltoall "
         "--global-batch-size 32", "phase,kind,op,async,dtype,group"),
+    # tp > 1: the rows gathered over tp with uneven sizes (gloo: run padded, recorded as issued);
+    # the shared expert in pieces inside the dispatcher, its all-to-alls launched async
+    "alltoall-tp2-sp-ep2-shared-overlap": (
+        "--tp 2 --sequence-parallel --ep 2 --disable-bias-linear --moe-token-dispatcher-type "
+        "alltoall --moe-shared-expert-intermediate-size 128 --moe-shared-expert-overlap",
+        "--tp 2 --pp 1 --dp 2 --ep 2 --sequence-parallel --disable-bias-linear "
+        "--moe-token-dispatcher-type alltoall --moe-shared-expert-intermediate-size 128 "
+        "--moe-shared-expert-overlap --global-batch-size 16", "phase,kind,op,async,dtype,group"),
+}
+MOE_EVENTS = {  # (op, kind) of Megatron's MoE layers' own events, per layout
+    "allgather-tp2-sp-dp2-ep2": {("all_gather", "tp_ep"), ("reduce_scatter", "tp_ep")},
+    "alltoall-dp4-ep2": {("all_gather", "tp_ep"), ("all_to_all", "ep")},
+    "alltoall-tp2-sp-ep2-shared-overlap": {
+        ("all_gather", "tp_ep"), ("all_to_all", "ep"), ("all_gather", "etp"),
+        ("reduce_scatter", "etp"), ("all_gather", "tp"), ("reduce_scatter", "tp")},
 }
 
 
@@ -86,5 +107,9 @@ def test_megatron_moe_layers_equal_paraloom_train(runs, name, capsys):
     events = [json.loads(line) for line in (megatron / "ledger.jsonl").read_text().splitlines()]
     moe = {(e["op"], e["kind"]) for e in events
            if e.get("step") == 2 and (e.get("module") or "").endswith(".mlp")}
-    assert moe == ({("all_gather", "tp_ep"), ("reduce_scatter", "tp_ep")}
-                   if "allgather" in name else {("all_gather", "tp_ep"), ("all_to_all", "ep")}), moe
+    assert moe == MOE_EVENTS[name], moe
+    if "overlap" in name:  # the uneven gathers, recorded with their splits; async all-to-alls
+        uneven = [e for e in events if e["op"] == "all_gather" and e.get("output_splits")]
+        assert uneven and all(e["shape"][0] == e["output_splits"][e["group"].index(e["rank"])]
+                              for e in uneven)
+        assert all(e["async"] for e in events if e["op"] == "all_to_all")

@@ -44,12 +44,16 @@ __all__ = ["MoEAlltoAllTokenDispatcher", "all_to_all", "gather_rows", "scatter_r
 _SITE = "MoEAlltoAllTokenDispatcher"
 
 
-def _a2a(x, axis, splits, **kw):
-    return comm.all_to_all(x, axis, input_splits=splits[0], output_splits=splits[1], **kw)
+def _a2a(x, axis, splits, async_op=False, **kw):
+    """``async_op``: launched asynchronously and waited for at once (Megatron's
+    ``use_nccl_stream`` under the shared-expert overlap)."""
+    out = comm.all_to_all(x, axis, input_splits=splits[0], output_splits=splits[1],
+                          async_op=async_op, **kw)
+    return out.wait() if async_op else out
 
 
 def _a2a_back(x, axis, splits, **kw):
-    return comm.all_to_all(x, axis, input_splits=splits[1], output_splits=splits[0], **kw)
+    return _a2a(x, axis, splits[::-1], **kw)
 
 
 def _gather(x, axis, splits, **kw):
@@ -82,12 +86,13 @@ class _Exchange(torch.autograd.Function):
 
 def all_to_all(x: torch.Tensor, axis, input_splits: list[int], output_splits: list[int], *,
                site: str, what: str = "tokens", module: str | None = None,
-               split: str | None = None) -> torch.Tensor:
-    """Differentiable all-to-all of rows over ``axis`` (identity on a size-1 axis)."""
+               split: str | None = None, async_op: bool = False) -> torch.Tensor:
+    """Differentiable all-to-all of rows over ``axis`` (identity on a size-1 axis); with
+    ``async_op`` both ways launched asynchronously and waited for at once."""
     if axis.size == 1:
         return x
     return _Exchange.apply(x, _a2a, _a2a_back, axis, (list(input_splits), list(output_splits)),
-                           site, what, dict(module=module, split=split))
+                           site, what, dict(module=module, split=split, async_op=async_op))
 
 
 def gather_rows(x: torch.Tensor, axis, splits: list[int] | None, *, site: str, what: str,
@@ -194,7 +199,7 @@ class MoEAlltoAllTokenDispatcher:
         self.recv_splits = mine[:, self.tp.rank].sum(1).tolist()
         self.tp_splits = mine.sum((0, 2)).tolist()          # rows each tp rank brings
         self.grid = mine.transpose(0, 1).reshape(tp * ep, local)  # arrival order: tp, ep
-        kw = dict(module=self.module)
+        kw = dict(module=self.module, async_op=self.shared is not None)  # Megatron's nccl stream
         x = all_to_all(permuted, self.ep, self.send_splits, self.recv_splits,
                        site=f"{_SITE}.token_permutation", what="tokens",
                        split="tokens by expert (rows to each ep rank's experts)", **kw)
@@ -203,6 +208,7 @@ class MoEAlltoAllTokenDispatcher:
         p = all_to_all(row_probs, self.ep, self.send_splits, self.recv_splits,
                        site=f"{_SITE}.token_permutation", what="probs",
                        split="routing probabilities of the rows", **kw)
+        kw.pop("async_op")
         x = gather_rows(x, self.tp, self.tp_splits, site=f"{_SITE}.token_permutation",
                         what="tokens_tp", split="every tp rank's rows for these experts", **kw)
         p = gather_rows(p, self.tp, self.tp_splits, site=f"{_SITE}.token_permutation",
@@ -220,7 +226,8 @@ class MoEAlltoAllTokenDispatcher:
                              split="expert outputs summed over tp, each rank's rows")
             y = all_to_all(y, self.ep, self.recv_splits, self.send_splits,
                            site=f"{_SITE}.token_unpermutation", module=self.module,
-                           split="expert outputs back to their tokens' ranks")
+                           split="expert outputs back to their tokens' ranks",
+                           async_op=self.shared is not None)
         if self.shared is not None:  # right after the combine all-to-all
             self.shared.fc2(y)
             self.shared.post_forward_comm()

@@ -34,6 +34,7 @@ recorder rewrites its lines at a step boundary (waiting for those events only).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from functools import partial
@@ -45,7 +46,7 @@ from . import completion
 from .completion import _UNSEEN, hold_output, hold_work, poll, poll_now, prune, settle, timed_wait
 from .ops import C10D, FUNCTIONAL, OpSpec, tensors_of
 
-__all__ = ["install", "uninstall", "prune", "poll", "settle", "installed"]
+__all__ = ["install", "uninstall", "prune", "poll", "settle", "installed", "logical"]
 
 _KEYS = ("ADInplaceOrView",)
 _BELOW = torch._C._after_ADInplaceOrView_keyset
@@ -57,6 +58,7 @@ _BLOCKING_P2P = ("send", "recv")
 _SINK = None  # the active recorder: .on, .now(), .launch(op, tensors, pg, peer, async_op, ...)
 _LIBS: list = []
 _INSIDE = threading.local()  # .depth > 0 while a recorded op runs (its kernel may call others)
+_LOGICAL = None  # (tensors, fields) the next recorded op is recorded as (see :func:`logical`)
 
 
 def installed() -> bool:
@@ -175,6 +177,8 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
         if _UNSEEN:
             poll_now(sink.now)
         fields = _fields(_bind(args, values, kwargs)) if more else None
+        if _LOGICAL is not None:  # an emulated op: recorded as the one the program asked for
+            tensors, fields = _LOGICAL
         event = sink.launch(name, tensors, pg, peer, async_op, coalesced, fields)
         _INSIDE.depth = 1  # an op the real kernel calls is part of this one (see _run)
         try:
@@ -184,6 +188,19 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
         hold_work(_Work.unbox(out[1] if isinstance(out, tuple) else out), event)
         return out
     return kernel
+
+
+@contextlib.contextmanager
+def logical(tensors: list, fields: dict | None):
+    """Record the collectives launched inside as ``tensors`` with ``fields``: a patch that runs
+    a collective the backend refuses in another form (an uneven all-gather padded, on gloo)
+    keeps the record what the program issued."""
+    global _LOGICAL
+    saved, _LOGICAL = _LOGICAL, (tensors, fields)
+    try:
+        yield
+    finally:
+        _LOGICAL = saved
 
 
 def _fields(bound: dict) -> dict | None:

@@ -6,7 +6,8 @@ not, but it creates a few tensors on ``"cuda"``, asks CUDA for the current devic
 checks tensor types by their CUDA names, and imports triton. Each patch below serves one such
 place, is applied only in the recorded ranks, and only where CUDA is absent; nothing of Megatron's
 source is copied or changed on disk. Communication is untouched: the recorder sees exactly the
-collectives Megatron issues.
+collectives Megatron issues (one runs in another form, recorded as issued: the uneven all-gather
+gloo refuses, :mod:`.gloo_uneven`).
 
 * ``triton``: :data:`PAGED_STASH`, megatron's triton kernels for MoE paged stashing, is imported
   by ``pipeline_parallel/schedules.py`` (via ``transformer/moe/paged_stash.py``) whatever the
@@ -52,7 +53,7 @@ import warnings
 
 import torch
 
-from . import on_import
+from . import gloo_uneven, on_import
 from .cuda_on_cpu import TORCH, torch_on_cpu
 
 __all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH", "torch_on_cpu"]
@@ -71,7 +72,7 @@ CUDA_MODULES = (
     "megatron.core.tensor_parallel.data", "megatron.core.transformer.utils",
     "megatron.core.transformer.moe.router", "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.token_dispatcher", "megatron.core.transformer.moe.experts",
-    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.moe_layer", "megatron.core.transformer.moe.shared_experts",
 )
 """Modules whose ``torch`` is the CPU stand-in (each creates or places tensors on CUDA)."""
 PATCHES = {
@@ -94,6 +95,10 @@ PATCHES = {
     "sequence-parallel torch norm": "transformer/torch_norm.py: WrappedTorchNorm asserts not "
                                     "config.sequence_parallel (the fused norm tags its "
                                     "parameters sequence_parallel instead)",
+    "uneven all-gather on gloo": "tensor_parallel/mappings.py: _gather_along_first_dim's "
+                                 "torch.distributed.all_gather into unequal tensors (the "
+                                 "alltoall dispatcher with tp > 1); run padded, recorded as "
+                                 "issued",
 }
 """Every patch and the lines of megatron-core it serves (README, "Record Megatron-Core itself")."""
 
@@ -238,6 +243,7 @@ def install() -> None:
     _check_version()
     _stub_triton()
     _patch_tensor_methods()
+    gloo_uneven.install()
     on_import.around_import(_compile_off)
     on_import.after_import("megatron.", _patch_module)
     _INSTALLED = True
