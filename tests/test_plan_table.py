@@ -6,6 +6,7 @@ layout; and it prints at full size, where nothing can run."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -44,6 +45,22 @@ LAYOUTS = {
         "--overlap-param-gather-with-optimizer-step"],
     "cp ring, tp, selective recomputation": ["--tp", "2", "--pp", "1", "--dp", "1", "--cp", "2",
                                              "--recompute", "selective"],
+    # mixture of experts: the dispatchers' exchanges (their rows follow the routing: compared
+    # without the recorded split sizes), the experts' buckets and grad norm, the stats' sum
+    "moe alltoall, tp with sp, shared expert overlapped": [
+        "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--sequence-parallel",
+        "--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear",
+        "--moe-shared-expert-intermediate-size", "64", "--moe-shared-expert-overlap"],
+    "moe allgather, tp with sp, shared expert, distributed optimizer": [
+        "--tp", "2", "--pp", "1", "--dp", "2", "--ep", "2", "--sequence-parallel",
+        "--num-experts", "4", "--disable-bias-linear", "--moe-shared-expert-intermediate-size",
+        "64", "--distributed-optimizer"],
+    "moe alltoall, experts replicated over dp, full recomputation": [
+        "--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--num-experts", "4",
+        "--moe-token-dispatcher-type", "alltoall", "--recompute", "full"],
+    "moe allgather with pp, every other layer": [
+        "--tp", "1", "--pp", "2", "--dp", "2", "--ep", "2", "--num-experts", "4", "--layers",
+        "4", "--moe-layer-freq", "2"],
     # each bucket reduce-scattered in a block of 2 dp ranks, its shard all-reduced across
     "dp with two distributed-optimizer instances": [
         "--tp", "1", "--pp", "1", "--dp", "4", "--distributed-optimizer", "--bucket-size", "700",
@@ -52,9 +69,11 @@ LAYOUTS = {
 
 
 def _rows(capsys, argv: list[str]) -> list[tuple]:
+    """The rows' KEYS; an all-to-all's or uneven gather's row counts (the routing's) cut off."""
     assert main(argv) == 0, capsys.readouterr().err
     rows = json.loads(capsys.readouterr().out)["rows"]
-    return [tuple(r[k] for k in KEYS) for r in rows]
+    return [tuple(re.sub(r"; rows .*$", "", r[k]) if k == "split_object" else r[k]
+                  for k in KEYS) for r in rows]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -87,7 +106,15 @@ def test_plan_table_at_full_size_and_its_refusals(capsys):
     sp = [r for r in rows if r["parallel_type"] == "sp" and r["phase"] != "optimizer"]
     assert len(sp) == 192 * (6 * 4 + 1 + 6 * 6 + 2)
     assert rows[0]["bytes"] == 2048 // 8 * 12288 * 2  # an activation from the previous stage
-    assert main(gpt3[:-1] + ["--num-experts", "8", "--table"]) == 2
-    assert "--num-experts (mixture of experts: the token all-to-alls)" in capsys.readouterr().err
+    # a MoE GPT-3 (8 experts, every layer): each of its layers' allgather dispatcher over tp
+    moe = gpt3 + ["--num-experts", "8", "--disable-bias-linear"]
+    assert main(moe + ["--rank", "1023", "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert len([r for r in rows if r["parallel_type"] == "ep" and r["phase"] == "forward"]) \
+        == 192 * 6 * 4  # routing map, probabilities, tokens; the outputs' reduce-scatter
+    assert rows[-1]["trigger_location"] == "optimizer · train_step moe stats"
+    assert main(moe + ["--moe-expert-capacity-factor", "1.0"]) == 2
+    assert "plan --table does not derive the order of --moe-expert-capacity-factor" in \
+        capsys.readouterr().err
     assert main(gpt3 + ["--rank", "1024"]) == 2
     assert "--rank 1024: the layout has ranks 0-1023" in capsys.readouterr().err

@@ -18,8 +18,8 @@ The order is the runtime's, derived from the same pure parts it executes:
   gradient hooks in the first iteration), the sequence-parallel and tied-embedding gradient
   sums, and the optimizer step's agreements as :mod:`paraloom.training.train` issues them.
 
-Groups of one rank record nothing, so they have no rows. Mixture of experts is refused
-(:func:`check_supported`), not guessed.
+Groups of one rank record nothing, so they have no rows. A MoE layer's MLP region is
+:mod:`.order_moe`'s; what it does not derive is refused (:func:`check_supported`), not guessed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
-from .order_dp import bucket_rows, gather_site
+from .order_dp import bucket_rows, gather_site, grad_norm_rows
+from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
 
 __all__ = ["check_supported", "step_one_events"]
@@ -46,10 +47,10 @@ _CE = "logits, vocabulary range"
 
 def check_supported(cfg: TrainConfig) -> None:
     """``ValueError`` for what this reading does not derive yet."""
-    if cfg.model.num_experts is not None:
-        raise ValueError("plan --table does not derive the order of --num-experts (mixture of "
-                         "experts: the token all-to-alls) yet; run the layout small and read "
-                         "`paraloom table RUN --step 1`")
+    why = moe_unsupported(cfg) if cfg.model.num_experts is not None else None
+    if why:
+        raise ValueError(f"plan --table does not derive the order of {why} yet; run the layout "
+                         f"small and read `paraloom table RUN --step 1`")
 
 
 def _event(out: list, **fields) -> None:
@@ -78,6 +79,10 @@ class _Rank:
         self.b, self.s, self.local, self.cp = b, s, local, p.cp
         self.kv = [2, b, m.query_groups // p.tp, local, m.head_dim]  # K and V of this rank
         self.heads = (m.num_attention_heads // p.tp, m.query_groups // p.tp)  # a rank's q, k/v
+
+    def moe(self, i: int) -> bool:
+        m = self.cfg.model
+        return m.num_experts is not None and i % m.moe_layer_freq == 0
 
     def chunk(self, c: int) -> tuple[bool, bool, range]:
         return (self.pp_rank == 0 and c == 0, self.pp_rank == self.pp - 1 and c == self.v - 1,
@@ -119,6 +124,9 @@ def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:
     between them (again, flagged ``recompute``, before its backward under full
     recomputation)."""
     for col, row in (("attention.qkv", "attention.proj"), ("mlp.fc1", "mlp.fc2")):
+        if col == "mlp.fc1" and r.moe(i):  # a MoE layer's MLP: its router and dispatcher
+            moe_forward(r, i, lambda **f: _event(out, **{**fwd, **f}))
+            continue
         if r.sp and r.tp > 1:
             _event(out, **fwd, kind="sp", op="all_gather", module=f"layers.{i}.{col}",
                    site="ColumnParallelLinear.forward:input", split=_COL, shape=r.part)
@@ -152,6 +160,9 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
         if r.cfg.recompute == "full":
             _layer_forward(r, out, dict(bwd, phase="forward", recompute=True), i)
         for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
+            if col == "mlp.fc1" and r.moe(i):
+                moe_backward(r, i, lambda **f: _event(out, **{**bwd, **f}))
+                continue
             if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
                        site="RowParallelLinear.backward:output_grad", split=_ROW, shape=r.part)
@@ -191,9 +202,7 @@ def _p2p(r: _Rank, out: list, entry: tuple) -> None:
 
 def _buckets(r: _Rank, out: list, chunk: int, phase: str) -> None:
     """A chunk's gradient buckets launched at once (``start_grad_sync`` / ``finish_grad_sync``)."""
-    if r.cfg.parallel.dp * r.cp == 1:
-        return
-    groups = [[b.numel for b in g] for g in chunk_groups(r.c, r.pp_rank, chunk)]
+    groups = [([b.numel for b in g], g[0].expert) for g in chunk_groups(r.c, r.pp_rank, chunk)]
     for row in bucket_rows(r.cfg, groups, r.cp, phase):
         _event(out, rank=r.rank, microbatch=0, phase=phase, **row)
 
@@ -216,19 +225,14 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",
                split="whether any rank re-runs the step")
-    norm_kind = "distopt" if zero else "mp"  # ZeRO's grad-stats group: the instance
-    n = cfg.num_distributed_optimizer_instances
-    if (r.tp * r.pp * p.dp * p.cp // n if zero else r.tp * r.pp) > 1:
-        _event(out, **one, kind=norm_kind, op="all_reduce", site="get_grad_norm_fp32:squared_norm",
-               split="this rank's squared gradient norm")
-        for _ in range(2 if cfg.overlap_param_gather_with_optimizer_step else 1):  # per optimizer
-            _event(out, **one, kind=norm_kind, op="all_reduce", site="has_grad_norm_group:flag",
-                   split="whether any rank has separately-normed parameters")
+    for row in grad_norm_rows(cfg):
+        _event(out, **one, **row)
     with_step = cfg.overlap_param_gather_with_optimizer_step  # chunk 0's, launched at once
-    block = p.dp * p.cp // n  # a group's gather: one (coalesced) all-gather of its shards
+    n = cfg.num_distributed_optimizer_instances
     for chunk, g in [(k, g) for k in range(r.v) for g in chunk_groups(c, r.pp_rank, k)] \
-            if zero and block > 1 else []:
-        if not cfg.overlap_param_gather or (with_step and chunk == 0):
+            if zero else []:
+        block = p.dp * p.cp // (p.ep if g[0].expert else 1) // n  # one (coalesced) all-gather
+        if block > 1 and (not cfg.overlap_param_gather or (with_step and chunk == 0)):
             _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
                    bytes=sum(b.numel for b in g) // block * r.item,
                    split="parameter bucket, 1/dp contiguous shard", **gather_site(with_step))
@@ -240,14 +244,17 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if r.pp_rank == r.pp - 1 and p.dp * p.cp > 1:
         _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
                split="loss sum and token count")
-    if not loop:
-        return
-    if r.tp * r.pp > 1:
+    if loop and r.tp * r.pp > 1:
         _event(out, **one, kind="mp", op="all_reduce", site="training_log:learning_rate",
                split="the learning rate, for the log")
     barriers = ["training_log:interval_timer_stop", "training_log:interval_timer_start"]
     for site in barriers + (["pretrain:after_training_is_done"] if cfg.steps == 1 else []):
-        _event(out, **ev, kind="world", op="barrier", site=site)
+        if loop:
+            _event(out, **ev, kind="world", op="barrier", site=site)
+    if cfg.model.num_experts is not None and cfg.parallel.world_size > 1:  # paraloom's log
+        _event(out, **dict(ev, shape=[3 + cfg.model.num_layers * cfg.model.num_experts]),
+               kind="world", op="all_reduce", site="train_step:moe_stats", itemsize=8,
+               split="MoE aux/z losses, drops, tokens/expert")
 
 
 def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,

@@ -4,21 +4,23 @@ optimizer's parameter all-gathers in the optimizer step."""
 
 from __future__ import annotations
 
-__all__ = ["bucket_rows", "gather_site"]
+__all__ = ["bucket_rows", "gather_site", "grad_norm_rows"]
 
 
-def bucket_rows(cfg, groups: list[list[int]], cp: int, phase: str) -> list[dict]:
+def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) -> list[dict]:
     """The events (kind, op, site, split, shape, bytes, async) of bucket groups (each the
-    elements of its buckets; :func:`~.layout.chunk_groups`): one all-reduce each (reduce-scatter
+    elements of its buckets and whether they are experts', reduced over the ``dp x cp / ep``
+    expert-data-parallel ranks; :func:`~.layout.chunk_groups`): one all-reduce each (reduce-scatter
     under the distributed optimizer, asynchronous), coalesced over a group's buckets (the first
     one's shape, all of their bytes); with ``--num-distributed-optimizer-instances N > 1`` the
     reduce-scatter covers a block of ``dp x cp / N`` ranks and this rank's shard is then
     all-reduced across the blocks (kind ``dp_inter``), both synchronous, as Megatron issues them
     then."""
     zero, n = cfg.distributed_optimizer, cfg.num_distributed_optimizer_instances
-    block = cfg.parallel.dp * cp // n  # the ranks a bucket is sharded over
     rows = []
-    for numels in groups:
+    for numels, expert in groups:
+        # the ranks a bucket is reduced (sharded) over
+        block = cfg.parallel.dp * cp // (cfg.parallel.ep if expert else 1) // n
         if block > 1:
             rows.append(dict(kind="dp", op="reduce_scatter" if zero else "all_reduce",
                              site=f"DistributedDataParallel.{phase}:bucket_grads",
@@ -40,3 +42,24 @@ def gather_site(with_step: bool) -> dict:
     if with_step:
         return {"site": "DistributedDataParallel.start_param_sync:param_shards", "async": True}
     return {"site": "DistributedOptimizer.step:param_shards"}
+
+
+def grad_norm_rows(cfg) -> list[dict]:
+    """The gradient norm's all-reduces (kind, op, site, split): each optimizer's squared norm
+    over its grad-stats group (the model-parallel ranks, the experts' tp x ep x pp ranks; under
+    the distributed optimizer both the instance's ranks), then, on the first step, Megatron
+    0.19's has-grad-norm-group flag per optimizer of the chain (the dense one per optimizer:
+    two under ``--overlap-param-gather-with-optimizer-step``). Groups of one rank: no row."""
+    p, n = cfg.parallel, cfg.num_distributed_optimizer_instances
+    dense = ("distopt", p.tp * p.pp * p.dp * p.cp // n) if cfg.distributed_optimizer else \
+        ("mp", p.tp * p.pp)
+    groups = [dense]
+    if cfg.model.num_experts is not None:
+        groups.append(dense if cfg.distributed_optimizer else ("tp_ep_pp", p.tp * p.ep * p.pp))
+    flags = [dense] * (2 if cfg.overlap_param_gather_with_optimizer_step else 1) + groups[1:]
+    norm = dict(op="all_reduce", site="get_grad_norm_fp32:squared_norm",
+                split="this rank's squared gradient norm")
+    flag = dict(op="all_reduce", site="has_grad_norm_group:flag",
+                split="whether any rank has separately-normed parameters")
+    return [dict(kind=k, **norm) for k, size in groups if size > 1] + \
+        [dict(kind=k, **flag) for k, size in flags if size > 1]

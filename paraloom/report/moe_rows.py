@@ -73,6 +73,8 @@ _TEXT = {  # the alltoall dispatcher: site after its name -> (en, zh)
         "token grads back to the tokens' ranks [rows, h]",
         "token 梯度送回 token 所在的 rank [行, h]"),
 }
+_PLANNED = {"en": "; rows follow the routing", "zh": "；行数随路由而定"}
+"""``plan --table``'s all-to-alls, derived before any routing: no split sizes yet."""
 _ROWS = {"en": ("; rows sent {ins}, received {outs}", "; rows per rank {rows}"),
          "zh": ("；发送行数 {ins}，接收行数 {outs}", "；各 rank 的行数 {rows}")}
 
@@ -88,7 +90,9 @@ def ep_split(event: dict, lang: str) -> str | None:
         return None
     text = words[lang == "zh"]
     pair, each = _ROWS[lang]
-    if event["op"] == "all_to_all":
+    if event["op"] == "all_to_all" and "input_splits" not in event:  # plan --table: derived
+        text += _PLANNED[lang]
+    elif event["op"] == "all_to_all":
         text += pair.format(ins=event["input_splits"], outs=event["output_splits"])
     elif "output_splits" in event or "input_splits" in event:
         text += each.format(rows=event.get("output_splits") or event["input_splits"])
