@@ -36,6 +36,8 @@ SPLITS = {
     "expert outputs": "专家输出",
     "expert outputs back to their tokens' ranks": "专家输出送回 token 所在的 rank",
     "token counts per expert": "每个专家的 token 数",
+    "shared expert input, sequence": "共享专家的输入，按序列",
+    "shared expert output, partial sums over tp": "共享专家的输出，tp 上的部分和",
     "token counts per expert, summed over the microbatch's ranks":
         "每个专家的 token 数，在本微批次的各 rank 上求和",
     "routing probabilities of the rows": "各行的路由概率",
