@@ -50,6 +50,9 @@ LAYOUTS = [  # the 3D layouts of test_training.py's equivalence test
     dict(tp=4, pp=1, dp=1, sp=True),
     dict(tp=1, pp=1, dp=4),
     dict(tp=2, cp=2, sp=True),  # context parallelism: the K/V ring and its dK/dV sum in bf16
+    # ZeRO with two optimizer instances: bf16 parameters gathered in blocks of 2, the fp32
+    # gradient shards reduce-scattered in the block and all-reduced across
+    dict(tp=1, pp=1, dp=4, distributed_optimizer=True, num_distributed_optimizer_instances=2),
 ]
 
 
