@@ -71,6 +71,13 @@ def test_hierarchical_cp_trains_the_same_model_and_reshards(tmp_path, reference)
                       ("recv", (0, 2)), ("send", (1, 3)), ("recv", (1, 3))}
     down = train(tmp_path, "to-cp1", resume=str(tmp_path / "hcp" / "checkpoints" / "step_2"))
     assert_same_metrics(down, ref[2:])
+    # from the command line, another cp: the saved levels (2 x 2) belong to cp 4 and are dropped
+    from paraloom.commands import main
+    assert main(["train", "--resume", str(tmp_path / "hcp" / "checkpoints" / "step_2"), "--cp",
+                 "2", "--cp-comm-type", "p2p", "--out", str(tmp_path / "to-cp2")]) == 0
+    ring = [json.loads(x) for x in (tmp_path / "to-cp2" / "metrics.jsonl").read_text()
+            .splitlines()]
+    assert_same_metrics(ring, ref[2:])
 
 
 def test_resume_changing_cp_continues_the_same_losses(tmp_path, reference):

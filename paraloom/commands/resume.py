@@ -59,6 +59,9 @@ def resume_base(values: dict) -> tuple[dict, Resumed]:
     if "parallel.pp" in values and "parallel.vpp" not in values \
             and values["parallel.pp"] != parallel["pp"]:
         parallel["vpp"] = None  # the saved virtual stages belong to the saved pipeline depth
+    if "parallel.cp" in values and "parallel.cp_sizes" not in values \
+            and values["parallel.cp"] != parallel.get("cp", 1):
+        parallel["cp_sizes"] = None  # the saved hierarchical levels split the saved cp
     base["parallel"] = parallel
     if ("parallel.pp" in values or "parallel.vpp" in values) and "schedule" not in values:
         base["schedule"] = None  # derived from the new pipeline layout
