@@ -390,6 +390,12 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--distributed-backend", "nccl"], "--distributed-backend nccl: this machine's ranks use "
      "gloo"),
     (["--nprocs", "6", "--tensor-model-parallel-size", "4"], "--nprocs 6 does not match"),
+    # Megatron features paraloom does not have: named, with what it has
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+     "--use-megatron-fsdp: Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
+     "module) is not built"),
+    (["--num-experts", "4", "--moe-grouped-gemm"], "--moe-grouped-gemm: the grouped GEMM of the "
+     "experts (a kernel: Transformer Engine or grouped_gemm) is not built"),
 ])
 def test_megatron_lm_arguments_refused_by_name(capsys, no_ranks, extra, message):
     assert main(["train", *MEGATRON_LM, *extra]) == 2

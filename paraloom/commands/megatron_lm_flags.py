@@ -35,7 +35,7 @@ import argparse
 __all__ = ["KERNEL_FLAGS", "add_megatron_lm_flags", "check_megatron_lm", "megatron_lm_notes",
            "megatron_lm_dtype",
            "layout_from_world", "megatron_lm_spellings", "MEGATRON_LM_DEFAULTS",
-           "megatron_lm_defaults"]
+           "megatron_lm_defaults", "NOT_BUILT", "not_built"]
 
 KERNEL_FLAGS = {
     "--transformer-impl": "the layer implementation (Transformer Engine or local)",
@@ -49,6 +49,22 @@ KERNEL_FLAGS = {
     "--no-async-tensor-model-parallel-allreduce": None,
 }
 """Accepted Megatron-LM switches that change no communication (value: what they select)."""
+NOT_BUILT = {
+    "--use-megatron-fsdp": "Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
+                           "module) is not built; paraloom shards the optimizer state as "
+                           "Megatron's distributed optimizer does (ZeRO-1): "
+                           "--distributed-optimizer",
+    "--data-parallel-sharding-strategy": "Megatron-FSDP's sharding strategies are not built; "
+                                         "ZeRO-1 is --distributed-optimizer",
+    "--use-torch-fsdp2": "torch FSDP2 as Megatron's data-parallel wrapper is not built; "
+                         "paraloom record shows a torch FSDP2 program's own communication",
+    "--moe-grouped-gemm": "the grouped GEMM of the experts (a kernel: Transformer Engine or "
+                          "grouped_gemm) is not built; each local expert runs its own GEMMs, "
+                          "which communicate the same",
+    "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "
+                                          "across microbatches is not built",
+}
+"""Megatron-LM flags of features paraloom does not have, refused by name with what it has."""
 _VALUED = ("--transformer-impl", "--attention-backend")
 _DEST = "megatron_lm__"
 
@@ -228,3 +244,12 @@ def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str
         target[name] = chosen
         applied.append(what)
     return applied
+
+
+def not_built(argv: list[str]) -> str | None:
+    """The refusal of the first flag of :data:`NOT_BUILT` in ``argv`` (``None``: none)."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in NOT_BUILT:
+            return f"{flag}: {NOT_BUILT[flag]}"
+    return None

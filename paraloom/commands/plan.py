@@ -35,7 +35,7 @@ from ..device import default_backend
 from ..report.table import render_table
 from . import plan_calibrate, plan_explain_error, plan_run, plan_search
 from .hardware_flags import add_hardware_args, hardware_from_args
-from .megatron_lm_flags import megatron_lm_spellings
+from .megatron_lm_flags import megatron_lm_spellings, not_built
 from .train_flags import add_train_flags, config_from_args
 
 __all__ = ["main", "parser", "config_of"]
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     """CLI entry: print the plan and the predicted step time (``--json`` for machines); exit 2
     naming a bad value. ``--search`` and ``--calibrate`` are their own commands."""
     typed = sys.argv[1:] if argv is None else argv
+    if not_built(typed):  # a Megatron-LM feature paraloom does not have
+        print(f"paraloom plan: error: {not_built(typed)}", file=sys.stderr)
+        return 2
     if "--search" in typed:
         return plan_search.main(typed)
     if "--calibrate" in typed:

@@ -32,7 +32,7 @@ from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
 from ..training.preflight import check_inputs
-from .megatron_lm_flags import megatron_lm_notes, megatron_lm_spellings
+from .megatron_lm_flags import megatron_lm_notes, megatron_lm_spellings, not_built
 from .resume import resume_notes
 from .train_flags import add_train_flags, config_from_args
 
@@ -179,6 +179,10 @@ def train_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    refused = not_built(argv)
+    if refused:  # a Megatron-LM feature paraloom does not have: named, before parsing
+        print(f"{_PROG}: error: {refused}", file=sys.stderr)
+        return 2
     flags = parser()
     args = flags.parse_args(argv)
     args.megatron_lm_spelt = megatron_lm_spellings(flags, argv)
