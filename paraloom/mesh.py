@@ -32,6 +32,10 @@ each dp x cp group (and each edp group) into ``N`` consecutive blocks: a block (
 ``edp_intra``) shards the optimizer, the ranks at the same place in every block (``dp_inter``,
 ``edp_inter``) all-reduce their shards, and ``distopt`` is one instance's ranks (every rank whose
 dp x cp index lies in its block: the grad norm's group).
+
+Megatron's hierarchical context parallelism (``--hierarchical-context-parallel-sizes A B``,
+:func:`hierarchical_cp_rank_groups`) adds ``mesh.cp_a2a`` (A consecutive cp ranks) and
+``mesh.cp_p2p`` (the cp ranks A apart); ``mesh.cp_levels`` is the pair, ``None`` without.
 """
 
 from __future__ import annotations
