@@ -433,3 +433,24 @@ def test_bad_arguments_are_named(tmp_path, capsys):
         assert record_main(["--nproc", "2", *options, "--", __file__]) == 2, options
         assert says in capsys.readouterr().err
     assert not (tmp_path / "afile").is_dir()
+
+
+def test_megatron_hierarchical_cp_levels_are_kind_cp(monkeypatch):
+    """Megatron's hierarchical context-parallel groups (``--hierarchical-context-parallel-sizes``,
+    a list of one group per level) are recorded as kind ``cp``, as paraloom's own levels are."""
+    import sys
+    import types
+
+    from paraloom.record.kinds import KindResolver
+
+    class Group:
+        def __init__(self, name):
+            self.group_name = name
+    ps = types.ModuleType("megatron.core.parallel_state")
+    ps.model_parallel_is_initialized = lambda: True
+    ps.get_hierarchical_context_parallel_groups = \
+        lambda check_initialized=True: [Group("L0"), Group("L1")]
+    monkeypatch.setitem(sys.modules, "megatron.core.parallel_state", ps)
+    kinds = KindResolver()
+    assert kinds.kind("L0", "", [0, 1]) == kinds.kind("L1", "", [0, 2]) == "cp"
+    assert kinds.kind("other", "", [0, 3]) == "group[0,3]"

@@ -26,6 +26,7 @@ __all__ = ["KindResolver", "MEGATRON_GROUPS"]
 MEGATRON_GROUPS = (  # (kind, getter, keyword arguments), first match wins
     ("tp", "get_tensor_model_parallel_group", {}),
     ("cp", "get_context_parallel_group", {}),
+    ("cp", "get_hierarchical_context_parallel_groups", {}),  # a2a+p2p's levels: a list
     ("ep", "get_expert_model_parallel_group", {}),
     ("pp", "get_pipeline_model_parallel_group", {}),
     ("dp", "get_data_parallel_group", {}),
