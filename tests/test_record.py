@@ -137,6 +137,7 @@ FAILING = '''
             sys.exit(3)
         if how == "hang":
             time.sleep(600)
+        time.sleep(0.5)  # dies later than the ledger writer's period, with nothing flushed
         os.kill(os.getpid(), signal.SIGKILL)
     dist.all_reduce(t)  # rank 0 waits for a peer that is gone: the launcher stops it
 '''
@@ -334,6 +335,8 @@ def test_failing_program_keeps_partial_ledger(runs, how, code, says):
     events = load(out / "ledger.jsonl")
     last = max(e["rank"] for e in events)
     assert [e["op"] for e in events if e["rank"] == last][:1] == ["all_reduce"]
+    if how == "kill":  # no step ended, no Python ran at its death: the writer thread's line
+        assert [e["op"] for e in events if e["rank"] == 1] == ["all_reduce"]
 
 
 def test_steps_stops_recording_and_torchrun_join(runs):

@@ -5,17 +5,16 @@
     rec.events                                             # contract event dicts (DESIGN.md)
 
 It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
-mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, each
-event is written to ``out/ledger/rank_R.jsonl`` as it is launched (a provisional line, so even a
-SIGKILLed rank leaves its ledger), and the lines since the last flush are rewritten with their
-final times at every optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM
-and when the block ends.
+mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, the
+events go to ``out/ledger/rank_R.jsonl`` (:mod:`.ledger_file`): with their final times at every
+optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM and when the block
+ends, and in between as provisional lines a thread writes every 0.1 s, so even a SIGKILLed rank
+or one blocked in a collective leaves its ledger.
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import sys
@@ -30,6 +29,7 @@ from ..ledger import Ledger
 from ..run_folder import rank_ledger
 from . import intercept, megatron_step, pipeline
 from .kinds import KindResolver
+from .ledger_file import LedgerFile
 from .ops import nbytes
 from .tracking import Tracker
 
@@ -37,18 +37,6 @@ __all__ = ["record_comms", "Recorder", "mark_step"]
 
 
 _DTYPES: dict = {}  # torch dtype -> its name in an event
-_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)
-_ENCODER = _C_ENCODER(None, json.JSONEncoder().default, json.encoder.encode_basestring_ascii,
-                      None, ": ", ", ", False, False, True) if _C_ENCODER else None
-
-
-def _encode(event: dict) -> str:
-    """``json.dumps(event)``, through one C encoder made once (``json.dumps`` makes a new one
-    per call: measurable at a line per collective)."""
-    if _ENCODER is None:
-        return json.dumps(event)
-    return "".join(_ENCODER(event, 0))
-
 
 class Recorder:
     """The sink of :mod:`.intercept`: one rank's :class:`Ledger` plus where to write it."""
@@ -58,10 +46,7 @@ class Recorder:
         self.ledger = ledger
         self.on = True
         self.steps = steps
-        self.path = path
-        self.flushed = 0
-        self._file = None
-        self._final = 0  # file offset where the provisional lines start
+        self.file = None if path is None else LedgerFile(ledger, path)
         self.kinds = KindResolver()
         self.tracker = Tracker(compute=compute, on_step=self._stepped,
                                on_optimizer=intercept.poll,
@@ -108,11 +93,6 @@ class Recorder:
         if self.tracker.setup:
             self._setup.append((event, phase))
             event["phase"] = "setup"
-        if self.path is not None:  # provisional: host time for a stamp not resolved yet
-            line = _encode(event) if self.ledger._event_type is None else \
-                json.dumps(event, default=lambda _: self.ledger.now())
-            self._open().write(line + "\n")
-            self._file.flush()
         return event
 
     @staticmethod
@@ -148,12 +128,6 @@ class Recorder:
         """An operation of this rank completed (a wait returned, or its Work was seen done)."""
         self.ledger.completed(event)
 
-    def _open(self):
-        if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w")  # noqa: SIM115 - kept open for the record
-        return self._file
-
     def _setup_ended(self, by_forward: bool) -> None:
         """The first iteration began; a setup that ended at an optimizer step without any
         forward was step 1 after all: its events get back the phase they were seen in."""
@@ -174,27 +148,20 @@ class Recorder:
         intercept.prune()
         self.flush()
 
+    @property
+    def flushed(self) -> int:
+        """How many events the ledger file holds with their final fields."""
+        return 0 if self.file is None else self.file.flushed
+
     def flush(self) -> None:
-        """Rewrite the provisional lines with the events' current (final) fields."""
-        if self.path is None:
-            return
-        f = self._open()
-        end = len(self.ledger.events)
-        if end == self.flushed:  # nothing written since: no system calls
-            return
-        f.seek(self._final)
-        f.truncate()
-        self.ledger.resolve(self.flushed)  # CUDA: waits for these events only
-        f.write("".join(_encode(event) + "\n" for event in self.ledger.events[self.flushed:end]))
-        f.flush()
-        self._final, self.flushed = f.tell(), end
+        """Write the events since the last flush with their final fields."""
+        if self.file is not None:
+            self.file.flush()
 
     def close(self) -> None:
-        self.flush()
+        if self.file is not None:
+            self.file.close()
         self.ledger.resolve()  # the events a caller reads back: seconds, not CUDA events
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 _CURRENT: Recorder | None = None
@@ -254,6 +221,8 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     if compute:
         pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
+    if rec.file is not None:
+        rec.file.start()
     beat = None
     if path is not None and heartbeat > 0:
         beat = Heartbeat(ledger, out, unflushed=lambda: rec.ledger.events[rec.flushed:],
