@@ -184,8 +184,10 @@ def test_record_on_cuda_stamps_device_times_from_the_first_cuda_collective(tmp_p
     anchor_host = led._anchor[1]
     _DeviceClock.now, _DeviceClock.lag = 1.0, 0.25  # the host runs ahead of the device
     event = led.record(op="all_reduce", phase="backward", kind="dp", site="a.py:2", nbytes=8)
-    sink.file.write_provisional()  # what the writer thread does: host time for now
-    assert [e["site"] for e in load(path)] == ["a.py:1", "a.py:2"]
+    sink.file.provisional(event)  # as launch() writes it: host time for a CUDA stamp
+    provisional = load(path)  # a.py:1 was recorded without a launch: it has no such line
+    assert [e["site"] for e in provisional] == ["a.py:2"]
+    assert isinstance(provisional[0]["t_start"], float)
     _DeviceClock.now = 2.0
     event["t_wait"] = sink.now()
     _DeviceClock.now = 3.0
