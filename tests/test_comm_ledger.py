@@ -184,7 +184,7 @@ def test_record_on_cuda_stamps_device_times_from_the_first_cuda_collective(tmp_p
     anchor_host = led._anchor[1]
     _DeviceClock.now, _DeviceClock.lag = 1.0, 0.25  # the host runs ahead of the device
     event = led.record(op="all_reduce", phase="backward", kind="dp", site="a.py:2", nbytes=8)
-    sink.file.provisional(event)  # as launch() writes it: host time for a CUDA stamp
+    sink.file.launched(event, False)  # as launch() writes it: host time for a CUDA stamp
     provisional = load(path)  # a.py:1 was recorded without a launch: it has no such line
     assert [e["site"] for e in provisional] == ["a.py:2"]
     assert isinstance(provisional[0]["t_start"], float)
@@ -200,3 +200,41 @@ def test_record_on_cuda_stamps_device_times_from_the_first_cuda_collective(tmp_p
         (anchor_host + 1.25, anchor_host + 2.25, anchor_host + 3.25))
     sink.close()
     assert all(isinstance(e[k], float) for e in led.events for k in ("t_start", "t_end"))
+
+
+def test_record_ledger_file_writes_new_operations_at_launch_and_repeats_from_its_thread(
+        tmp_path):
+    """``record_comms(out=...)``'s file: an operation not seen before gets its provisional line
+    before it starts (a rank aborted inside it keeps it), a repeat (same site, op, bytes, dtype,
+    group, phase) only when the writer looks (its thread, every 0.1 s), an all-to-all with
+    splits always at once; a flush writes the final lines over all of them."""
+    from paraloom.record.ledger_file import LedgerFile
+    led = Ledger(rank=0, t0=0.0)
+    path = tmp_path / "rank_0.jsonl"
+    f = LedgerFile(led, path)
+
+    def launch(site, nbytes=8, extra=None):
+        event = led.record(op="all_reduce", phase="backward", kind="dp", site=site,
+                           nbytes=nbytes, pg="0", **(extra or {}))
+        f.launched(event, extra is not None)
+        return event
+    launch("a.py:1")
+    launch("a.py:2")
+    assert [e["site"] for e in load(path)] == ["a.py:1", "a.py:2"]
+    assert all(e["pending"] for e in load(path))
+    f.flush()  # a step ends
+    again = launch("a.py:1")  # the next step: repeats, then one of another size, and splits
+    launch("a.py:2")
+    launch("a.py:2", nbytes=16)
+    launch("a.py:3", extra={"input_splits": [1, 1]})
+    launch("a.py:3", extra={"input_splits": [2, 0]})
+    assert [(e["site"], e["bytes"]) for e in load(path)] == [
+        ("a.py:1", 8), ("a.py:2", 8), ("a.py:2", 16), ("a.py:3", 8), ("a.py:3", 8)]
+    led.completed(again)
+    f.write_provisional()  # what the writer thread does
+    lines = load(path)
+    assert [e["seq"] for e in lines] == [0, 1, 4, 5, 6, 2, 3]  # the repeats after, by seq
+    assert "pending" not in lines[5] and lines[6]["pending"]
+    f.flush()
+    assert [e["seq"] for e in load(path)] == list(range(7))
+    f.close()

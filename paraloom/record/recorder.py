@@ -5,11 +5,12 @@
     rec.events                                             # contract event dicts (DESIGN.md)
 
 It installs the dispatcher kernels of :mod:`.intercept`, the hooks of :mod:`.tracking` and the
-mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, each
-event is written to ``out/ledger/rank_R.jsonl`` as it is launched (a provisional line, so even a
-rank killed inside the operation leaves its ledger), and the lines since the last flush are
-rewritten with their final times at every optimizer step, when ``steps`` is reached, at
-interpreter exit, on SIGTERM and when the block ends (:mod:`.ledger_file`).
+mesh collection of :mod:`.kinds`, and turns what they see into ledger events. With ``out``, the
+events go to ``out/ledger/rank_R.jsonl`` (:mod:`.ledger_file`): as provisional lines while they
+run (an operation not seen before written before it starts, so even a rank killed inside it
+leaves it; repeats by a thread within 0.1 s), rewritten with their final times at every
+optimizer step, when ``steps`` is reached, at interpreter exit, on SIGTERM and when the block
+ends.
 """
 
 from __future__ import annotations
@@ -93,8 +94,8 @@ class Recorder:
         if self.tracker.setup:
             self._setup.append((event, phase))
             event["phase"] = "setup"
-        if self.file is not None:
-            self.file.provisional(event)  # before it starts: a rank that dies in it keeps it
+        if self.file is not None:  # before it starts: a rank that dies in it keeps it
+            self.file.launched(event, extra is not None)
         return event
 
     @staticmethod
@@ -223,6 +224,8 @@ def record_comms(*, out: str | os.PathLike | None = None, steps: int | None = No
     if compute:
         pipeline.install(ledger, lambda: rec.on)
     _CURRENT = rec
+    if rec.file is not None:
+        rec.file.start()
     beat = None
     if path is not None and heartbeat > 0:
         beat = Heartbeat(ledger, out, unflushed=lambda: rec.ledger.events[rec.flushed:],
