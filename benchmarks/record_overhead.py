@@ -19,8 +19,10 @@ What it measures
     runs without module hooks, see ``paraloom.record.tracking``), order rotated every
     iteration; each timed region starts after a barrier and an iteration's time is the slower
     rank's. The ``out`` column times the same with ``record_comms(out=...)``, which is what
-    ``paraloom record`` runs: every event is also written to the rank's ledger file as it is
-    launched (a provisional line, so that a killed rank leaves its record). The table shows
+    ``paraloom record`` runs: every event also goes to the rank's ledger file as a
+    provisional line (an operation not seen before at its launch, a repeat from the writer
+    thread; ``paraloom.record.ledger_file``), rewritten with final times at each optimizer
+    step. The table shows
     median times and the median of the per-iteration paired ratios to off (which cancels most
     of the machine's drift), taken per run order and averaged geometrically (which cancels the
     order effect). The ``cpu`` columns take the same ratios of rank 0's main-thread CPU time
