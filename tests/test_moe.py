@@ -314,6 +314,19 @@ def test_swiglu_experts_without_biases_train_the_same_model(world4, single, layo
 
 
 @pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=2, zero=True), dict(tp=2, dp=2, ep=2, sp=True), dict(pp=2, dp=2, ep=2)],
+    ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_grouped_gemm_experts_train_the_same_model(world4, single, layout):
+    """``--moe-grouped-gemm`` (Megatron's TEGroupedMLP parameter order: fc1 of every local
+    expert, then fc2, in the gradient buffer and the distributed optimizer's shards): the model
+    one process trains without it."""
+    got = world4.run(train_steps, _cfg(replace(MIXTRAL_MODEL, moe_grouped_gemm=True), **layout))
+    pp = layout.get("pp", 1)
+    for rank, rank_metrics in enumerate(got):
+        assert_same_training(rank_metrics, single["mixtral"], loss=rank >= 4 - 4 // pp)
+
+
+@pytest.mark.parametrize("layout", [
     dict(tp=2, dp=2, ep=2, sp=True), dict(tp=2, dp=2, ep=2, zero=True), dict(pp=2, dp=2, ep=2),
     dict(dp=4, ep=4, zero=True), dict(tp=2, cp=2, ep=2, sp=True)],
     ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))

@@ -57,6 +57,7 @@ def moe_from_run(model: dict, parallel: dict, micro_batch: int = 1) -> MoECommCo
                          shared_gate=bool(model.get("moe_shared_expert_gate")),
                          shared_overlap=bool(model.get("moe_shared_expert_overlap")),
                          dispatcher=model.get("moe_token_dispatcher_type", "allgather"),
+                         grouped_gemm=bool(model.get("moe_grouped_gemm")),
                          aux_loss=model.get("moe_aux_loss_coeff", 1e-2) > 0)
 
 
@@ -74,18 +75,21 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
     """One MoE layer's parameters on one rank, in registration order: the router, then this ep
     rank's ``E / ep`` experts (named by local index here; sizes are the same on every rank).
     An expert is the architecture's MLP: fc1 ``2f`` rows with SwiGLU, biases only with
-    ``add_bias_linear``."""
+    ``add_bias_linear``; each expert's fc1 then fc2, or (grouped GEMM) every fc1, then every
+    fc2."""
     t, h, f, m = c.tp, c.hidden, c.f, c.moe
     fc1, bias = c.arch.fc1(f), c.arch.add_bias_linear
     out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp)]
-    for g in range(m.num_experts // m.ep):
-        e = f"{prefix}experts.{g}."
-        out.append(Param(e + "fc1.weight", fc1 // t * h, expert=True))
+    local = range(m.num_experts // m.ep)
+    parts = [[("fc1", g), ("fc2", g)] for g in local]
+    if m.grouped_gemm:
+        parts = [[(fc, g) for g in local] for fc in ("fc1", "fc2")]
+    for fc, g in (part for group in parts for part in group):
+        e = f"{prefix}experts.{g}.{fc}."
+        rows, cols = (fc1 // t, h) if fc == "fc1" else (h, f // t)
+        out.append(Param(e + "weight", rows * cols, expert=True))
         if bias:
-            out.append(Param(e + "fc1.bias", fc1 // t, expert=True))
-        out.append(Param(e + "fc2.weight", h * (f // t), expert=True))
-        if bias:
-            out.append(Param(e + "fc2.bias", h, sp=t > 1, expert=True))
+            out.append(Param(e + "bias", rows, sp=fc == "fc2" and t > 1, expert=True))
     if m.shared_ffn:  # the shared expert: its gate (a direct parameter) first, then fc1, fc2
         e, sf = prefix + "shared_experts.", m.shared_ffn
         if m.shared_gate:

@@ -76,6 +76,9 @@ class MoECommConfig:
     in backward)."""
     dispatcher: str = "allgather"
     """Megatron's token dispatcher: ``allgather`` (its default) or ``alltoall``."""
+    grouped_gemm: bool = False
+    """``moe_grouped_gemm``: the local experts' parameters fc1 of each, then fc2 (their order in
+    the gradient buffer, :class:`paraloom.moe.experts.GroupedExperts`)."""
     aux_loss: bool = True
     """A load-balancing loss (``moe_aux_loss_coeff > 0``): its counts are summed over tp x cp."""
 

@@ -58,9 +58,6 @@ NOT_BUILT = {
                                          "ZeRO-1 is --distributed-optimizer",
     "--use-torch-fsdp2": "torch FSDP2 as Megatron's data-parallel wrapper is not built; "
                          "paraloom record shows a torch FSDP2 program's own communication",
-    "--moe-grouped-gemm": "the grouped GEMM of the experts (a kernel: Transformer Engine or "
-                          "grouped_gemm) is not built; each local expert runs its own GEMMs, "
-                          "which communicate the same",
     "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "
                                           "across microbatches is not built",
 }

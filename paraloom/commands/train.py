@@ -118,7 +118,8 @@ def train_main(args: argparse.Namespace) -> int:
     """Validate, then train on local ranks or in the torchrun world; returns the exit code."""
     timeout = getattr(args, "run.timeout_s", TrainConfig().run.timeout_s)
     try:
-        if getattr(args, "model.num_experts", None) is None and _rank0():
+        if getattr(args, "model.num_experts", None) is None and _rank0() \
+                and getattr(args, "run.resume", None) is None:  # resumed: the checkpoint's
             moe = sorted(f for f in vars(args) if f.startswith("model.moe_"))
             if moe:
                 flags = ", ".join("--" + f[len("model."):].replace("_", "-") for f in moe)

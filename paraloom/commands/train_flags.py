@@ -63,7 +63,7 @@ GROUPS = {
         "model.moe_token_drop_policy", "model.moe_pad_expert_input_to_capacity",
         "model.moe_layer_freq", "model.moe_shared_expert_intermediate_size",
         "model.moe_shared_expert_gate", "model.moe_shared_expert_overlap",
-        "model.moe_token_dispatcher_type"),
+        "model.moe_token_dispatcher_type", "model.moe_grouped_gemm"),
 }
 """The flag groups of ``paraloom train --help`` (architecture flags: :mod:`.arch_flags`)."""
 

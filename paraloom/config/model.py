@@ -144,6 +144,16 @@ class ModelConfig:
     the tokens' all-to-all, fc2 and its output's reduction after the combine all-to-all;
     :mod:`paraloom.moe.shared_overlap`) instead of before the router."""
 
+    moe_grouped_gemm: bool = option(
+        False, "--moe-grouped-gemm",
+        help="the local experts as Megatron's grouped GEMM (TEGroupedMLP): the same arithmetic "
+             "and communication, their parameters ordered fc1 of every local expert, then fc2")
+    """Megatron's ``moe_grouped_gemm``: the local experts as one grouped GEMM per linear
+    (``TEGroupedMLP``: ``linear_fc1.weight0..`` then ``linear_fc2.weight0..``). The arithmetic
+    and the communication are the experts' own; what changes is the parameters' order, hence
+    the gradient buffer's and its buckets' contents: fc1 (weight, bias) of every local expert,
+    then fc2. Checkpoints keep the names ``experts.<g>.fc1.weight``: they load either way."""
+
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
                      "seq_length"):

@@ -17,6 +17,13 @@ the token dispatcher gathers their input over tp and reduces their output (Megat
 it once); its gradient is summed over tp when gradients are finalised. Every expert parameter
 carries ``allreduce=False`` (Megatron's mark): its gradient is reduced over the
 expert-data-parallel group, not over dp.
+
+With ``--moe-grouped-gemm`` the local experts are a :class:`GroupedExperts`: Megatron's
+``TEGroupedMLP`` runs them as one grouped GEMM per linear and registers ``linear_fc1.weight<i>``
+(``bias<i>``) of every local expert before ``linear_fc2``'s, so its parameters -- the gradient
+buffer, the buckets and what each bucket holds -- come in that order. Here the same modules and
+names are walked in that order; each expert still runs its own GEMMs (on CPU a grouped GEMM is
+that loop: the same arithmetic, the same communication).
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from ..tensor_parallel.linear import set_tensor_model_parallel_attributes
 from ..tensor_parallel.swiglu import SwiGLUInit, swiglu
 from ..utils import divide
 
-__all__ = ["Expert", "local_expert_ids"]
+__all__ = ["Expert", "GroupedExperts", "local_expert_ids"]
 
 
 def local_expert_ids(num_experts: int, ep_size: int, ep_rank: int) -> range:
@@ -93,3 +100,28 @@ class Expert(nn.Module):
         if bias is None:
             return out
         return out + bias if self.first else out + 0 * bias
+
+
+class GroupedExperts(nn.ModuleDict):
+    """The local experts (``{str(g): Expert}``) in Megatron's grouped-GEMM parameter order: the
+    modules and names of a ``ModuleDict``, walked fc1 of every expert, then fc2 -- so
+    ``parameters()``, and with it the gradient buffer's layout, follows ``TEGroupedMLP``."""
+
+    def named_modules(self, memo: set | None = None, prefix: str = "",
+                      remove_duplicate: bool = True):
+        memo = set() if memo is None else memo
+        if self in memo:
+            return
+        if remove_duplicate:
+            memo.add(self)
+        yield prefix, self
+        dot = f"{prefix}." if prefix else ""
+        for g, expert in self._modules.items():  # no parameters of their own
+            if expert not in memo:
+                if remove_duplicate:
+                    memo.add(expert)
+                yield f"{dot}{g}", expert
+        for part in ("fc1", "fc2"):
+            for g, expert in self._modules.items():
+                yield from getattr(expert, part).named_modules(memo, f"{dot}{g}.{part}",
+                                                               remove_duplicate)

@@ -48,7 +48,7 @@ from ..tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from .allgather_dispatcher import MoEAllGatherTokenDispatcher
-from .experts import Expert, local_expert_ids
+from .experts import Expert, GroupedExperts, local_expert_ids
 from .router import (
     MoEAuxLossAutoScaler,
     TopKRouter,
@@ -92,7 +92,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
                                  sequence_parallel=opt.sequence_parallel)
         self.local_ids = local_expert_ids(e, mesh.ep.size, mesh.ep.rank)
-        self.experts = nn.ModuleDict({
+        experts = GroupedExperts if cfg.moe_grouped_gemm else nn.ModuleDict
+        self.experts = experts({
             str(g): Expert(cfg.hidden_size, cfg.ffn, mesh, f"{name}.experts.{g}", init, out_init,
                            dtype, swiglu=cfg.swiglu, bias=cfg.add_bias_linear)
             for g in self.local_ids})

@@ -23,12 +23,19 @@ from .tensorboard import check_tensorboard
 __all__ = ["check_inputs", "check_resumable"]
 
 
+HOW_NOT_WHAT = ("dropout", "moe_grouped_gemm", "moe_token_dispatcher_type",
+                "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity")
+"""Model fields that change how the same model is computed or communicated, not the model:
+a checkpoint resumes under other values (each trains what one process trains either way)."""
+
+
 def check_resumable(cfg: TrainConfig) -> None:
     """``cfg.run.resume`` holds the same model and dtype as ``cfg``, before its last step."""
     ckpt, meta = find_checkpoint(cfg.run.resume)
     saved_model = ModelConfig(**meta["config"]["model"])
     saved, now = dataclasses.asdict(saved_model), dataclasses.asdict(cfg.model)
-    diff = {k: (saved[k], v) for k, v in now.items() if k != "dropout" and saved[k] != v}
+    diff = {k: (saved[k], v) for k, v in now.items()
+            if k not in HOW_NOT_WHAT and saved[k] != v}
     if diff:
         raise ValueError(f"--resume {str(ckpt)!r} holds a different model: " + ", ".join(
             f"{k} = {a} in the checkpoint, {b} here" for k, (a, b) in diff.items()))
