@@ -4,12 +4,17 @@ forward and backward, as :mod:`paraloom.moe` issues it (its shared expert includ
 The events are the recorded ones (kind, op, site, module, split) with the sizes the layout
 decides; the all-to-alls' rows follow what the router chooses, so their shapes are those of
 balanced routing (``n k`` rows of the ``n`` tokens a rank routes, ``k`` = top-k) and carry no
-per-rank split sizes (the table says the rows follow the routing). Derived for dropless routing
+per-rank split sizes (the table says the rows follow the routing); padded to capacity
+(``--moe-pad-expert-input-to-capacity``) they are every expert's capacity, exchanged without
+counts. Derived for dropless or padded routing
 with each tp rank routing its own sequence slice (tp = 1, or tp > 1 with sequence
-parallelism) and cp = 1; other settings are refused (:func:`moe_unsupported`).
+parallelism), each cp rank its own (the aux loss's counts summed over tp x cp, kind cp); other
+settings are refused (:func:`moe_unsupported`).
 """
 
 from __future__ import annotations
+
+from ..moe.router import expert_capacity
 
 __all__ = ["moe_unsupported", "moe_forward", "moe_backward"]
 
@@ -30,19 +35,33 @@ _TEXT = {  # alltoall: what -> split, as the dispatcher writes it
 def moe_unsupported(cfg) -> str | None:
     """Why the order of this MoE configuration is not derived (``None``: it is)."""
     m, p = cfg.model, cfg.parallel
-    if m.moe_expert_capacity_factor is not None:
-        return "--moe-expert-capacity-factor (drops decided per microbatch)"
-    if p.cp > 1:
-        return "--num-experts with --cp > 1"
+    if m.moe_expert_capacity_factor is not None and not (
+            m.moe_pad_expert_input_to_capacity and p.tp == 1 and p.cp == 1):
+        return "--moe-expert-capacity-factor (drops decided per microbatch; derived only " \
+            "padded to capacity, --moe-pad-expert-input-to-capacity, at tp = cp = 1)"
     if p.tp > 1 and not p.uses_sequence_parallel:
         return "--num-experts with tp > 1 without --sequence-parallel"
     return None
 
 
 def _sizes(r) -> dict:
+    """Tokens this rank routes (``n``: its sequence slice of the microbatch), the rows each
+    dispatch sends (``rows``: ``n k`` balanced, or every expert's capacity when padded to it,
+    ``padded``) and the model's sizes."""
     m = r.cfg.model
-    n = r.part[0] * r.b  # tokens this rank routes: its sequence slice (sp) of the microbatch
-    return dict(n=n, k=m.moe_router_topk, e=m.num_experts, h=m.hidden_size, ep=r.cfg.parallel.ep)
+    n, k, e = r.part[0] * r.b, m.moe_router_topk, m.num_experts
+    padded = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor is not None
+    rows = e * expert_capacity(n, k, e, m.moe_expert_capacity_factor) if padded else n * k
+    return dict(n=n, k=k, e=e, h=m.hidden_size, ep=r.cfg.parallel.ep, rows=rows, padded=padded)
+
+
+def _splits(z: dict) -> dict:
+    """Padded to capacity, an all-to-all's rows to and from each ep rank are known: its
+    experts' capacities (the table then says them, as a recorded run's)."""
+    if not z["padded"]:
+        return {}
+    each = [z["rows"] // z["ep"]] * z["ep"]
+    return {"input_splits": each, "output_splits": list(each)}
 
 
 def _shared(r, i: int, emit, backward: bool, overlap: bool) -> None:
@@ -70,8 +89,9 @@ def moe_forward(r, i: int, emit) -> None:
     overlap = m.moe_shared_expert_overlap and m.moe_shared_expert_intermediate_size is not None
     mod = f"layers.{i}.mlp"
     _shared(r, i, emit, False, overlap)
-    if r.tp > 1 and m.moe_aux_loss_coeff:  # the aux loss's counts over tp (Megatron's tp_cp)
-        emit(kind="sp", op="all_reduce", site="MoELayer.router:tokens_per_expert", module=mod,
+    cp = r.cfg.parallel.cp
+    if r.tp * cp > 1 and m.moe_aux_loss_coeff:  # the aux loss's counts (Megatron's tp_cp)
+        emit(kind="cp" if cp > 1 else "sp", op="all_reduce", site="MoELayer.router:tokens_per_expert", module=mod,
              split="token counts per expert, summed over the microbatch's ranks",
              shape=[z["e"]], itemsize=8)
     if m.moe_token_dispatcher_type == "allgather":
@@ -88,9 +108,9 @@ def moe_forward(r, i: int, emit) -> None:
                  module=mod, split="expert outputs summed, each rank's tokens (fp32)",
                  shape=[r.tp * z["ep"] * z["n"], z["h"]], itemsize=4)
         return
-    rows, fwd = z["n"] * z["k"], f"{_A2A}.token_permutation.forward"
-    a2a = dict(kind="ep", op="all_to_all", module=mod, **{"async": overlap})
-    if r.tp * z["ep"] > 1:
+    rows, fwd = z["rows"], f"{_A2A}.token_permutation.forward"
+    a2a = dict(kind="ep", op="all_to_all", module=mod, **{"async": overlap}, **_splits(z))
+    if r.tp * z["ep"] > 1 and not z["padded"]:  # padded: every split known, no counts
         emit(kind="ep", op="all_gather", site=f"{fwd}:tokens_per_expert", module=mod,
              split=_TEXT["tokens_per_expert"], shape=[z["e"]], itemsize=8)
     if overlap and r.tp > 1:
@@ -145,8 +165,8 @@ def moe_backward(r, i: int, emit) -> None:
 
 
 def _alltoall_backward(r, z: dict, mod: str, emit, overlap: bool) -> None:
-    rows, back = z["n"] * z["k"], f"{_A2A}.token_permutation.backward"
-    a2a = dict(kind="ep", op="all_to_all", module=mod, **{"async": overlap})
+    rows, back = z["rows"], f"{_A2A}.token_permutation.backward"
+    a2a = dict(kind="ep", op="all_to_all", module=mod, **{"async": overlap}, **_splits(z))
     if z["ep"] > 1:
         emit(**a2a, site=f"{_A2A}.token_unpermutation.backward:tokens_grad", split=_TEXT["out"],
              shape=[rows, z["h"]])
