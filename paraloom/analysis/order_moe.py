@@ -91,7 +91,8 @@ def moe_forward(r, i: int, emit) -> None:
     _shared(r, i, emit, False, overlap)
     cp = r.cfg.parallel.cp
     if r.tp * cp > 1 and m.moe_aux_loss_coeff:  # the aux loss's counts (Megatron's tp_cp)
-        emit(kind="cp" if cp > 1 else "sp", op="all_reduce", site="MoELayer.router:tokens_per_expert", module=mod,
+        emit(kind="cp" if cp > 1 else "sp", op="all_reduce",
+             site="MoELayer.router:tokens_per_expert", module=mod,
              split="token counts per expert, summed over the microbatch's ranks",
              shape=[z["e"]], itemsize=8)
     if m.moe_token_dispatcher_type == "allgather":
