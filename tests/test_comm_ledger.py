@@ -238,3 +238,27 @@ def test_record_ledger_file_writes_new_operations_at_launch_and_repeats_from_its
     f.flush()
     assert [e["seq"] for e in load(path)] == list(range(7))
     f.close()
+
+
+def test_record_ledger_file_lock_is_fresh_in_a_forked_child(tmp_path):
+    """A program that forks while the writer thread holds the file's lock: the child does not
+    wait for a lock no thread of its own will ever release."""
+    import os
+    import signal
+    import time
+
+    from paraloom.record.ledger_file import LedgerFile
+    f = LedgerFile(Ledger(rank=0, t0=0.0), tmp_path / "rank_0.jsonl").start()
+    with f._lock:  # as the writer thread holds it
+        pid = os.fork()
+        if pid == 0:
+            with f._lock:
+                os._exit(0)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    f.close()
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

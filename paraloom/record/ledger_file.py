@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from pathlib import Path
 
 from ..ledger import Ledger
@@ -47,6 +48,20 @@ def encode(event: dict) -> str:
     return "".join(_ENCODER(event, 0))
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the files being written by this process
+
+
+def _after_fork_in_child() -> None:
+    """A forked child gets fresh locks (the writer thread may have held one at the fork) and
+    no writer thread (threads do not survive a fork)."""
+    for f in list(_OPEN):
+        f._lock = threading.RLock()
+        f._thread = None
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class LedgerFile:
     """The file of ``ledger``'s events at ``path`` (made, empty, on the first write).
     Thread-safe: the program's thread launches and flushes, the writer thread (:meth:`start`)
@@ -64,6 +79,7 @@ class LedgerFile:
         self._lock = threading.RLock()  # reentrant: a SIGTERM flush may interrupt a flush
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        _OPEN.add(self)
 
     def start(self) -> LedgerFile:
         """Start the daemon thread that writes the repeats' provisional lines."""
