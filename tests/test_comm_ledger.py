@@ -245,15 +245,26 @@ def test_record_ledger_file_lock_is_fresh_in_a_forked_child(tmp_path):
     wait for a lock no thread of its own will ever release."""
     import os
     import signal
+    import threading
     import time
 
     from paraloom.record.ledger_file import LedgerFile
     f = LedgerFile(Ledger(rank=0, t0=0.0), tmp_path / "rank_0.jsonl").start()
-    with f._lock:  # as the writer thread holds it
-        pid = os.fork()
-        if pid == 0:
-            with f._lock:
-                os._exit(0)
+    held, fork_done = threading.Event(), threading.Event()
+
+    def writer() -> None:  # as the writer thread, in the middle of a write
+        with f._lock:
+            held.set()
+            fork_done.wait(10)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    held.wait(10)
+    pid = os.fork()
+    if pid == 0:
+        with f._lock:
+            os._exit(0)
+    fork_done.set()
+    thread.join()
     deadline = time.monotonic() + 10
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
