@@ -146,6 +146,14 @@ def test_paraloom_train_with_the_megatron_lm_command_line_communicates_as_megatr
         assert main(["diff", str(megatron_dir), str(out), "--step", steps,
                      "--ignore-names"]) == 0, capsys.readouterr().out[-4000:]
         capsys.readouterr()
+    # the learning rate: Megatron-LM logs iteration 1 after its scheduler stepped, i.e. the
+    # rate of iteration 2 (linear decay, no warm-up, from --lr 1e-4 over --train-iters 3)
+    import re
+    logged = [float(x) for x in re.findall(r"learning rate: ([0-9.E+-]+)", runs[name][1])]
+    metrics = [__import__("json").loads(x)
+               for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged and logged[0] == pytest.approx(metrics[1]["lr"], rel=1e-6), (logged, metrics)
+    assert [m["lr"] for m in metrics] == pytest.approx([1e-4, 2e-4 / 3, 1e-4 / 3])
     if name != "tp2-pp2":
         return
     bare = tmp_path / "bare"

@@ -79,3 +79,21 @@ def test_learning_rate_warms_up_linearly_then_decays_to_min_lr_on_the_last_step(
     assert learning_rate(0, lr=1.0, min_lr=0.0, warmup_steps=0, total_steps=1) == 1.0
     assert learning_rate(50, lr=1.0, min_lr=0.2, warmup_steps=2, total_steps=10) == \
         pytest.approx(0.2)  # past the schedule: min_lr
+
+
+def test_megatron_lm_learning_rate_counts_steps_as_its_scheduler():
+    """``--megatron-lr-schedule`` (a Megatron-LM command line's): iteration k at Megatron's
+    ``num_steps = k - 1`` -- warm-up from 0, then ``(num_steps - W) / (T - W)`` -- for linear,
+    cosine and constant decay (formulas of Megatron-Core's ``OptimizerParamScheduler``)."""
+    from paraloom.training.lr_schedule import learning_rate
+
+    def lrs(style, warmup, total=10):
+        return [learning_rate(s, lr=1.0, min_lr=0.1, warmup_steps=warmup, total_steps=total,
+                              style=style, megatron=True) for s in range(total)]
+    assert lrs("linear", 0) == pytest.approx([1.0 - 0.09 * s for s in range(10)])
+    assert lrs("linear", 2)[:4] == pytest.approx([0.0, 0.5, 1.0, 1.0 - 0.9 / 8])
+    assert lrs("cosine", 2)[3] == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi / 8)))
+    assert lrs("constant", 2) == pytest.approx([0.0, 0.5] + [1.0] * 8)
+    paraloom = [learning_rate(s, lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=10,
+                              style="linear") for s in range(10)]
+    assert paraloom[0] == 1.0 and paraloom[-1] == pytest.approx(0.1)  # its own count

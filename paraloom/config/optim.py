@@ -1,4 +1,5 @@
-"""The optimiser and its schedule: :class:`OptimConfig` (AdamW, linear warm-up, cosine decay)."""
+"""The optimiser and its schedule: :class:`OptimConfig` (AdamW, linear warm-up, then cosine, linear
+or constant)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,22 @@ class OptimConfig:
     default is 0.999)."""
     adam_eps: float = option(1e-8, "--adam-eps", help="Adam's epsilon")
     """Adam's ``eps`` (Megatron's ``--adam-eps``, default 1e-8)."""
+
+    lr_decay_style: str = option("cosine", "--lr-decay-style",
+                                 choices=("cosine", "linear", "constant"),
+                                 help="the decay after warm-up: cosine (default) or linear to "
+                                      "--min-lr, or constant")
+    """The decay after warm-up (Megatron's ``--lr-decay-style``; Megatron-LM's default is
+    ``linear``, paraloom's ``cosine``)."""
+    megatron_lr_schedule: bool = option(
+        False, "--megatron-lr-schedule", negatable=True,
+        help="count steps as Megatron-LM's OptimizerParamScheduler (iteration k at num_steps "
+             "k-1: warm-up from 0); on for a Megatron-LM command line")
+    """Megatron-LM's step count: iteration ``k`` (from 1) gets the learning rate of
+    ``num_steps = k - 1`` (warm-up ``lr * num_steps / W``, so 0 first; decay ratio
+    ``(num_steps - W) / (T - W)``). Off: paraloom's (nanoGPT's) count, step ``s`` (from 0) at
+    ``lr (s + 1) / W`` in warm-up and ``(s - W) / (T - W - 1)`` after, the last step at
+    ``min_lr``."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):

@@ -1,4 +1,5 @@
-"""Learning-rate schedule: linear warm-up, then cosine decay to ``min_lr`` at the last step."""
+"""Learning-rate schedule: linear warm-up, then cosine or linear decay to ``min_lr`` (or constant),
+counted as paraloom does or as Megatron-LM's ``OptimizerParamScheduler`` does."""
 
 from __future__ import annotations
 
@@ -7,12 +8,30 @@ import math
 __all__ = ["learning_rate"]
 
 
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int
-                  ) -> float:
-    """LR for optimizer step ``step`` (0-based): ``lr * (step + 1) / warmup`` during warm-up,
-    then ``min_lr + (lr - min_lr) * (1 + cos(pi * progress)) / 2``."""
-    if step < warmup_steps:
-        return lr * (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps - 1)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
+                  style: str = "cosine", megatron: bool = False) -> float:
+    """LR for optimizer step ``step`` (0-based) of ``total_steps``.
+
+    paraloom's count: ``lr * (step + 1) / warmup`` during warm-up, then the decay over
+    ``progress = (step - warmup) / (total - warmup - 1)`` (the last step at ``min_lr``).
+    Megatron-LM's (``megatron``): ``num_steps = step`` (its scheduler steps after the update),
+    ``lr * num_steps / warmup`` while ``num_steps <= warmup``, then the decay over
+    ``(num_steps - warmup) / (total - warmup)``. Decay: cosine ``(1 + cos(pi p)) / 2``, linear
+    ``1 - p``, or constant ``lr``."""
+    if megatron:
+        if warmup_steps > 0 and step <= warmup_steps:
+            return lr * step / warmup_steps
+        if style == "constant":
+            return lr
+        if step > total_steps:
+            return min_lr
+        progress = (step - warmup_steps) / (total_steps - warmup_steps)
+    else:
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        if style == "constant":
+            return lr
+        decay_steps = max(1, total_steps - warmup_steps - 1)
+        progress = min(1.0, (step - warmup_steps) / decay_steps)
+    coeff = 1.0 - progress if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr + (lr - min_lr) * coeff

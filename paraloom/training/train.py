@@ -211,7 +211,8 @@ def train_step(run: Run, step: int) -> dict:
         rerun_vote(mesh, run.device)
     o = cfg.optim
     lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                       total_steps=cfg.steps)
+                       total_steps=cfg.steps, style=o.lr_decay_style,
+                       megatron=o.megatron_lr_schedule)
     grad_norm = run.grad_norm.total(run.device)  # Megatron's optimizer.step() from here ...
     ok = math.isfinite(grad_norm)
     if ok:
