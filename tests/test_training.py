@@ -97,3 +97,27 @@ def test_megatron_lm_learning_rate_counts_steps_as_its_scheduler():
     paraloom = [learning_rate(s, lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=10,
                               style="linear") for s in range(10)]
     assert paraloom[0] == 1.0 and paraloom[-1] == pytest.approx(0.1)  # its own count
+    # --lr-warmup-init, a fractional warm-up (--lr-warmup-fraction x --lr-decay-iters: 0.01 x
+    # 320 = 3.2 iterations, as Megatron counts samples) and the decay's end before the run's
+    assert [learning_rate(s, lr=1.0, min_lr=0.0, warmup_steps=3.2, total_steps=320,
+                          style="linear", megatron=True, warmup_init=0.2) for s in (0, 3, 4)] \
+        == pytest.approx([0.2, 0.2 + 0.8 * 3 / 3.2, 1 - 0.8 / 316.8])
+    assert learning_rate(12, lr=1.0, min_lr=0.1, warmup_steps=0, total_steps=10,
+                         style="linear", megatron=True) == 0.1
+
+
+def test_megatron_lm_schedule_flags_resolve_and_refuse():
+    """``--lr-warmup-fraction`` resolves against ``--lr-decay-iters`` (else the run's steps),
+    never together with ``--lr-warmup-iters``; the default warm-up stays 5."""
+    from paraloom.config import OptimConfig
+    assert OptimConfig().warmup_steps == 5
+    assert OptimConfig(warmup_fraction=0.01, decay_steps=320).schedule(1000) == \
+        pytest.approx((3.2, 320))
+    assert OptimConfig(warmup_fraction=0.5).schedule(10) == (5.0, 10)
+    with pytest.raises(ValueError, match="--lr-warmup-fraction 0.1 and --lr-warmup-iters 3 "
+                                         "both set the warm-up"):
+        OptimConfig(warmup_fraction=0.1, warmup_steps=3)
+    with pytest.raises(ValueError, match=r"decay_steps \(--lr-decay-iters\) must be a positive"):
+        OptimConfig(decay_steps=0)
+    with pytest.raises(ValueError, match="warmup_init"):
+        OptimConfig(lr=1e-3, warmup_init=1e-2)

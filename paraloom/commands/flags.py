@@ -103,8 +103,9 @@ def _copy(config: dict) -> dict:
 def fresh(base: TrainConfig | None = None) -> dict:
     """The nested dict a new run starts from: ``base`` (default ``TrainConfig()``) with the
     settings that follow from others (the schedule from the pipeline layout, ``min_lr`` from
-    ``lr``) left open, so the flags given decide them."""
+    ``lr``, the warm-up from its fraction) left open, so the flags given decide them."""
     out = dataclasses.asdict(base or TrainConfig())
     out["schedule"] = None
     out["optim"]["min_lr"] = None
+    out["optim"]["warmup_steps"] = None  # 5, or from --lr-warmup-fraction
     return out

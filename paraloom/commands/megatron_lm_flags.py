@@ -208,7 +208,8 @@ MEGATRON_LM_DEFAULTS = {
     "optim.adam_beta2": (lambda settings, backend: 0.999, None),
     "optim.lr_decay_style": (lambda settings, backend: "linear", None),
     "optim.min_lr": (lambda settings, backend: 0.0, None),
-    "optim.warmup_steps": (lambda settings, backend: 0, None),
+    "optim.warmup_steps": (lambda settings, backend: None if settings.get("optim", {}).get(
+        "warmup_fraction") is not None else 0, None),
 }
 """Megatron-LM's defaults where paraloom's own differ: setting -> (its value for the settings
 and backend of the run, or ``None`` where it does not apply; what it means, or ``None`` when an

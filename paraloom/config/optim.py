@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from .fields import option
+from .parallel import positive_int
 
 __all__ = ["OptimConfig", "DEFAULT_MIN_LR"]
 
@@ -31,9 +32,23 @@ class OptimConfig:
                                   f"rate (default: {DEFAULT_MIN_LR:g}, or --lr if lower)")
     """Learning rate at the end of the cosine decay; ``None``: ``DEFAULT_MIN_LR`` or ``lr`` if
     that is lower (resolved on creation, so a saved config holds the number)."""
-    warmup_steps: int = option(5, "--warmup-steps", "--lr-warmup-iters",
-                               help="linear warm-up steps")
-    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``)."""
+    warmup_steps: int | float | None = option(None, "--warmup-steps", "--lr-warmup-iters",
+                                              help="linear warm-up steps (default 5)")
+    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``); ``None``: 5, or with
+    ``warmup_fraction`` that fraction of the decay steps (resolved on creation: a number,
+    fractional with a fraction, as Megatron's)."""
+    warmup_fraction: float | None = option(
+        None, "--lr-warmup-fraction", help="warm up for this fraction of the decay steps "
+                                           "(Megatron's; instead of --lr-warmup-iters)")
+    """Megatron's ``--lr-warmup-fraction``: warm-up over ``fraction x decay steps`` (not an
+    integer number of steps in general, as in Megatron, which counts samples)."""
+    warmup_init: float = option(0.0, "--lr-warmup-init",
+                                help="the learning rate warm-up starts from (Megatron's)")
+    """Megatron's ``--lr-warmup-init``: the rate the warm-up starts from."""
+    decay_steps: int | None = option(None, "--lr-decay-steps", "--lr-decay-iters",
+                                     help="steps the decay spans (default: the run's --steps)")
+    """Megatron's ``--lr-decay-iters``: the decay ends there (``min_lr`` after); ``None``: the
+    run's steps."""
     weight_decay: float = option(0.1, "--weight-decay",
                                  help="AdamW weight decay of matrices and embeddings; biases and "
                                       "norm weights get none (Megatron-Core's rule)")
@@ -76,12 +91,43 @@ class OptimConfig:
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(f"weight_decay (--weight-decay) must be >= 0, got "
                              f"{self.weight_decay}")
-        if self.warmup_steps < 0 or not self.clip_grad >= 0:
+        self._resolve_warmup()
+        if (self.warmup_steps or 0) < 0 or not self.clip_grad >= 0:
             raise ValueError(f"warmup_steps ({self.warmup_steps}) and clip_grad "
                              f"({self.clip_grad}) must be >= 0")
+        if self.decay_steps is not None:
+            positive_int("decay_steps (--lr-decay-iters)", self.decay_steps)
+        _finite("warmup_init (--lr-warmup-init)", self.warmup_init)
+        if self.warmup_init > self.lr:
+            raise ValueError(f"warmup_init (--lr-warmup-init) must be at most lr = {self.lr}, "
+                             f"got {self.warmup_init}")
         for name in ("adam_beta1", "adam_beta2"):
             value = getattr(self, name)
             if not 0 <= value < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be in [0, 1), got "
                                  f"{value}")
         _finite("adam_eps (--adam-eps)", self.adam_eps, strict=True)
+
+    def schedule(self, total_steps: int) -> tuple[float, int]:
+        """``(warm-up steps, decay steps)`` of a run of ``total_steps``."""
+        decay = self.decay_steps or total_steps
+        warmup = self.warmup_steps if self.warmup_steps is not None else \
+            self.warmup_fraction * decay
+        return warmup, decay
+
+    def _resolve_warmup(self) -> None:
+        fraction = self.warmup_fraction
+        if fraction is None:
+            if self.warmup_steps is None:
+                object.__setattr__(self, "warmup_steps", 5)
+            return
+        if self.warmup_steps is not None:
+            raise ValueError(f"--lr-warmup-fraction {fraction} and --lr-warmup-iters "
+                             f"{self.warmup_steps} both set the warm-up (Megatron allows one): "
+                             f"give one")
+        _finite("warmup_fraction (--lr-warmup-fraction)", fraction)
+        if fraction > 1:
+            raise ValueError(f"warmup_fraction (--lr-warmup-fraction) must be in [0, 1], got "
+                             f"{fraction}")
+        if self.decay_steps is not None:  # else the run's steps decide it (:meth:`schedule`)
+            object.__setattr__(self, "warmup_steps", fraction * self.decay_steps)

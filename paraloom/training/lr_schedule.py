@@ -8,9 +8,12 @@ import math
 __all__ = ["learning_rate"]
 
 
-def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,
-                  style: str = "cosine", megatron: bool = False) -> float:
-    """LR for optimizer step ``step`` (0-based) of ``total_steps``.
+def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: float, total_steps: int,
+                  style: str = "cosine", megatron: bool = False, warmup_init: float = 0.0
+                  ) -> float:
+    """LR for optimizer step ``step`` (0-based); the decay spans ``total_steps`` (Megatron's
+    ``--lr-decay-iters``, else the run's steps; ``min_lr`` after), the warm-up rises from
+    ``warmup_init``.
 
     paraloom's count: ``lr * (step + 1) / warmup`` during warm-up, then the decay over
     ``progress = (step - warmup) / (total - warmup - 1)`` (the last step at ``min_lr``).
@@ -20,15 +23,15 @@ def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: int, tot
     ``1 - p``, or constant ``lr``."""
     if megatron:
         if warmup_steps > 0 and step <= warmup_steps:
-            return lr * step / warmup_steps
+            return warmup_init + (lr - warmup_init) * step / warmup_steps
         if style == "constant":
             return lr
         if step > total_steps:
             return min_lr
         progress = (step - warmup_steps) / (total_steps - warmup_steps)
     else:
-        if step < warmup_steps:
-            return lr * (step + 1) / warmup_steps
+        if step + 1 <= warmup_steps:
+            return warmup_init + (lr - warmup_init) * (step + 1) / warmup_steps
         if style == "constant":
             return lr
         decay_steps = max(1, total_steps - warmup_steps - 1)

@@ -210,9 +210,10 @@ def train_step(run: Run, step: int) -> dict:
     if loop and cfg.rerun_mode != "disabled":
         rerun_vote(mesh, run.device)
     o = cfg.optim
-    lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
-                       total_steps=cfg.steps, style=o.lr_decay_style,
-                       megatron=o.megatron_lr_schedule)
+    warmup, decay = o.schedule(cfg.steps)
+    lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=warmup, total_steps=decay,
+                       style=o.lr_decay_style, megatron=o.megatron_lr_schedule,
+                       warmup_init=o.warmup_init)
     grad_norm = run.grad_norm.total(run.device)  # Megatron's optimizer.step() from here ...
     ok = math.isfinite(grad_norm)
     if ok:
