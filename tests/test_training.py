@@ -121,3 +121,30 @@ def test_megatron_lm_schedule_flags_resolve_and_refuse():
         OptimConfig(decay_steps=0)
     with pytest.raises(ValueError, match="warmup_init"):
         OptimConfig(lr=1e-3, warmup_init=1e-2)
+
+
+def test_init_method_std_scales_every_initial_weight():
+    """``--init-method-std`` (Megatron's): the counter-based initialiser draws the same normals,
+    scaled -- a block's output projections by ``std / sqrt(2 layers)`` too -- and biases and
+    norms stay as they are."""
+    from paraloom.data import Corpus, load_corpus
+    from paraloom.mesh import ParallelMesh
+    from paraloom.training.train import build
+
+    def params(std):
+        cfg = TrainConfig().replace(parallel=ParallelConfig(), model=ModelConfig(
+            vocab_size=256, hidden_size=32, num_layers=2, num_attention_heads=4, seq_length=16,
+            init_std=std), global_batch_size=2, micro_batch_size=1, steps=1, save_every=0)
+        run = build(cfg, ParallelMesh(cfg.parallel),
+                    Corpus(load_corpus(cfg.data.file), cfg.model.seq_length, cfg.seed))
+        return dict(run.chunks[0].named_parameters())
+    base, half = params(0.02), params(0.01)
+    scaled = [n for n, p in base.items() if p.dim() > 1]
+    assert "layers.0.attention.proj.weight" in scaled and len(scaled) > 6
+    for name in scaled:
+        assert (half[name] * 2).allclose(base[name]), name
+    for name in set(base) - set(scaled):
+        assert half[name].equal(base[name]), name
+    # an output projection at std / sqrt(2 x 2 layers), an input one at std
+    assert float(base["layers.1.mlp.fc2.weight"].detach().std()) == pytest.approx(0.01, rel=0.1)
+    assert float(base["layers.1.mlp.fc1.weight"].detach().std()) == pytest.approx(0.02, rel=0.1)

@@ -50,7 +50,7 @@ GROUPS = {
                         "recompute"),
     "model shape": ("model.seq_length", "model.num_layers", "model.hidden_size",
                     "model.num_attention_heads", "model.ffn_hidden_size", "model.vocab_size",
-                    "model.make_vocab_size_divisible_by", "model.dropout"),
+                    "model.make_vocab_size_divisible_by", "model.dropout", "model.init_std"),
     "optimizer": ("optim.lr", "optim.min_lr", "optim.warmup_steps", "optim.warmup_fraction",
                   "optim.warmup_init", "optim.decay_steps", "optim.lr_decay_style",
                   "optim.megatron_lr_schedule", "optim.weight_decay", "optim.clip_grad",

@@ -40,8 +40,12 @@ class ModelConfig:
     dropout: float = option(0.0, "--dropout", "--hidden-dropout",
                             help="attention and residual dropout probability")
     """Dropout probability for attention and residual dropout."""
-    init_std: float = 0.02
-    """Standard deviation of the normal initialisation."""
+    init_std: float = option(0.02, "--init-std", "--init-method-std",
+                             help="standard deviation of the weights' normal initialisation "
+                                  "(output layers of each block: / sqrt(2 x layers))")
+    """Standard deviation of the normal initialisation (Megatron's ``--init-method-std``, default
+    0.02); the blocks' output projections get ``init_std / sqrt(2 num_layers)``, as Megatron's
+    ``scaled_init_method_normal``."""
     make_vocab_size_divisible_by: int = option(
         128, "--make-vocab-size-divisible-by",
         help="the embedding rows are the vocabulary rounded up to a multiple of this times tp "
@@ -163,6 +167,9 @@ class ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"hidden_size = {self.hidden_size} is not divisible by "
                              f"num_attention_heads = {self.num_attention_heads}")
+        if not (isinstance(self.init_std, (int, float)) and 0 < self.init_std < float("inf")):
+            raise ValueError(f"init_std (--init-method-std) must be a positive number, got "
+                             f"{self.init_std}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         self._check_architecture()

@@ -23,10 +23,11 @@ from .tensorboard import check_tensorboard
 __all__ = ["check_inputs", "check_resumable"]
 
 
-HOW_NOT_WHAT = ("dropout", "moe_grouped_gemm", "moe_token_dispatcher_type",
+HOW_NOT_WHAT = ("dropout", "init_std", "moe_grouped_gemm", "moe_token_dispatcher_type",
                 "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity")
-"""Model fields that change how the same model is computed or communicated, not the model:
-a checkpoint resumes under other values (each trains what one process trains either way)."""
+"""Model fields that change how the same model is computed or communicated, not the model
+(or only how it started: ``init_std``): a checkpoint resumes under other values (each trains
+what one process trains either way)."""
 
 
 def check_resumable(cfg: TrainConfig) -> None:
