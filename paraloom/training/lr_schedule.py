@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["learning_rate"]
+__all__ = ["learning_rate", "run_learning_rate"]
 
 
 def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: float, total_steps: int,
@@ -38,3 +38,11 @@ def learning_rate(step: int, *, lr: float, min_lr: float, warmup_steps: float, t
         progress = min(1.0, (step - warmup_steps) / decay_steps)
     coeff = 1.0 - progress if style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return min_lr + (lr - min_lr) * coeff
+
+
+def run_learning_rate(o, step: int, steps: int) -> float:
+    """The rate of step ``step`` (0-based) of a run of ``steps`` under ``OptimConfig`` ``o``."""
+    warmup, decay = o.schedule(steps)
+    return learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=warmup, total_steps=decay,
+                         style=o.lr_decay_style, megatron=o.megatron_lr_schedule,
+                         warmup_init=o.warmup_init)

@@ -43,7 +43,7 @@ from ..pipeline_parallel.schedules import (
     forward_backward_zero_bubble,
 )
 from ..tensor_parallel.random import model_parallel_seed
-from .lr_schedule import learning_rate
+from .lr_schedule import run_learning_rate
 from .megatron_lm_loop import (
     broadcast_batch,
     learning_rate_max,
@@ -210,10 +210,7 @@ def train_step(run: Run, step: int) -> dict:
     if loop and cfg.rerun_mode != "disabled":
         rerun_vote(mesh, run.device)
     o = cfg.optim
-    warmup, decay = o.schedule(cfg.steps)
-    lr = learning_rate(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=warmup, total_steps=decay,
-                       style=o.lr_decay_style, megatron=o.megatron_lr_schedule,
-                       warmup_init=o.warmup_init)
+    lr = run_learning_rate(o, step, cfg.steps)
     grad_norm = run.grad_norm.total(run.device)  # Megatron's optimizer.step() from here ...
     ok = math.isfinite(grad_norm)
     if ok:
