@@ -34,9 +34,9 @@ class OptimConfig:
     that is lower (resolved on creation, so a saved config holds the number)."""
     warmup_steps: int | float | None = option(None, "--warmup-steps", "--lr-warmup-iters",
                                               help="linear warm-up steps (default 5)")
-    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``); ``None``: 5, or with
-    ``warmup_fraction`` that fraction of the decay steps (resolved on creation: a number,
-    fractional with a fraction, as Megatron's)."""
+    """Linear warm-up steps (Megatron's ``--lr-warmup-iters``); ``None``: 5 (resolved on
+    creation), or with ``warmup_fraction`` that fraction of the decay steps (:meth:`schedule`,
+    fractional as Megatron's)."""
     warmup_fraction: float | None = option(
         None, "--lr-warmup-fraction", help="warm up for this fraction of the decay steps "
                                            "(Megatron's; instead of --lr-warmup-iters)")
@@ -129,5 +129,3 @@ class OptimConfig:
         if fraction > 1:
             raise ValueError(f"warmup_fraction (--lr-warmup-fraction) must be in [0, 1], got "
                              f"{fraction}")
-        if self.decay_steps is not None:  # else the run's steps decide it (:meth:`schedule`)
-            object.__setattr__(self, "warmup_steps", fraction * self.decay_steps)
