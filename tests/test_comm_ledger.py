@@ -206,7 +206,8 @@ def test_record_ledger_file_writes_new_operations_at_launch_and_repeats_from_its
         tmp_path):
     """``record_comms(out=...)``'s file: an operation not seen before gets its provisional line
     before it starts (a rank aborted inside it keeps it), a repeat (same site, op, bytes, dtype,
-    group, phase) only when the writer looks (its thread, every 0.1 s), an all-to-all with
+    group, phase) only when the writer looks a second time with it still unflushed (its thread
+    looks every 0.1 s: steps shorter than that never encode a repeat twice), an all-to-all with
     splits always at once; a flush writes the final lines over all of them."""
     from paraloom.record.ledger_file import LedgerFile
     led = Ledger(rank=0, t0=0.0)
@@ -231,12 +232,22 @@ def test_record_ledger_file_writes_new_operations_at_launch_and_repeats_from_its
     assert [(e["site"], e["bytes"]) for e in load(path)] == [
         ("a.py:1", 8), ("a.py:2", 8), ("a.py:2", 16), ("a.py:3", 8), ("a.py:3", 8)]
     led.completed(again)
-    f.write_provisional()  # what the writer thread does
+    f.write_provisional()  # what the writer thread does: a first look only marks them
+    assert [(e["site"], e["bytes"]) for e in load(path)] == [
+        ("a.py:1", 8), ("a.py:2", 8), ("a.py:2", 16), ("a.py:3", 8), ("a.py:3", 8)]
+    f.write_provisional()  # the next look: still not flushed, so written now
     lines = load(path)
     assert [e["seq"] for e in lines] == [0, 1, 4, 5, 6, 2, 3]  # the repeats after, by seq
     assert "pending" not in lines[5] and lines[6]["pending"]
     f.flush()
     assert [e["seq"] for e in load(path)] == list(range(7))
+    f.write_provisional()
+    launch("a.py:1")  # a repeat launched after a look and flushed before the next one
+    f.flush()
+    encoded = []
+    f._line = lambda event: encoded.append(event["seq"]) or "{}"
+    f.write_provisional()
+    assert encoded == [] and [e["seq"] for e in load(path)] == list(range(8))
     f.close()
 
 

@@ -3,7 +3,7 @@
 * site — ``file.py:LINE Qualified.function`` of the innermost frame outside torch, paraloom,
   the standard library and decorator shims (``typing_extensions``); the path relative to the
   working directory when it is below it. Whether a code object is skipped, and the text of each
-  (code object, line), are computed once.
+  (code object, instruction), are computed once.
 * module — a path from the outermost module's ``named_modules`` (``layers.0.mlp.fc1``). While a
   forward runs it is the innermost module whose ``__call__`` is on the stack: the frames of
   ``nn.Module._call_impl`` above the collective, each holding its module as ``self`` (so no
@@ -27,16 +27,17 @@ from torch.nn.modules import module as nn_module
 
 import paraloom
 
-__all__ = ["Attribution", "Names", "locate", "mark", "KEY"]
+__all__ = ["Attribution", "Names", "locate", "mark", "KEY", "ACCUMULATE_GRAD"]
 
 KEY = "paraloom.module"  # autograd node metadata: the module whose forward made the node
+ACCUMULATE_GRAD = type(torch.zeros(1, requires_grad=True).expand(1).grad_fn.next_functions[0][0])
 _CALL_IMPL = nn.Module._call_impl.__code__
 _TORCH_PARALOOM = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, paraloom))
 _SKIP_DIRS = (sysconfig.get_paths()["stdlib"] + os.sep,)  # runpy, contextlib, functools
 _PACKAGES = tuple({sysconfig.get_paths()[k] + os.sep for k in ("purelib", "platlib")})
 _SKIP_FILES = ("typing_extensions.py",)  # its @deprecated wraps Megatron-Core's functions
 _REL: dict = {}  # code object -> its file as a site shows it, or None: skipped
-_SITES: dict = {}  # (code object, line) -> site text
+_SITES: dict = {}  # (code object, instruction offset) -> site text (no line lookup when known)
 
 
 def _rel(code) -> str | None:
@@ -68,7 +69,7 @@ def locate(frame, modules: bool) -> tuple[str, object]:
         elif site is None:
             rel = _rel(code)
             if rel is not None:
-                key = (code, frame.f_lineno)
+                key = (code, frame.f_lasti)
                 site = _SITES.get(key)
                 if site is None:
                     site = _SITES[key] = f"{rel}:{frame.f_lineno} {code.co_qualname}"
@@ -163,13 +164,14 @@ class Attribution:
         learning remembers which modules and which node kinds that takes."""
         if node is None:
             return None
-        path = node.metadata.get(KEY)
-        if path is not None:
-            if not self.lean:
-                self._tags.add(path)
-            return path
-        if type(node).__name__ == "AccumulateGrad":
+        if type(node) is ACCUMULATE_GRAD:  # a parameter's: never marked (leaves have no node)
             path = self.names.params.get(id(node.variable))
+        else:
+            path = node.metadata.get(KEY)
+            if path is not None:
+                if not self.lean:
+                    self._tags.add(path)
+                return path
         if path is None:
             if not self.lean:
                 self._unattributed.add(type(node))

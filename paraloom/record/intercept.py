@@ -54,6 +54,7 @@ _Work = torch._C._distributed_c10d.Work
 _PG = torch._C._distributed_c10d.ProcessGroup
 _C10D_FILE = c10d.__file__
 _BLOCKING_P2P = ("send", "recv")
+_IS_TENSOR = torch.Tensor.__instancecheck__  # isinstance(x, Tensor) without a generator frame
 
 _SINK = None  # the active recorder: .on, .now(), .launch(op, tensors, pg, peer, async_op, ...)
 _LIBS: list = []
@@ -168,7 +169,7 @@ def _c10d_kernel(op, spec: OpSpec, args: dict):
             data = values[at_data] if at_data < n else kwargs.get(spec.data)
         if isinstance(data, torch.Tensor):
             tensors = [data]
-        elif type(data) is list and all(isinstance(t, torch.Tensor) for t in data):
+        elif type(data) is list and all(map(_IS_TENSOR, data)):
             tensors = data  # the common case: a flat list (read, never changed)
         else:
             tensors = tensors_of(data)

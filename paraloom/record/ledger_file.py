@@ -12,15 +12,17 @@ Who writes a provisional line, and when:
   site, op, size, dtype or group, or any all-to-all with split sizes, send/recv or rooted op):
   where ranks diverge, a rank that gloo or NCCL aborts inside the collective, or that is
   SIGKILLed there, still leaves it -- what ``paraloom diagnose`` needs to tell who diverged;
-* a daemon thread, every ``period`` seconds, for the repeats (a DDP bucket's all-reduce at every
-  step): a rank blocked in one (gloo and NCCL release the GIL while they wait) leaves it too; a
-  rank killed by a signal in the middle of a step loses at most the last ``period`` seconds of
-  repeats.
+* a daemon thread, for the repeats (a DDP bucket's all-reduce at every step) that are still
+  not flushed when it looks a second time (it looks every ``period`` seconds): a rank blocked in
+  one (gloo and NCCL release the GIL while they wait) leaves it within two periods; a rank
+  killed by a signal in the middle of a step loses at most the last two periods of repeats.
+  A program whose steps are shorter than a period never has a repeat encoded twice: its step
+  flush writes them first.
 
 A line per collective on the program's thread cost DDP about 4% of its step on 2 cores
-(``benchmarks/record_overhead.py``); repeats cost it nothing now. Writes are ``pwrite`` on a raw
-descriptor; a flush truncates only when the final lines come out shorter than the provisional
-ones they replace.
+(``benchmarks/record_overhead.py``); repeats cost it one final line each. Writes are
+``pwrite`` on a raw descriptor; a flush truncates only when the final lines come out shorter
+than the provisional ones they replace.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class LedgerFile:
         self.ledger, self.path, self.period = ledger, path, period
         self.flushed = 0  # events[:flushed] are in the file with their final fields
         self._looked = 0  # events[flushed:_looked] have provisional lines (or are being flushed)
+        self._marked = 0  # events[:_marked] were launched before the writer's last look
         self._early: set[int] = set()  # events at or past _looked written at their launch
         self._seen: set[tuple] = set()  # the operations written at launch once
         self._final = 0  # byte offset where the provisional lines start
@@ -127,11 +130,13 @@ class LedgerFile:
             self._early.add(len(self.ledger.events) - 1)
 
     def write_provisional(self) -> None:
-        """Append provisional lines for the events launched since the last look that have none
-        (each copied first: the program's thread may complete one while it is encoded)."""
+        """Append provisional lines for the events that have none and were launched before the
+        previous look (each copied first: the program's thread may complete one while it is
+        encoded); what is flushed before a second look is never written twice."""
         events = self.ledger.events
         with self._lock:
-            start, end = max(self._looked, self.flushed), len(events)
+            start, end = max(self._looked, self.flushed), self._marked
+            self._marked = len(events)
             if end <= start:
                 return
             picked = [dict(events[i]) for i in range(start, end) if i not in self._early]

@@ -22,6 +22,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from ..device import timing_event_type
@@ -29,6 +30,7 @@ from ..heartbeat import Heartbeat
 from ..ledger import Ledger
 from ..run_folder import rank_ledger
 from . import intercept, megatron_step, pipeline
+from .attribution import ACCUMULATE_GRAD
 from .kinds import KindResolver
 from .ledger_file import LedgerFile
 from .ops import nbytes
@@ -54,7 +56,7 @@ class Recorder:
                                on_optimizer_done=self._optimizer_done,
                                on_setup_end=self._setup_ended, ledger=ledger)
         self._setup: list[tuple[dict, str]] = []  # setup events and their phase as seen
-        self._groups: dict[str, tuple[list[int], str]] = {}
+        self._groups: dict = {}  # process group -> (its name, its ranks, its description)
         self.now = ledger.stamp  # a device event once the program communicates on CUDA
 
     def launch(self, op: str, tensors: list, pg, peer, async_op: bool, coalesced: bool,
@@ -63,12 +65,11 @@ class Recorder:
         ``fields``: ``root`` (a group rank, recorded as the global one) or all-to-all
         ``input_splits``/``output_splits``. Runs at every collective of the program: keep it
         short (``benchmarks/record_overhead.py``)."""
-        name = pg.group_name
-        known = self._groups.get(name)
+        known = self._groups.get(pg)  # by the group object: no property read per launch
         if known is None:
-            known = self._groups[name] = (dist.get_process_group_ranks(pg),
-                                          getattr(pg, "group_desc", "") or "")
-        ranks, desc = known
+            known = self._groups[pg] = (pg.group_name, dist.get_process_group_ranks(pg),
+                                        getattr(pg, "group_desc", "") or "")
+        name, ranks, desc = known
         phase, module, where, node = self.tracker.where(sys._getframe(1))
         extra = None
         if peer is not None or op == "recv" or fields or (coalesced and len(tensors) != 1):
@@ -76,20 +77,19 @@ class Recorder:
             phase = extra.pop("phase")
         if tensors:
             first = tensors[0]
-            if first.is_cuda:
+            if torch.cuda._initialized and first.is_cuda:  # no CUDA tensor before CUDA is up
                 self._device_clock(first.device)
             dtype = _DTYPES.get(first.dtype)
             if dtype is None:
                 dtype = _DTYPES[first.dtype] = str(first.dtype).removeprefix("torch.")
             shape = list(first.shape)
-            size = first.numel() * first.element_size() if len(tensors) == 1 else \
-                nbytes(tensors)
+            size = first.nbytes if len(tensors) == 1 else nbytes(tensors)
         else:
             shape = dtype = None
             size = 0
         event = self.ledger.event(op, phase, self.kinds.kind(name, desc, ranks), where, module,
                                   None, async_op, size, shape, dtype, list(ranks), name, extra)
-        if node is not None and type(node).__name__ == "AccumulateGrad":
+        if node is not None and type(node) is ACCUMULATE_GRAD:
             event["param_grad"] = True  # fired by a parameter's gradient (a DDP bucket hook)
         if self.tracker.setup:
             self._setup.append((event, phase))
