@@ -67,7 +67,9 @@ def locate(frame, modules: bool) -> tuple[str, object]:
                 if site is not None:
                     break
         elif site is None:
-            rel = _rel(code)
+            rel = _REL.get(code, _rel)  # inline: a walk passes ~20 frames of torch's code
+            if rel is _rel:
+                rel = _rel(code)
             if rel is not None:
                 key = (code, frame.f_lasti)
                 site = _SITES.get(key)
