@@ -148,6 +148,53 @@ def test_training_draws_every_window_of_its_part_the_last_one_included():
     assert one.split == seq + 1 and one.global_batch(0, 3)[:, 0].tolist() == [0, 0, 0]
 
 
+def test_split_cuts_the_token_stream_in_order():
+    """``--split A,B,C``: training windows lie in the first A/(A+B+C) of the tokens, the held-out
+    ones in the next B/(A+B+C), and nothing reads the last C/(A+B+C); without it the last 5 %
+    is held out to the end."""
+    from paraloom.config import DataConfig
+    tokens = torch.arange(1000)  # each token its own position
+    corpus = Corpus(tokens, 16, **DataConfig(split="60/30/10").split_parts())
+    trained = torch.cat([corpus.global_batch(step, 64) for step in range(50)])
+    held = torch.cat([torch.cat([t, y], 1) for t, y in eval_batches(corpus, 8, 4)])
+    assert trained.max() <= 599 and trained.max() >= 590  # the last window is drawn too
+    assert held.min() == 600 and 880 <= held.max() <= 899
+    default = Corpus(tokens, 16)
+    assert 950 < torch.cat([y for _, y in eval_batches(default, 8, 4)]).max() <= 999
+    assert DataConfig(split="949,50,1").split_parts() == pytest.approx(
+        {"holdout": 0.051, "heldout_end": 0.999})
+
+
+def test_split_names_itself_when_the_data_is_too_short(tmp_path):
+    text = (TEXT * 20)[:min_bytes(SEQ, "train")]  # enough for the default 95/5
+    path = _file(tmp_path, "short.txt", text)
+    assert check_data(path, SEQ, "train") == []
+    with pytest.raises(ValueError) as err:
+        check_data(path, SEQ, "train", split="98,1,1")
+    assert f"needs at least {min_bytes(SEQ, 'train', 0.02, 0.99)}" in str(err.value)
+    assert "its first 98.0% (--split 98,1,1) (training) and the next 1.0%" in str(err.value)
+
+
+def test_eval_resume_scores_the_held_out_part_of_the_runs_split(tmp_path, capfd):
+    """A run trained with ``--split`` scores its held-out loss on the split's validation part,
+    and ``eval --resume`` (which keeps the split) gives the same loss; the same file evaluated
+    as other data (its last 5 %) gives another."""
+    notes = _file(tmp_path, "notes.txt", bytes(range(32, 127)) * 6 + b"the end of notes\n" * 9)
+    assert main(["train", "--data", notes, "--tp", "1", "--pp", "1", "--dp", "1",
+                 "--layers", "1", "--hidden", "32", "--heads", "4", "--seq-len", "16",
+                 "--global-batch-size", "2", "--micro-batch-size", "1", "--steps", "1",
+                 "--split", "50,40,10", "--out", str(tmp_path / "run")]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    capfd.readouterr()
+
+    def loss(*extra) -> float:
+        assert main(["eval", "--resume", str(tmp_path / "run"), *extra]) == 0
+        out = capfd.readouterr().out
+        return json.loads([x for x in out.splitlines() if x.startswith("{")][-1])["loss"]
+    assert loss() == pytest.approx(summary["held_out_loss_after"], rel=1e-6)
+    assert loss("--data", notes) != pytest.approx(summary["held_out_loss_after"], rel=1e-3)
+
+
 def test_binary_data_is_noted_not_refused(tmp_path):
     data = bytearray((TEXT * 20)[:min_bytes(SEQ, "train")])
     data[300] = 0xFF
@@ -229,6 +276,10 @@ BAD = [
     (["--schedule", "interleaved"],
      "needs vpp >= 2 (--vpp, virtual stages per pipeline rank), got no vpp"),
     (["--data", "/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--split", "100,0,0"], "--split '100,0,0' leaves nothing for the held-out loss"),
+    (["--split", "0,5,5"], "--split '0,5,5' leaves nothing for training"),
+    (["--split", "9,x"], "--split '9,x': give the train, validation and test weights"),
+    (["--split", "1,2,3,4"], "(one to three non-negative numbers, not all 0)"),
     (["--resume", "/nonexistent/run"], "/nonexistent/run"),
     (["--max-bad-steps", "0"], "max_bad_steps must be a positive integer, got 0"),
     (["--timeout", "0"], "timeout_s (--timeout) must be a positive number of seconds, got 0.0"),

@@ -61,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                    default=None, help="a local Hugging Face tokenizer folder (default: the "
                    "checkpoint's run's, else bytes)")
     p.add_argument("--split", choices=["heldout", "all"], default="heldout",
-                   help="heldout: the last 5%% of the tokens (never trained on); all: the file")
+                   help="heldout: the part never trained on (the last 5%% of the tokens, or "
+                        "the validation part of the run's --split A,B,C); all: the file")
     p.add_argument("--batches", type=int, default=None,
                    help="global batches to evaluate (default: with --resume, what train scored "
                         "as its held-out loss, 2 global batches of the run's size, so the loss "
@@ -114,13 +115,16 @@ def _config(args) -> tuple[TrainConfig, object]:
     flag = "--tokenizer"
     if args.tokenizer is None and saved.tokenizer:  # the run's own tokenizer
         args.tokenizer, flag = saved.tokenizer, "the checkpoint's --tokenizer"
-    if args.data is None and args.data_path is None and (saved.file or saved.data_path):
-        # the run's own text: its held-out 5 % is what training never saw
-        args.data, args.data_path = saved.file, saved.data_path
-        print(f"paraloom eval: note: scoring the run's own data, "
-              f"{'--data' if args.data else '--data-path'} "
-              f"{args.data or args.data_path!r} (from the checkpoint); give --data or "
-              f"--data-path for another", file=sys.stderr)
+    if args.data is None and args.data_path is None:
+        # the run's own data: its held-out part (its --split's, else the last 5 %) is what
+        # training never saw
+        args.split_weights = saved.split
+        if saved.file or saved.data_path:
+            args.data, args.data_path = saved.file, saved.data_path
+            print(f"paraloom eval: note: scoring the run's own data, "
+                  f"{'--data' if args.data else '--data-path'} "
+                  f"{args.data or args.data_path!r} (from the checkpoint); give --data or "
+                  f"--data-path for another", file=sys.stderr)
     _check_vocab(args, model.vocab_size, f"--resume {str(ckpt)!r} has a vocabulary of", flag)
     batch = {} if "global_batch_size" in given(args) else {
         "global_batch_size": run.global_batch_size,
@@ -147,7 +151,8 @@ def _train_config(args, model: ModelConfig, ckpt, batch: dict | None = None) -> 
         micro_batch_size=values.get("micro_batch_size", _BASE.micro_batch_size), steps=1,
         schedule=default_schedule(parallel.pp, parallel.vpp),
         data=DataConfig(file=absolute(args.data), data_path=absolute(args.data_path),
-                        tokenizer=absolute(args.tokenizer)),
+                        tokenizer=absolute(args.tokenizer),
+                        split=getattr(args, "split_weights", None)),
         run=RunConfig(resume=None if ckpt is None else str(ckpt), save_every=0,
                       timeout_s=values.get("run.timeout_s", _BASE.run.timeout_s)))
 
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg, ckpt = _config(args)
         d = cfg.data
         for note in check_data(d.file, cfg.model.seq_length, args.split,
-                               data_path=d.data_path, tokenizer=d.tokenizer):
+                               data_path=d.data_path, tokenizer=d.tokenizer, split=d.split):
             print(f"paraloom eval: note: {note}", file=sys.stderr)
     except ImportError as err:
         print(f"paraloom eval: error: --hf needs safetensors ({err}): pip install "

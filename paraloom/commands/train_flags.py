@@ -55,7 +55,7 @@ GROUPS = {
                   "optim.warmup_init", "optim.decay_steps", "optim.lr_decay_style",
                   "optim.megatron_lr_schedule", "optim.weight_decay", "optim.clip_grad",
                   "optim.adam_beta1", "optim.adam_beta2", "optim.adam_eps"),
-    "data": ("data.file", "data.data_path", "data.tokenizer"),
+    "data": ("data.file", "data.data_path", "data.tokenizer", "data.split"),
     "run": ("run.out", "run.save_every", "run.resume", "run.init_from_hf", "run.ledger_steps",
             "run.timeout_s", "run.hang_after", "run.max_bad_steps", "run.tensorboard_dir",
             "run.log_interval", "run.tensorboard_log_interval"),

@@ -33,9 +33,14 @@ class Corpus:
     seq_len: int
     seed: int = 1234
     holdout: float = HOLDOUT
+    heldout_end: float = 1.0
+    """Where the held-out part ends, as a fraction (Megatron's ``--split`` test part follows
+    it, read by nothing)."""
 
     def __post_init__(self) -> None:
         self.split = int(len(self.data) * (1.0 - self.holdout))
+        self.end = len(self.data) if self.heldout_end >= 1.0 else \
+            int(len(self.data) * self.heldout_end)
         if len(self.data) < self.seq_len + 1:
             raise ValueError(f"the corpus has {len(self.data)} bytes; seq_len = {self.seq_len} "
                              f"needs at least one window of seq_len + 1 = {self.seq_len + 1}")
@@ -68,12 +73,12 @@ def microbatches(batch: torch.Tensor, dp_rank: int, dp: int, num_microbatches: i
 
 def eval_batches(corpus: Corpus, batch_size: int, num_batches: int, *, start: int | None = None
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Evenly spaced windows from byte ``start`` on (default: the held-out part, never seen in
-    training), as ``(tokens, labels)`` batches of ``batch_size``."""
-    start = corpus.split if start is None else start
-    span = len(corpus.data) - start - corpus.seq_len - 1
+    """Evenly spaced windows from byte ``start`` to the end (default: the held-out part, never
+    seen in training, to its end), as ``(tokens, labels)`` batches of ``batch_size``."""
+    start, end = (corpus.split, corpus.end) if start is None else (start, len(corpus.data))
+    span = end - start - corpus.seq_len - 1
     if span < 0:  # span 0: exactly one window, every row reads it
-        raise ValueError(f"the evaluated part ({len(corpus.data) - start} bytes) is shorter "
+        raise ValueError(f"the evaluated part ({end - start} bytes) is shorter "
                          f"than seq_len + 1 = {corpus.seq_len + 1}")
     count = batch_size * num_batches
     starts = start + (torch.arange(count) * span) // max(count, 1)

@@ -56,22 +56,25 @@ def load_corpus(path: str | Path | None = None, flag: str = "--data") -> torch.T
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def _fits(n: int, seq_len: int, use: str, holdout: float = HOLDOUT) -> bool:
-    split = int(n * (1.0 - holdout))
+def _fits(n: int, seq_len: int, use: str, holdout: float, heldout_end: float) -> bool:
+    split = int(n * (1.0 - holdout))  # as :class:`~.batches.Corpus` cuts it
+    end = n if heldout_end >= 1.0 else int(n * heldout_end)
     if use == "all":
         return n >= seq_len + 1
     if use == "heldout":
-        return n - split >= seq_len + 1
-    return split >= seq_len + 1 and n - split >= seq_len + 1
+        return end - split >= seq_len + 1
+    return split >= seq_len + 1 and end - split >= seq_len + 1
 
 
-def min_bytes(seq_len: int, use: str, holdout: float = HOLDOUT) -> int:
+def min_bytes(seq_len: int, use: str, holdout: float = HOLDOUT, heldout_end: float = 1.0
+              ) -> int:
     """The fewest bytes a file needs for ``use`` (``train``, ``heldout`` or ``all``) at
-    ``seq_len``: see :func:`check_data`."""
+    ``seq_len``, its held-out part ``holdout`` of it from the training part's end to
+    ``heldout_end`` (``--split``): see :func:`check_data`."""
     if use not in ("train", "heldout", "all"):
         raise ValueError(f"use must be train, heldout or all, got {use!r}")
     n = seq_len + 1
-    while not _fits(n, seq_len, use, holdout):
+    while not _fits(n, seq_len, use, holdout, heldout_end):
         n += 1
     return n
 

@@ -31,7 +31,8 @@ def evaluate_rank(rank: int, world: int, cfg: TrainConfig, ckpt, split: str, bat
     tune_allocator()
     mesh = ParallelMesh(cfg.parallel)
     d = cfg.data
-    corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
+    corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed,
+                    **d.split_parts())
     run = build(cfg, mesh, corpus, init_from_hf=hf)
     meta = {"step": 0}
     if hf is None:

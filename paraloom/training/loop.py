@@ -112,7 +112,8 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
     if note and rank == 0:
         print(f"paraloom train: note: {note}", file=sys.stderr, flush=True)
     d = cfg.data
-    corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed)
+    corpus = Corpus(load_tokens(d.file, d.data_path, d.tokenizer), cfg.model.seq_length, cfg.seed,
+                    **d.split_parts())
     run, setup = _set_up(cfg, mesh, corpus, t0)
     start, ckpt, meta = _resume(run, r.resume) if r.resume else (0, None, None)
     run.first_step = start

@@ -56,7 +56,7 @@ def check_inputs(cfg: TrainConfig) -> list[str]:
     """Everything ``cfg`` reads or writes that can be checked without ranks; returns notes."""
     check_out(cfg.run.out)
     notes = check_data(cfg.data.file, cfg.model.seq_length, "train", data_path=cfg.data.data_path,
-                       tokenizer=cfg.data.tokenizer)
+                       tokenizer=cfg.data.tokenizer, split=cfg.data.split)
     if cfg.run.resume is not None:
         check_resumable(cfg)
     if cfg.run.tensorboard_dir is not None:
