@@ -445,6 +445,25 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--use-megatron-fsdp: Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
      "module) is not built"),
+    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: Megatron's fused cross "
+     "entropy (one tp all-reduce"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss: Megatron's per-token loss"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
+    (["--exit-duration-in-mins", "235"], "--exit-duration-in-mins: Megatron's wall-time exit "
+     "(a MAX all-reduce of a done flag"),
+    (["--log-params-norm"], "--log-params-norm: Megatron's parameter-norm logging"),
+    (["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: Megatron's count of zero"),
+    (["--log-timers-to-tensorboard"], "--log-timers-to-tensorboard: Megatron's timers"),
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p: Megatron's zero-centred LayerNorm"),
+    (["--train-samples", "40"], "--train-samples: sample-based training is not built: give "
+     "--train-iters"),
+    (["--lr-warmup-samples", "4"], "give --lr-warmup-iters or --lr-warmup-fraction"),
+    (["--kv-channels", "32"], "--kv-channels 32: paraloom's attention heads have --hidden-size "
+     "/ --num-attention-heads = 64 / 4 channels"),
+    (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings are not "
+     "built"),
+    (["--distributed-timeout-minutes", "2", "--timeout", "60"],
+     "--distributed-timeout-minutes 2 contradicts --timeout 60"),
 ])
 def test_megatron_lm_arguments_refused_by_name(capsys, no_ranks, extra, message):
     assert main(["train", *MEGATRON_LM, *extra]) == 2
@@ -471,6 +490,16 @@ def test_megatron_lm_layout_comes_from_the_world():
                  "--num-layers-per-virtual-pipeline-stage", "1")[0] == (1, 4, 1, 2)
     layout, notes = parse()
     assert layout == (2, 2, 2, None)
+    accepted = ("--use-mcore-models", "--manual-gc", "--num-workers", "1", "--no-mmap-bin-files",
+                "--data-cache-path", "/tmp/x", "--ckpt-format", "torch_dist", "--log-throughput",
+                "--attention-softmax-in-fp32", "--kv-channels", "16", "--rotary-percent", "1.0")
+    assert any("--manual-gc" in n and "--ckpt-format torch_dist" in n
+               and "--attention-softmax-in-fp32" in n for n in parse(*accepted)[1])
+    ap = argparse.ArgumentParser()
+    add_train_flags(ap)
+    timed = config_from_args(ap.parse_args([*MEGATRON_LM, "--distributed-timeout-minutes",
+                                            "1.5"]))[0]
+    assert timed.run.timeout_s == 90.0
     assert any("--transformer-impl local" in n and "--use-cpu-initialization" in n
                for n in notes)
     assert any(n.startswith("--mock-data: training on the bundled corpus") for n in notes)

@@ -33,6 +33,7 @@ wrong scale) moves both by >> 1e-2.
 from __future__ import annotations
 
 import pytest
+import torch
 from test_training import train
 
 U = 2.0 ** -8
@@ -85,3 +86,13 @@ def test_bf16_tolerance_can_fail(reference):
     assert len(moved) == KW["steps"] - 1
     assert min(moved) > 10 * LOSS_RTOL, moved
     assert all(m.get("skipped") is None for m in reference)
+
+
+def test_bf16_softmax_is_computed_in_fp32_already():
+    """Why Megatron's ``--attention-softmax-in-fp32`` is accepted with no effect: the written-out
+    attention's bf16 softmax (masked as causal) gives bit for bit the probabilities of the
+    softmax computed in fp32 and rounded to bf16 once, which is what the flag asks for."""
+    torch.manual_seed(0)
+    scores = (torch.randn(2, 4, 128, 128) * 8).bfloat16()
+    scores = scores.masked_fill(torch.ones(128, 128, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.equal(scores.softmax(-1), scores.float().softmax(-1).bfloat16())

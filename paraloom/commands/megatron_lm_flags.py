@@ -4,8 +4,9 @@ A Megatron-LM command line (``pretrain_gpt.py``'s arguments) is read as it is: t
 batch and optimizer arguments are paraloom's flags' Megatron aliases (``--num-layers``,
 ``--tensor-model-parallel-size``, ``--train-iters``, ...); the ones here have no paraloom field:
 
-* :data:`KERNEL_FLAGS` select a CUDA kernel, a fusion or where weights are initialised; they do
-  not change what is communicated, so they are accepted and named in one note.
+* :data:`KERNEL_FLAGS` select a CUDA kernel, a fusion, where weights are initialised, how data
+  are loaded or memory handled; they do not change what is communicated (nor, here, what is
+  computed), so they are accepted and named in one note.
 * ``--mock-data``: Megatron-LM's synthetic tokens; paraloom trains on its bundled corpus (also
   deterministic, also no download). ``--tokenizer-type NullTokenizer`` with ``--vocab-size N``:
   token ids without a tokenizer, paraloom's byte-level data with vocabulary N; another
@@ -14,6 +15,9 @@ batch and optimizer arguments are paraloom's flags' Megatron aliases (``--num-la
   has one row per position of a sample), ``--attention-dropout`` the hidden dropout (one
   dropout), ``--distributed-backend`` the backend of the device (gloo on CPU, NCCL on CUDA).
 * ``--bf16`` is ``--dtype bf16``; ``--fp16`` is refused (no loss scaling here).
+  ``--distributed-timeout-minutes N`` is ``--timeout`` of ``60 N`` seconds; ``--kv-channels``
+  must be the head size paraloom has (hidden / heads), ``--rotary-percent`` 1.0.
+* Features paraloom does not have are refused by name (:mod:`.megatron_lm_refused`).
 * ``--eval-iters`` / ``--eval-interval``: paraloom evaluates the held-out loss before and after
   training (no periodic evaluation); accepted and noted.
 
@@ -33,9 +37,9 @@ from __future__ import annotations
 import argparse
 
 __all__ = ["KERNEL_FLAGS", "add_megatron_lm_flags", "check_megatron_lm", "megatron_lm_notes",
-           "megatron_lm_dtype",
+           "megatron_lm_dtype", "megatron_lm_timeout",
            "layout_from_world", "megatron_lm_spellings", "MEGATRON_LM_DEFAULTS",
-           "megatron_lm_defaults", "NOT_BUILT", "not_built"]
+           "megatron_lm_defaults"]
 
 KERNEL_FLAGS = {
     "--transformer-impl": "the layer implementation (Transformer Engine or local)",
@@ -47,22 +51,22 @@ KERNEL_FLAGS = {
     "--no-rope-fusion": "a fused kernel", "--apply-rope-fusion": "a fused kernel",
     "--use-flash-attn": "the attention kernel", "--use-cpu-initialization": "initialisation",
     "--no-async-tensor-model-parallel-allreduce": None,
+    "--attention-softmax-in-fp32": "the softmax's precision (torch's bf16 softmax computes in "
+                                   "fp32 already: the same probabilities, bit for bit)",
+    "--use-mcore-models": "Megatron-Core's model classes (paraloom's are built as those)",
+    "--manual-gc": "when Python collects garbage",
+    "--empty-unused-memory-level": "when CUDA's cached memory is released",
+    "--data-cache-path": "where dataset indices are cached",
+    "--no-mmap-bin-files": "how dataset files are read",
+    "--num-workers": "data-loader worker processes",
+    "--no-create-attention-mask-in-dataloader": "the data loader's attention masks",
+    "--tiktoken-pattern": "the tiktoken tokenizer's pattern",
+    "--log-throughput": "a line of the log",
+    "--ckpt-format": "Megatron's checkpoint format (paraloom writes its own checkpoints)",
 }
 """Accepted Megatron-LM switches that change no communication (value: what they select)."""
-NOT_BUILT = {
-    "--use-megatron-fsdp": "Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
-                           "module) is not built; paraloom shards the optimizer state as "
-                           "Megatron's distributed optimizer does (ZeRO-1): "
-                           "--distributed-optimizer",
-    "--data-parallel-sharding-strategy": "Megatron-FSDP's sharding strategies are not built; "
-                                         "ZeRO-1 is --distributed-optimizer",
-    "--use-torch-fsdp2": "torch FSDP2 as Megatron's data-parallel wrapper is not built; "
-                         "paraloom record shows a torch FSDP2 program's own communication",
-    "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "
-                                          "across microbatches is not built",
-}
-"""Megatron-LM flags of features paraloom does not have, refused by name with what it has."""
-_VALUED = ("--transformer-impl", "--attention-backend")
+_VALUED = ("--transformer-impl", "--attention-backend", "--empty-unused-memory-level",
+           "--data-cache-path", "--num-workers", "--tiktoken-pattern", "--ckpt-format")
 _DEST = "megatron_lm__"
 
 
@@ -98,6 +102,12 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp16", dest=f"{_DEST}fp16", action="store_true",
                        help="refused: fp16 with loss scaling is not implemented (use --bf16)",
                        **value)
+    group.add_argument("--kv-channels", dest=f"{_DEST}kv-channels", type=int, metavar="N",
+                       help="must equal --hidden-size / --num-attention-heads", **value)
+    group.add_argument("--rotary-percent", dest=f"{_DEST}rotary-percent", type=float,
+                       metavar="P", help="must be 1.0 (every channel rotated)", **value)
+    group.add_argument("--distributed-timeout-minutes", dest=f"{_DEST}distributed-timeout",
+                       type=float, metavar="N", help="--timeout in minutes", **value)
     for flag in ("--eval-iters", "--eval-interval"):
         group.add_argument(flag, dest=f"{_DEST}{flag[2:]}", type=int, metavar="N",
                            help="accepted: paraloom evaluates before and after training",
@@ -122,6 +132,18 @@ def megatron_lm_dtype(args: argparse.Namespace, values: dict) -> None:
     values["dtype"] = "bf16"
 
 
+def megatron_lm_timeout(args: argparse.Namespace, values: dict) -> None:
+    """``--distributed-timeout-minutes N`` as ``--timeout`` of ``60 N`` seconds in ``values``;
+    ``ValueError`` when ``--timeout`` says otherwise."""
+    minutes = _given(args).get("distributed-timeout")
+    if minutes is None:
+        return
+    if "run.timeout_s" in values and values["run.timeout_s"] != 60 * minutes:
+        raise ValueError(f"--distributed-timeout-minutes {minutes:g} contradicts --timeout "
+                         f"{values['run.timeout_s']:g} (seconds): give one of them")
+    values["run.timeout_s"] = 60.0 * minutes
+
+
 def check_megatron_lm(args: argparse.Namespace, model: dict, backend: str) -> None:
     """``ValueError`` naming the value when a Megatron-LM argument asks for what paraloom does
     not do (``model``: the model settings as they will be built)."""
@@ -136,6 +158,15 @@ def check_megatron_lm(args: argparse.Namespace, model: dict, backend: str) -> No
         raise ValueError(f"--max-position-embeddings {positions} must equal --seq-length "
                          f"{model['seq_length']}: paraloom's learned position table has one "
                          f"row per position of a sample")
+    channels, heads = got.get("kv-channels"), model.get("num_attention_heads")
+    if channels is not None and heads and channels * heads != model.get("hidden_size"):
+        raise ValueError(f"--kv-channels {channels}: paraloom's attention heads have "
+                         f"--hidden-size / --num-attention-heads = {model.get('hidden_size')} "
+                         f"/ {heads} channels; give that or leave it out")
+    rotary = got.get("rotary-percent")
+    if rotary is not None and rotary != 1.0:
+        raise ValueError(f"--rotary-percent {rotary:g}: partial rotary embeddings are not "
+                         f"built (every channel of a head is rotated): give 1.0")
     dropout = got.get("attention-dropout")
     if dropout is not None and dropout != model.get("dropout", 0.0):
         raise ValueError(f"--attention-dropout {dropout:g} differs from --hidden-dropout "
@@ -153,8 +184,9 @@ def megatron_lm_notes(args: argparse.Namespace) -> list[str]:
     kernels = [f"--{k}" + (f" {v}" if not isinstance(v, bool) else "") for k, v in got.items()
                if f"--{k}" in KERNEL_FLAGS]
     if kernels:
-        notes.append(f"{', '.join(kernels)}: select{'s' if len(kernels) == 1 else ''} CUDA "
-                     f"kernels or initialisation, not communication: accepted, no effect here")
+        notes.append(f"{', '.join(kernels)}: select{'s' if len(kernels) == 1 else ''} "
+                     f"kernels, initialisation, data loading, logging or memory handling, not "
+                     f"communication: accepted, no effect here")
     if got.get("mock-data"):
         notes.append("--mock-data: training on the bundled corpus (deterministic, no download) "
                      "instead of Megatron-LM's synthetic tokens")
@@ -254,12 +286,3 @@ def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str
         if what is not None:  # said once for its group
             applied.append(what)
     return applied
-
-
-def not_built(argv: list[str]) -> str | None:
-    """The refusal of the first flag of :data:`NOT_BUILT` in ``argv`` (``None``: none)."""
-    for token in argv:
-        flag = token.split("=", 1)[0]
-        if flag in NOT_BUILT:
-            return f"{flag}: {NOT_BUILT[flag]}"
-    return None

@@ -35,7 +35,8 @@ from ..device import default_backend
 from ..report.table import render_table
 from . import plan_calibrate, plan_explain_error, plan_run, plan_search
 from .hardware_flags import add_hardware_args, hardware_from_args
-from .megatron_lm_flags import megatron_lm_spellings, not_built
+from .megatron_lm_flags import megatron_lm_spellings
+from .megatron_lm_refused import not_built
 from .train_flags import add_train_flags, config_from_args
 
 __all__ = ["main", "parser", "config_of"]

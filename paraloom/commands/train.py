@@ -32,7 +32,8 @@ from ..run_folder import written
 from ..training import multinode
 from ..training.loop import run_rank
 from ..training.preflight import check_inputs
-from .megatron_lm_flags import megatron_lm_notes, megatron_lm_spellings, not_built
+from .megatron_lm_flags import megatron_lm_notes, megatron_lm_spellings
+from .megatron_lm_refused import not_built
 from .resume import resume_notes
 from .train_flags import add_train_flags, config_from_args
 

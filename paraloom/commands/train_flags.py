@@ -30,6 +30,7 @@ from .megatron_lm_flags import (
     layout_from_world,
     megatron_lm_defaults,
     megatron_lm_dtype,
+    megatron_lm_timeout,
 )
 from .resume import Resumed, resume_base
 
@@ -110,6 +111,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
     ``ValueError`` names every bad value in the user's words."""
     values = {k: (absolute(v) if k in _PATHS else v) for k, v in given(args).items()}
     megatron_lm_dtype(args, values)
+    megatron_lm_timeout(args, values)
     resumed = None
     if "run.resume" in values and "run.init_from_hf" not in values:
         base, resumed = resume_base(values)
