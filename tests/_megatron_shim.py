@@ -49,14 +49,15 @@ def preload() -> None:
     so the ranks inherit the modules instead of importing them each."""
     import torch
 
-    if "megatron.core.tensor_parallel" in sys.modules:
-        return
-    if PAGED_STASH not in sys.modules:
+    if PAGED_STASH not in sys.modules:  # also when megatron.core came in without it (a
+        # part of it imported by another module): its other submodules import this one
         stub = types.ModuleType(PAGED_STASH)
         stub.__doc__ = "CPU stand-in for megatron-core's triton kernels (tests/_megatron_shim)"
         stub.GLOBAL_BLOCK_SIZE = 1024
         stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = None
         sys.modules[PAGED_STASH] = stub
+    if "megatron.core.tensor_parallel" in sys.modules:
+        return
     compile_ = torch.compile
     torch.compile = _no_compile  # see _no_compile: halves the import time
     try:

@@ -18,6 +18,9 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
 LAYOUTS = {
     "tp": ["--tp", "2", "--pp", "1", "--dp", "1"],
     "sp": ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel"],
+    # Megatron's fused cross entropy: the target logits and exponential sums in one all-reduce
+    "sp, fused cross entropy": ["--tp", "2", "--pp", "1", "--dp", "1", "--sequence-parallel",
+                                "--cross-entropy-loss-fusion"],
     "pp with vpp": ["--tp", "2", "--pp", "2", "--dp", "1", "--vpp", "2", "--layers", "4"],
     "dp with the distributed optimizer": ["--tp", "2", "--pp", "1", "--dp", "2",
                                           "--distributed-optimizer", "--steps", "2"],

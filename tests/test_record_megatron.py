@@ -163,3 +163,52 @@ def test_megatron_block_under_paraloom_record(world2, tmp_path, capsys):
     text = render_run(facts, run)
     assert ": reduce_scatter (static: backward, async True) -> recorded: rank 0: 1x " \
            "reduce_scatter backward async 1024 B at #6" in text, text
+
+
+def fused_cross_entropy_case() -> dict:
+    """Megatron-Core's ``fused_vocab_parallel_cross_entropy`` and paraloom's fused cross entropy
+    on the same bf16 vocabulary shards of this rank (tp = the 2-rank world), each recorded."""
+    import _megatron_shim
+    import torch
+    import torch.distributed as dist
+
+    from paraloom.ledger import Ledger, recording
+    from paraloom.mesh import ParallelMesh
+    from paraloom.record import record_comms
+    from paraloom.tensor_parallel import vocab_parallel_cross_entropy
+    _megatron_shim.install()  # megatron-core imports on CPU (the last test of this world)
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+    mesh = ParallelMesh(tp=2, dp=1)
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 2, 32, generator=g) * 3
+    target = torch.randint(0, 32, (8, 2), generator=g)
+    out = {}
+    for name in ("megatron", "paraloom"):
+        x = logits.chunk(2, -1)[dist.get_rank()].clone().bfloat16().requires_grad_()
+        if name == "megatron":  # recorded from outside, as paraloom record does
+            with record_comms() as recorded:
+                loss = fused_vocab_parallel_cross_entropy(x, target, dist.group.WORLD)
+            events = recorded.events
+        else:  # paraloom's own ledger (its comm waits with a time-out: async under record)
+            led = Ledger(rank=dist.get_rank())
+            with recording(led):
+                loss = vocab_parallel_cross_entropy(x, target, mesh.tp, fused=True)
+            events = led.events
+        (loss * torch.arange(16.0).view(8, 2)).sum().backward()
+        out[name] = (loss.detach(), x.grad, [(e["op"], e["async"], e["shape"], e["dtype"],
+                                              e["group"]) for e in events])
+    # compared here: a tensor pickled where megatron.core is imported needs it to unpickle
+    (m_loss, m_grad, m_events), (p_loss, p_grad, p_events) = out["megatron"], out["paraloom"]
+    return {"events": (m_events, p_events), "loss": m_loss.equal(p_loss),
+            "grad": m_grad.equal(p_grad), "dtypes": (str(m_grad.dtype), str(p_grad.dtype))}
+
+
+def test_fused_cross_entropy_records_as_megatron_cores(world2):
+    """``--cross-entropy-loss-fusion``: megatron-core 0.19.2's native fused cross entropy run on
+    CPU communicates exactly as paraloom's (the max, then one all-reduce of the target logits
+    and exponential sums, ``[2s, b]`` fp32), with the same loss and bf16 gradient, bitwise."""
+    for got in world2.run(fused_cross_entropy_case):
+        megatron, paraloom = got["events"]
+        assert megatron == paraloom == [("all_reduce", False, [8, 2], "float32", [0, 1]),
+                                        ("all_reduce", False, [16, 2], "float32", [0, 1])]
+        assert got["loss"] and got["grad"] and got["dtypes"] == ("torch.bfloat16",) * 2

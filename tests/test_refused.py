@@ -445,8 +445,6 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--use-megatron-fsdp: Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
      "module) is not built"),
-    (["--cross-entropy-loss-fusion"], "--cross-entropy-loss-fusion: Megatron's fused cross "
-     "entropy (one tp all-reduce"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss: Megatron's per-token loss"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
     (["--exit-duration-in-mins", "235"], "--exit-duration-in-mins: Megatron's wall-time exit "

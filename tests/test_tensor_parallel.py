@@ -254,6 +254,40 @@ def cross_entropy_case(tp, label_smoothing, real_vocab=32):
     torch.testing.assert_close(local.grad, shard(full_grad, -1, mesh), **TOL)
 
 
+def fused_cross_entropy_case(tp):
+    """Megatron's fused cross entropy: the unfused loss, the unfused gradient rounded to bf16,
+    and one all-reduce of ``[2s, b]`` (target logits, then exponential sums) after the max."""
+    mesh = ParallelMesh(tp=tp, dp=4 // tp)
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(S, B, 32, generator=g) * 3
+    target = torch.randint(0, 32, (S, B), generator=g)
+    weights = torch.rand(S, B, generator=g)
+    got = {}
+    for fused in (False, True):
+        local = shard(logits, -1, mesh).clone().requires_grad_()
+        ledger = Ledger(rank=dist.get_rank())
+        with recording(ledger):
+            loss = vocab_parallel_cross_entropy(local, target, mesh.tp, fused=fused)
+        (loss * weights).sum().backward()
+        got[fused] = loss.detach(), local.grad, [(e["site"].split(":")[1], e["shape"])
+                                                 for e in ledger.events if e["kind"] == "tp"]
+    torch.testing.assert_close(got[True][0], got[False][0], **TOL)
+    grad = got[True][1]
+    assert torch.equal(grad, grad.bfloat16().float())  # rounded to bf16, as Megatron's
+    torch.testing.assert_close(grad, got[False][1], rtol=2 ** -8, atol=1e-6)
+    if tp > 1:
+        assert got[False][2] == [("max", [S, B]), ("target_logit", [S, B]), ("sum_exp", [S, B])]
+        assert got[True][2] == [("max", [S, B]), ("target_logit_sum_exp", [2 * S, B])]
+
+
+def test_fused_cross_entropy_is_megatrons(world4):
+    for tp in (1, 2, 4):
+        world4.run(fused_cross_entropy_case, tp)
+    with pytest.raises(ValueError, match="fused cross entropy has no label smoothing"):
+        vocab_parallel_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.long),
+                                     label_smoothing=0.1, fused=True)
+
+
 def test_gather_output_and_scatter_input_paths(world4):
     for tp in (1, 2, 4):
         world4.run(gather_and_scatter_paths, tp)

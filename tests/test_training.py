@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from conftest import assert_same_metrics, layout_config, run_training
@@ -148,3 +149,25 @@ def test_init_method_std_scales_every_initial_weight():
     # an output projection at std / sqrt(2 x 2 layers), an input one at std
     assert float(base["layers.1.mlp.fc2.weight"].detach().std()) == pytest.approx(0.01, rel=0.1)
     assert float(base["layers.1.mlp.fc1.weight"].detach().std()) == pytest.approx(0.02, rel=0.1)
+
+
+def test_fused_cross_entropy_trains_the_same_model_and_checks_exactly(tmp_path, reference,
+                                                                        capsys):
+    """``--cross-entropy-loss-fusion`` (Megatron's native fused cross entropy): every layout
+    trains what one process trains with it; the loss is the unfused one, the logits' gradient
+    rounded to bf16; the target logits and exponential sums go in one tp all-reduce of
+    ``[2s, b]`` after the max, and ``check`` agrees exactly."""
+    from paraloom.commands import main
+    base = BASE.replace(model=replace(MODEL, cross_entropy_loss_fusion=True))
+    one = run_training(layout_config(base, tmp_path / "one"))
+    assert one[0]["loss"] == pytest.approx(reference[0]["loss"], rel=1e-6)
+    assert one[-1]["grad_norm"] != pytest.approx(reference[-1]["grad_norm"], rel=1e-6)
+    for name, layout in (("tp2-sp", dict(tp=2, dp=2, sp=True)), ("tp2-pp2", dict(tp=2, pp=2))):
+        assert_same_metrics(run_training(layout_config(base, tmp_path / name, **layout)), one)
+        events = [e for e in read_json_lines(tmp_path / name / "ledger.jsonl")
+                  if e["site"].startswith("vocab_parallel_cross_entropy")]
+        losses = [e for e in events if e["rank"] == events[0]["rank"]]  # a last-stage rank
+        assert [(e["site"].split(":")[1], e["shape"]) for e in losses[:2]] == [
+            ("max", [16, 1]), ("target_logit_sum_exp", [32, 1])]
+        assert len(losses) == 2 * 8 // layout.get("dp", 1)  # two per microbatch, not three
+        assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()

@@ -85,7 +85,12 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
             else:
                 add("tp", "all_reduce", "backward", m, act)
             tokens = local_seq(c) * c.micro_batch  # MAX, target logit, exp sum (+ logit sum)
-            add("tp", "all_reduce", "forward", (4 if c.label_smoothing else 3) * m, tokens * F32)
+            if c.cross_entropy_fusion:  # MAX, then target logits and exp sums in one
+                add("tp", "all_reduce", "forward", m, tokens * F32)
+                add("tp", "all_reduce", "forward", m, 2 * tokens * F32)
+            else:
+                add("tp", "all_reduce", "forward", (4 if c.label_smoothing else 3) * m,
+                    tokens * F32)
     add_cp_comm(c, ml, add)
     if c.pp > 1:
         _pipeline(c, pp_rank, add, shard if sp else act)

@@ -113,10 +113,12 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
         if r.sp:
             _event(out, **fwd, kind="sp", op="all_gather", site="GPTModel.output.forward:input",
                    module="output", split="vocabulary", shape=r.part)
-        for what in ("max", "target_logit", "sum_exp"):
+        fused = r.cfg.model.cross_entropy_loss_fusion  # target logits and exp sums in one
+        for what in ("max",) + (("target_logit_sum_exp",) if fused else ("target_logit",
+                                                                          "sum_exp")):
             _event(out, **dict(fwd, itemsize=4), kind="tp", op="all_reduce", module="output",
                    site=f"vocab_parallel_cross_entropy.forward:{what}", split=_CE,
-                   shape=[r.local, r.b])
+                   shape=[r.local * (2 if what.endswith("sum_exp") and fused else 1), r.b])
 
 
 def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:

@@ -179,6 +179,9 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    cross_entropy_fusion: bool = False
+    """Megatron's fused cross entropy: the target logits and exponential sums in one
+    all-reduce (two numbers per token) after the max."""
     arch: Architecture = Architecture()
     """Llama-family switches (:mod:`paraloom.analysis.arch`); the default is GPT-2."""
     cp: int = 1

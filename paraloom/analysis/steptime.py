@@ -143,7 +143,9 @@ def _head_tp_comm(c: CommConfig, hw: Hardware, tokens: int) -> float:
     inter, act = spans_nodes(1, t, hw.gpus_per_node), tokens * c.hidden * c.dtype_bytes
     gather = 2 * collective_time("reduce_scatter", t, act, hw, inter) if c.sp else \
         collective_time("all_reduce", t, act, hw, inter)
-    loss = 3 * collective_time("all_reduce", t, tokens * 4, hw, inter)
+    loss = collective_time("all_reduce", t, tokens * 4, hw, inter) + (
+        collective_time("all_reduce", t, 2 * tokens * 4, hw, inter) if c.cross_entropy_fusion
+        else 2 * collective_time("all_reduce", t, tokens * 4, hw, inter))
     return gather * (2 if c.pp == 1 else 1) + loss
 
 

@@ -41,6 +41,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         cp_a2a=p.cp_sizes[0] if p.cp_comm_type == "a2a+p2p" and p.cp > 1 else 1,
         moe=moe_from_run(model, dataclasses.asdict(p), cfg.micro_batch_size),
         megatron_lm_loop=cfg.megatron_lm_loop, rerun_vote=cfg.rerun_mode != "disabled",
+        cross_entropy_fusion=m.cross_entropy_loss_fusion,
         total_steps=cfg.steps, log_interval=cfg.run.log_interval)
 
 

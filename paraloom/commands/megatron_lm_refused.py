@@ -22,11 +22,6 @@ NOT_BUILT = {
                          "paraloom record shows a torch FSDP2 program's own communication",
     "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "
                                           "across microbatches is not built",
-    "--cross-entropy-loss-fusion": "Megatron's fused cross entropy (one tp all-reduce of the "
-                                   "target logits and the sums of exponentials together) is "
-                                   "not built; paraloom's vocabulary-parallel cross entropy "
-                                   "all-reduces them one after the other, as Megatron does "
-                                   "without the flag",
     "--calculate-per-token-loss": "Megatron's per-token loss (the token count reduced with the "
                                   "loss, gradients scaled by the global token count instead of "
                                   "1/dp) is not built; paraloom averages over microbatches and "

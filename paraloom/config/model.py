@@ -157,6 +157,12 @@ class ModelConfig:
     and the communication are the experts' own; what changes is the parameters' order, hence
     the gradient buffer's and its buckets' contents: fc1 (weight, bias) of every local expert,
     then fc2. Checkpoints keep the names ``experts.<g>.fc1.weight``: they load either way."""
+    cross_entropy_loss_fusion: bool = option(
+        False, "--cross-entropy-loss-fusion",
+        help="Megatron's fused cross entropy: the target logits and the sums of exponentials "
+             "in one tp all-reduce, the logits' gradient rounded to bf16")
+    """Megatron's ``cross_entropy_loss_fusion`` (its native implementation,
+    :mod:`paraloom.tensor_parallel.cross_entropy`)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",

@@ -294,4 +294,5 @@ class GPTModel(nn.Module):
             return logits
         padded = self.cfg.padded_vocab(self.mesh.tp.size)
         real = self.cfg.vocab_size if padded != self.cfg.vocab_size else None
-        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh.tp, vocab_size=real).t()
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.mesh.tp, vocab_size=real,
+                                            fused=self.cfg.cross_entropy_loss_fusion).t()

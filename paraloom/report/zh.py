@@ -94,6 +94,7 @@ TAGS = {
     "update_successful": "更新是否成功",
     "grad_norm": "梯度范数", "loss": "损失", "learning_rate": "学习率", "flag": "标志",
     "flags": "标志", "max": "最大值", "target_logit": "目标 logits", "sum_exp": "指数和",
+    "target_logit_sum_exp": "目标 logits 与指数和",
     "sum_logits": "logits 之和", "logits": "logits",
     "tokens": "token", "labels": "标签", "loss_mask": "损失掩码", "position_ids": "位置编号",
     "attention_mask": "注意力掩码", "interval_timer_start": "区间计时器开始",

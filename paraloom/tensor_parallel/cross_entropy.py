@@ -15,6 +15,11 @@ Steps 1-3 are Megatron-Core's three all-reduces, in its order, each an fp32 ``[s
 here the loss equals ``F.cross_entropy(label_smoothing=eps)`` for any tp, at the price of that
 one more all-reduce (README, Defaults). Backward needs no communication:
 ``softmax - (1 - eps) onehot - eps / V``, times the incoming gradient.
+
+``fused`` (Megatron's ``--cross-entropy-loss-fusion``, its native implementation
+``fused_vocab_parallel_cross_entropy``): steps 2 and 3 are one all-reduce of the two
+concatenated, ``[2s, b]`` (target logits first), and the logits' gradient is rounded to bf16
+(Megatron's fused backward returns bf16 whatever the logits' dtype). No label smoothing there.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, axis, label_smoothing, module, vocab_size):
+    def forward(ctx, logits, target, axis, label_smoothing, module, vocab_size, fused):
         where = dict(phase="forward", kind="tp", module=module,
                      split="logits, vocabulary range")
         logits = logits.float()
@@ -51,12 +56,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_target = (target - start).masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         target_logit = target_logit.masked_fill(outside, 0.0)
-        comm.all_reduce(target_logit, axis,
-                        site="vocab_parallel_cross_entropy.forward:target_logit", **where)
+        if not fused:
+            comm.all_reduce(target_logit, axis,
+                            site="vocab_parallel_cross_entropy.forward:target_logit", **where)
         exp = shifted.exp()
         sum_exp = exp.sum(-1)
-        comm.all_reduce(sum_exp, axis, site="vocab_parallel_cross_entropy.forward:sum_exp",
-                        **where)
+        if fused:  # one all-reduce of both, concatenated along the first dimension
+            both = torch.cat((target_logit, sum_exp))
+            comm.all_reduce(both, axis,
+                            site="vocab_parallel_cross_entropy.forward:target_logit_sum_exp",
+                            **where)
+            target_logit, sum_exp = both.split(target_logit.shape[0])
+        else:
+            comm.all_reduce(sum_exp, axis, site="vocab_parallel_cross_entropy.forward:sum_exp",
+                            **where)
         log_sum_exp = sum_exp.log()
         loss = log_sum_exp - target_logit
         if label_smoothing > 0:
@@ -68,7 +81,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, outside, local_target)
-        ctx.label_smoothing, ctx.vocab, ctx.real = label_smoothing, vocab, real
+        ctx.label_smoothing, ctx.vocab, ctx.real, ctx.fused = label_smoothing, vocab, real, fused
         return loss
 
     @staticmethod
@@ -81,23 +94,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if eps > 0:
             grad[..., :ctx.real].sub_(eps / ctx.vocab)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None, None, None, None
+        if ctx.fused:  # Megatron's fused backward returns bf16 (autograd casts it back)
+            grad = grad.to(torch.bfloat16)
+        return grad, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  axis: Axis | None = None, label_smoothing: float = 0.0,
                                  module: str | None = "output",
-                                 vocab_size: int | None = None) -> torch.Tensor:
+                                 vocab_size: int | None = None, fused: bool = False
+                                 ) -> torch.Tensor:
     """Per-token loss ``[..]`` from logits ``[.., V/tp]`` split over ``axis`` (the tp axis).
 
     Equals ``F.cross_entropy(full_logits[..., :vocab_size], target, reduction="none",
     label_smoothing=...)``; computed in fp32 whatever the logits' dtype. ``vocab_size`` is the
     real vocabulary when the logits include padding columns (a vocabulary padded to divide by
     tp): those are excluded from the softmax and the label-smoothing mean (default: none).
+    ``fused``: Megatron's fused cross entropy (the module docstring).
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    if fused and label_smoothing:
+        raise ValueError("Megatron's fused cross entropy has no label smoothing: give "
+                         "label_smoothing 0 or fused False")
     if axis is None:
         axis = get_mesh().tp
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, axis,
-                                            float(label_smoothing), module, vocab_size)
+                                            float(label_smoothing), module, vocab_size,
+                                            bool(fused))

@@ -24,7 +24,8 @@ __all__ = ["check_inputs", "check_resumable"]
 
 
 HOW_NOT_WHAT = ("dropout", "init_std", "moe_grouped_gemm", "moe_token_dispatcher_type",
-                "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity")
+                "moe_shared_expert_overlap", "moe_pad_expert_input_to_capacity",
+                "cross_entropy_loss_fusion")
 """Model fields that change how the same model is computed or communicated, not the model
 (or only how it started: ``init_std``): a checkpoint resumes under other values (each trains
 what one process trains either way)."""
