@@ -458,6 +458,8 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--lr-warmup-samples", "4"], "give --lr-warmup-iters or --lr-warmup-fraction"),
     (["--kv-channels", "32"], "--kv-channels 32: paraloom's attention heads have --hidden-size "
      "/ --num-attention-heads = 64 / 4 channels"),
+    (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],
+     "--cross-entropy-fusion-impl te: Megatron-LM refuses it"),
     (["--rotary-percent", "0.5"], "--rotary-percent 0.5: partial rotary embeddings are not "
      "built"),
     (["--distributed-timeout-minutes", "2", "--timeout", "60"],
@@ -490,7 +492,8 @@ def test_megatron_lm_layout_comes_from_the_world():
     assert layout == (2, 2, 2, None)
     accepted = ("--use-mcore-models", "--manual-gc", "--num-workers", "1", "--no-mmap-bin-files",
                 "--data-cache-path", "/tmp/x", "--ckpt-format", "torch_dist", "--log-throughput",
-                "--attention-softmax-in-fp32", "--kv-channels", "16", "--rotary-percent", "1.0")
+                "--attention-softmax-in-fp32", "--kv-channels", "16", "--rotary-percent", "1.0",
+                "--cross-entropy-fusion-impl", "native")
     assert any("--manual-gc" in n and "--ckpt-format torch_dist" in n
                and "--attention-softmax-in-fp32" in n for n in parse(*accepted)[1])
     ap = argparse.ArgumentParser()

@@ -106,6 +106,9 @@ def add_megatron_lm_flags(parser: argparse.ArgumentParser) -> None:
                        help="must equal --hidden-size / --num-attention-heads", **value)
     group.add_argument("--rotary-percent", dest=f"{_DEST}rotary-percent", type=float,
                        metavar="P", help="must be 1.0 (every channel rotated)", **value)
+    group.add_argument("--cross-entropy-fusion-impl", dest=f"{_DEST}ce-impl",
+                       choices=("native", "te"), help="native (--cross-entropy-loss-fusion's)",
+                       **value)
     group.add_argument("--distributed-timeout-minutes", dest=f"{_DEST}distributed-timeout",
                        type=float, metavar="N", help="--timeout in minutes", **value)
     for flag in ("--eval-iters", "--eval-interval"):
@@ -163,6 +166,9 @@ def check_megatron_lm(args: argparse.Namespace, model: dict, backend: str) -> No
         raise ValueError(f"--kv-channels {channels}: paraloom's attention heads have "
                          f"--hidden-size / --num-attention-heads = {model.get('hidden_size')} "
                          f"/ {heads} channels; give that or leave it out")
+    if got.get("ce-impl") == "te":
+        raise ValueError("--cross-entropy-fusion-impl te: Megatron-LM refuses it (Transformer "
+                         "Engine's fused cross entropy is disabled there); give native")
     rotary = got.get("rotary-percent")
     if rotary is not None and rotary != 1.0:
         raise ValueError(f"--rotary-percent {rotary:g}: partial rotary embeddings are not "
