@@ -30,6 +30,9 @@ LAYOUTS = {
                                                 "--overlap-param-gather"],
     # the second stage's buckets launched by the schedule (Megatron-LM's grad_sync_func)
     "pp with dp": ["--tp", "1", "--pp", "2", "--dp", "2"],
+    # --exit-duration-in-mins: the vote after the timers' barriers, before the last barrier
+    "dp, the exit vote": ["--tp", "1", "--pp", "1", "--dp", "2", "--exit-duration-in-mins",
+                          "60"],
     # rotary positions: the embedding reduce-scattered; the layers re-run before backward
     "llama, sp, full recomputation": ["--arch", "llama", "--tp", "2", "--pp", "1", "--dp", "1",
                                       "--sequence-parallel", "--recompute", "full"],

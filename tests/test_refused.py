@@ -447,8 +447,8 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
      "module) is not built"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss: Megatron's per-token loss"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
-    (["--exit-duration-in-mins", "235"], "--exit-duration-in-mins: Megatron's wall-time exit "
-     "(a MAX all-reduce of a done flag"),
+    (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a positive number of "
+     "minutes, got 0"),
     (["--log-params-norm"], "--log-params-norm: Megatron's parameter-norm logging"),
     (["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: Megatron's count of zero"),
     (["--log-timers-to-tensorboard"], "--log-timers-to-tensorboard: Megatron's timers"),

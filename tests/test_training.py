@@ -171,3 +171,27 @@ def test_fused_cross_entropy_trains_the_same_model_and_checks_exactly(tmp_path, 
             ("max", [16, 1]), ("target_logit_sum_exp", [32, 1])]
         assert len(losses) == 2 * 8 // layout.get("dp", 1)  # two per microbatch, not three
         assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()
+
+
+def test_exit_duration_stops_every_rank_after_the_vote_and_resumes(tmp_path, capsys):
+    """``--exit-duration-in-mins``: after every step the ranks take the MAX of "past the limit"
+    over the world (an int32 ``[1]`` all-reduce, after the loop's timer barriers); past it, the
+    run saves a checkpoint and stops there, and a resume trains the rest. ``check`` agrees
+    exactly with the vote in every step."""
+    from paraloom.commands import main
+    late = layout_config(BASE.replace(exit_duration_mins=1e-9, save_every=100), tmp_path / "late",
+                         tp=2, dp=2)
+    got = run_training(late)
+    summary = json.loads((tmp_path / "late" / "summary.json").read_text())
+    assert [m["step"] for m in got] == [1] and got[0]["exit"] is True
+    assert (summary["steps"], summary["planned_steps"]) == (1, 5)
+    assert (tmp_path / "late" / "checkpoints" / "step_1").is_dir()
+    votes = [e for e in read_json_lines(tmp_path / "late" / "ledger.jsonl")
+             if e["site"] == "checkpoint_and_decide_exit:exit_duration"]
+    assert sorted(e["rank"] for e in votes) == [0, 1, 2, 3]
+    assert {(e["op"], e["kind"], e["dtype"], e["bytes"], e["phase"]) for e in votes} == {
+        ("all_reduce", "world", "int32", 4, "optimizer")}
+    assert main(["check", str(tmp_path / "late"), "--step", "1"]) == 0, capsys.readouterr()
+    rest = run_training(late.replace(resume=str(tmp_path / "late"), exit_duration_mins=60.0,
+                                     out=str(tmp_path / "rest")))
+    assert [m["step"] for m in rest] == [2, 3, 4, 5] and not any("exit" in m for m in rest)

@@ -100,6 +100,8 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
         _grad_sync(grad_sync_view(c), pp_rank, add)  # cp: gradients reduced over dp x cp
         if c.megatron_lm_loop:
             _megatron_lm_loop(c, first, last, add)
+        if c.exit_vote and c.tp * c.cp * c.pp * c.dp > 1:  # --exit-duration-in-mins
+            add("world", "all_reduce", "optimizer", 1, 4)
     return dict(out)
 
 

@@ -30,6 +30,7 @@ from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
 from .order_dp import bucket_rows, gather_site, grad_norm_rows
+from .order_loop import after_step_rows
 from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
 
@@ -246,13 +247,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if r.pp_rank == r.pp - 1 and p.dp * p.cp > 1:
         _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
                split="loss sum and token count")
-    if loop and r.tp * r.pp > 1:
-        _event(out, **one, kind="mp", op="all_reduce", site="training_log:learning_rate",
-               split="the learning rate, for the log")
-    barriers = ["training_log:interval_timer_stop", "training_log:interval_timer_start"]
-    for site in barriers + (["pretrain:after_training_is_done"] if cfg.steps == 1 else []):
-        if loop:
-            _event(out, **ev, kind="world", op="barrier", site=site)
+    for row in after_step_rows(cfg, r.tp * r.pp):  # Megatron-LM's loop, the exit vote
+        _event(out, **ev, **row)
     if cfg.model.num_experts is not None and cfg.parallel.world_size > 1:  # paraloom's log
         _event(out, **dict(ev, shape=[3 + cfg.model.num_layers * cfg.model.num_experts]),
                kind="world", op="all_reduce", site="train_step:moe_stats", itemsize=8,

@@ -179,6 +179,8 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    exit_vote: bool = False
+    """``--exit-duration-in-mins``: after each step an int32 MAX all-reduce over the world."""
     cross_entropy_fusion: bool = False
     """Megatron's fused cross entropy: the target logits and exponential sums in one
     all-reduce (two numbers per token) after the max."""

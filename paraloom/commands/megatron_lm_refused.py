@@ -29,8 +29,6 @@ NOT_BUILT = {
     "--grad-reduce-in-bf16": "gradients reduced in bf16 (half the bytes of each gradient "
                              "reduction) is not built; paraloom reduces fp32 gradients, "
                              "Megatron's default",
-    "--exit-duration-in-mins": "Megatron's wall-time exit (a MAX all-reduce of a done flag over "
-                               "all ranks every iteration) is not built; give --train-iters",
     "--log-params-norm": "Megatron's parameter-norm logging (an all-reduce over the "
                          "model-parallel group at every log) is not built",
     "--log-num-zeros-in-grad": "Megatron's count of zero gradients (an all-reduce over the "

@@ -52,6 +52,12 @@ class RunConfig:
                                 help="stop after this many consecutive NaN/Inf steps (each is "
                                      "skipped)")
     """Stop after this many consecutive steps with a NaN/Inf loss or gradient (each skipped)."""
+    exit_duration_mins: float | None = option(
+        None, "--exit-duration-in-mins", metavar="M",
+        help="Megatron's: after each step the ranks agree (a MAX all-reduce over the world) "
+             "whether any has run M minutes; then the run saves and stops")
+    """Megatron-LM's ``--exit-duration-in-mins``: the wall-time limit from the launch, checked
+    after every step (:func:`paraloom.training.megatron_lm_loop.exit_vote`)."""
     tensorboard_dir: str | None = option(
         None, "--tensorboard-dir", metavar="DIR",
         help="write loss, lr, grad norm, tokens/s and per-kind comm bytes as TensorBoard scalars")
@@ -86,3 +92,8 @@ class RunConfig:
                 and math.isfinite(self.timeout_s)):
             raise ValueError(f"timeout_s (--timeout) must be a positive number of seconds, got "
                              f"{self.timeout_s}")
+        minutes = self.exit_duration_mins
+        if minutes is not None and not (isinstance(minutes, (int, float)) and minutes > 0
+                                        and math.isfinite(minutes)):
+            raise ValueError(f"--exit-duration-in-mins must be a positive number of minutes, "
+                             f"got {minutes}")

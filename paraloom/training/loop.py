@@ -116,7 +116,7 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
                     **d.split_parts())
     run, setup = _set_up(cfg, mesh, corpus, t0)
     start, ckpt, meta = _resume(run, r.resume) if r.resume else (0, None, None)
-    run.first_step = start
+    run.first_step, run.started = start, t0
     # continuing in the run's own folder with the same layout keeps its ledger of earlier steps
     # and records the steps an uninterrupted run records; otherwise the ledger starts again
     same = ckpt is not None and same_run(out, ckpt)
@@ -133,7 +133,9 @@ def run_rank(cfg: TrainConfig, t0: float) -> dict | None:
                            save_every)
     val_after = evaluate(run, held_out)
     summary = {"held_out_loss_before": val_before, "held_out_loss_after": val_after,
-               "steps": cfg.steps, "start_step": start, "tokens": run.tokens}
+               "steps": run.step, "start_step": start, "tokens": run.tokens}
+    if run.step < cfg.steps:  # stopped early (--exit-duration-in-mins)
+        summary["planned_steps"] = cfg.steps
     return _finish(run, folder, ledger_file, written, summary)
 
 
@@ -212,9 +214,16 @@ def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recor
                 f"or gradient (max_bad_steps = {r.max_bad_steps}); lower --lr, check the data, "
                 f"or resume from the last checkpoint")
         gathered = False
-        if save_every and (iteration % save_every == 0 or iteration == cfg.steps):
+        stop = bool(metrics.get("exit"))  # --exit-duration-in-mins: every rank agreed
+        if save_every and (iteration % save_every == 0 or iteration == cfg.steps or stop):
             _save(run, out, iteration)
             gathered = cfg.overlap_param_gather
+        if stop:
+            if writer:
+                print(f"paraloom train: stopping after step {iteration}: "
+                      f"--exit-duration-in-mins {r.exit_duration_mins:g} reached",
+                      file=sys.stderr, flush=True)
+            break
     if beat is not None:
         beat.stop()
     if scalars is not None:

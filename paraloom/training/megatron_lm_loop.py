@@ -20,9 +20,18 @@ its record equals Megatron-LM's (``tests/test_megatron_lm.py``):
   ``--log-interval``-th: 100 by default, as in Megatron-LM) the interval timer stops and
   restarts with a barrier over the world each; after the last iteration ``pretrain`` prints
   "after training is done" behind one more (:func:`training_done_barrier`).
+* :func:`exit_vote` -- with ``--exit-duration-in-mins`` (with or without the loop: it is how
+  the run stops), ``checkpoint_and_decide_exit`` after every iteration: whether any rank has
+  run that long, an int32 ``[1]`` MAX all-reduce over the world; if so the run saves and stops
+  (Megatron-LM then passes two more barriers and exits, without "after training is done";
+  paraloom's stop is its own: its checkpoint and held-out loss).
+
+:func:`after_step` runs the ones after the optimizer step in Megatron-LM's order.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -30,7 +39,7 @@ from .. import comm
 from ..mesh import ParallelMesh
 
 __all__ = ["broadcast_batch", "rerun_vote", "learning_rate_max", "timer_barriers",
-           "logged_iteration", "training_done_barrier"]
+           "logged_iteration", "training_done_barrier", "exit_vote", "after_step"]
 
 _SITE = "get_batch_on_this_tp_rank"
 
@@ -103,3 +112,33 @@ def timer_barriers(mesh: ParallelMesh) -> None:
 def training_done_barrier(mesh: ParallelMesh) -> None:
     """``pretrain``'s ``print_datetime("after training is done")``: a barrier over the world."""
     comm.barrier(mesh.world, phase="optimizer", site="pretrain:after_training_is_done")
+
+
+def exit_vote(mesh: ParallelMesh, minutes: float, started: float, device: torch.device) -> bool:
+    """Whether any rank has run ``minutes`` since ``started`` (the launch): Megatron-LM's
+    ``--exit-duration-in-mins`` check, an int32 MAX all-reduce over the world."""
+    late = torch.tensor([time.time() - started > 60.0 * minutes], dtype=torch.int32,
+                        device=device)
+    comm.all_reduce(late, mesh.world, op="max", phase="optimizer", kind="world",
+                    site="checkpoint_and_decide_exit:exit_duration",
+                    split="whether any rank has run --exit-duration-in-mins")
+    return bool(late.item())
+
+
+def after_step(mesh: ParallelMesh, cfg, step: int, first: bool, lr: float, started: float,
+               device: torch.device) -> bool:
+    """What Megatron-LM's loop communicates after iteration ``step + 1``'s optimizer step, in
+    its order (``first``: the process's first iteration): ``training_log`` (the learning rate,
+    the timers' barriers in a logged iteration), the exit vote, and after the last iteration
+    the barrier of "after training is done"; the loop's collectives only with
+    ``--megatron-lm-loop``. Returns whether the run stops here (the exit vote said so)."""
+    loop = cfg.megatron_lm_loop
+    if loop:
+        learning_rate_max(mesh, lr, device)
+        if logged_iteration(step + 1, cfg.run.log_interval, first):
+            timer_barriers(mesh)
+    minutes = cfg.run.exit_duration_mins
+    stop = minutes is not None and exit_vote(mesh, minutes, started, device)
+    if loop and step + 1 == cfg.steps and not stop:
+        training_done_barrier(mesh)
+    return stop

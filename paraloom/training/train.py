@@ -44,14 +44,7 @@ from ..pipeline_parallel.schedules import (
 )
 from ..tensor_parallel.random import model_parallel_seed
 from .lr_schedule import run_learning_rate
-from .megatron_lm_loop import (
-    broadcast_batch,
-    learning_rate_max,
-    logged_iteration,
-    rerun_vote,
-    timer_barriers,
-    training_done_barrier,
-)
+from .megatron_lm_loop import after_step, broadcast_batch, rerun_vote
 
 __all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
 
@@ -77,6 +70,8 @@ class Run:
     tokens: int = 0
     first_step: int = 0
     """The first step this process runs (after a resume, the checkpoint's)."""
+    started: float = 0.0
+    """When the run was launched (``time.time()``): ``--exit-duration-in-mins`` counts from it."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -220,12 +215,8 @@ def train_step(run: Run, step: int) -> dict:
             opt.step()                               # ... to here
     ok, grad_norm = _agree(run, ok, grad_norm)
     out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
-    if loop:  # Megatron-LM's training_log
-        learning_rate_max(mesh, lr, run.device)
-        if logged_iteration(step + 1, cfg.run.log_interval, step == run.first_step):
-            timer_barriers(mesh)
-        if step + 1 == cfg.steps:
-            training_done_barrier(mesh)
+    if after_step(mesh, cfg, step, step == run.first_step, lr, run.started, run.device):
+        out["exit"] = True  # --exit-duration-in-mins: some rank has run that long
     if moe:
         out.update(_moe_metrics(cfg, _moe_stats(run), mesh.dp_cp.size * cfg.num_microbatches))
     run.step = step + 1
