@@ -456,6 +456,8 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--train-samples", "40"], "--train-samples: sample-based training is not built: give "
      "--train-iters"),
     (["--lr-warmup-samples", "4"], "give --lr-warmup-iters or --lr-warmup-fraction"),
+    (["--rampup-batch-size", "16", "16", "5859375"], "--rampup-batch-size: a global batch that "
+     "grows"),
     (["--kv-channels", "32"], "--kv-channels 32: paraloom's attention heads have --hidden-size "
      "/ --num-attention-heads = 64 / 4 channels"),
     (["--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl", "te"],

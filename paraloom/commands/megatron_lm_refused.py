@@ -40,6 +40,9 @@ NOT_BUILT = {
                             "1 + w) is not built",
     "--train-samples": "sample-based training is not built: give --train-iters (iterations "
                        "of --global-batch-size samples)",
+    "--rampup-batch-size": "a global batch that grows over the first samples (deprecated in "
+                           "megatron-core 0.19) is not built: every step has "
+                           "--global-batch-size samples",
     "--lr-decay-samples": "sample-based schedules are not built: give --lr-decay-iters",
     "--lr-warmup-samples": "sample-based schedules are not built: give --lr-warmup-iters or "
                            "--lr-warmup-fraction",
