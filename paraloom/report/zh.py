@@ -60,6 +60,7 @@ SPLITS = {
     "the microbatch's position ids": "本微批次的位置编号",
     "the microbatch's attention mask": "本微批次的注意力掩码",
     "whether any rank re-runs the step": "是否有 rank 要重跑本步",
+    "whether any rank has run --exit-duration-in-mins": "是否有 rank 已运行满时限（分钟数上限）",
     "the learning rate, for the log": "学习率（用于日志）",
     "the tied word embeddings' first values": "绑定词嵌入的初始值",
     "the earliest program start over the ranks": "各 rank 中最早的程序启动时间",
