@@ -119,7 +119,7 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
                                                                           "sum_exp")):
             _event(out, **dict(fwd, itemsize=4), kind="tp", op="all_reduce", module="output",
                    site=f"vocab_parallel_cross_entropy.forward:{what}", split=_CE,
-                   shape=[r.local * (2 if what.endswith("sum_exp") and fused else 1), r.b])
+                   shape=[r.local * (2 if what == "target_logit_sum_exp" else 1), r.b])
 
 
 def _layer_forward(r: _Rank, out: list, fwd: dict, i: int) -> None:

@@ -118,7 +118,7 @@ def _config(args) -> tuple[TrainConfig, object]:
     if args.data is None and args.data_path is None:
         # the run's own data: its held-out part (its --split's, else the last 5 %) is what
         # training never saw
-        args.split_weights = saved.split
+        args.run_split = saved.split
         if saved.file or saved.data_path:
             args.data, args.data_path = saved.file, saved.data_path
             print(f"paraloom eval: note: scoring the run's own data, "
@@ -152,7 +152,7 @@ def _train_config(args, model: ModelConfig, ckpt, batch: dict | None = None) -> 
         schedule=default_schedule(parallel.pp, parallel.vpp),
         data=DataConfig(file=absolute(args.data), data_path=absolute(args.data_path),
                         tokenizer=absolute(args.tokenizer),
-                        split=getattr(args, "split_weights", None)),
+                        split=getattr(args, "run_split", None)),
         run=RunConfig(resume=None if ckpt is None else str(ckpt), save_every=0,
                       timeout_s=values.get("run.timeout_s", _BASE.run.timeout_s)))
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from .fields import option
 
-__all__ = ["DataConfig", "split_weights"]
+__all__ = ["DataConfig", "split_weights", "split_parts"]
 
 
 def split_weights(text: str) -> tuple[float, float, float]:
@@ -28,6 +28,16 @@ def split_weights(text: str) -> tuple[float, float, float]:
     weights += [0.0] * (3 - len(weights))
     total = sum(weights)
     return weights[0] / total, weights[1] / total, weights[2] / total
+
+
+def split_parts(split: str | None) -> dict:
+    """The token stream's parts under ``--split`` as :class:`~paraloom.data.Corpus` takes them:
+    ``holdout`` (the fraction after the training part) and ``heldout_end`` (where the held-out
+    part ends); empty for ``None`` (the default: the last 5% held out)."""
+    if split is None:
+        return {}
+    train, valid, _ = split_weights(split)
+    return {"holdout": 1.0 - train, "heldout_end": min(1.0, train + valid)}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,10 +82,5 @@ class DataConfig:
                                  f"second before and after training; give both a weight > 0")
 
     def split_parts(self) -> dict:
-        """The token stream's parts as :class:`~paraloom.data.Corpus` takes them: ``holdout``
-        (the fraction after the training part) and ``heldout_end`` (where the held-out part
-        ends); empty for the default (the last 5% held out)."""
-        if self.split is None:
-            return {}
-        train, valid, _ = split_weights(self.split)
-        return {"holdout": 1.0 - train, "heldout_end": min(1.0, train + valid)}
+        """:func:`split_parts` of this run's ``--split``."""
+        return split_parts(self.split)

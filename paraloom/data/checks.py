@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config.data import DataConfig, split_weights
+from ..config.data import split_parts, split_weights
 from .corpus import HOLDOUT, first_non_utf8, load_corpus, min_bytes
 from .stream import load_tokens
 
@@ -37,7 +37,7 @@ def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--d
     if data_path is not None or tokenizer is not None:
         return _check_tokens(path, seq_len, use, data_path, tokenizer, split)
     data = load_corpus(path, flag)
-    n, need = len(data), min_bytes(seq_len, use, **DataConfig(split=split).split_parts())
+    n, need = len(data), min_bytes(seq_len, use, **split_parts(split))
     if n < need:
         name = "the bundled corpus" if path is None else repr(str(path))
         raise ValueError(f"{flag} {name} has {n} bytes (tokens are bytes); --seq-len {seq_len} "
@@ -53,7 +53,7 @@ def check_data(path: str | Path | None, seq_len: int, use: str, flag: str = "--d
 def _check_tokens(path, seq_len: int, use: str, data_path: str | None, tokenizer: str | None,
                   split: str | None) -> list[str]:
     tokens = load_tokens(path, data_path, tokenizer)
-    n, need = len(tokens), min_bytes(seq_len, use, **DataConfig(split=split).split_parts())
+    n, need = len(tokens), min_bytes(seq_len, use, **split_parts(split))
     if n >= need:
         return []
     name = (f"--data-path {data_path!r} ({'its documents joined, ' * (n > 0)}EOD between them)"
