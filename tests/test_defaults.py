@@ -155,6 +155,28 @@ def test_flags_given_beat_megatron_lm_defaults():
         (True, True, 2)
 
 
+def test_the_megatron_lm_defaults_note_names_only_what_it_applied():
+    """The note lists Megatron-LM's optimizer defaults one by one, and not one the command line
+    gave a value for (it used to print the whole group's text, weight decay 0.01 included,
+    under --weight-decay 0.1)."""
+    from paraloom.commands.megatron_lm_flags import megatron_lm_spellings
+
+    def note(*flags):
+        flags_parser = parser()
+        args = flags_parser.parse_args(list(flags))
+        args.megatron_lm_spelt = megatron_lm_spellings(flags_parser, list(flags))
+        cfg = config_from_args(args)[0]
+        return cfg, "; ".join(args.megatron_lm_defaults)
+
+    cfg, text = note("--train-iters", "3")
+    assert "weight decay 0.01" in text and "Adam beta2 0.999" in text
+    assert cfg.optim.weight_decay == 0.01
+    cfg, text = note("--train-iters", "3", "--weight-decay", "0.1", "--adam-beta2", "0.95")
+    assert (cfg.optim.weight_decay, cfg.optim.adam_beta2) == (0.1, 0.95)
+    assert "weight decay" not in text and "beta2" not in text, text
+    assert "linear learning-rate decay" in text and "no warm-up" in text
+
+
 def test_megatron_lm_interleaving_overlaps_p2p_as_megatron_lm():
     """Megatron-LM overlaps the interleaved schedule's p2p by default (1F1B has no overlap):
     given a Megatron-LM command line with virtual stages, paraloom runs Megatron-Core's

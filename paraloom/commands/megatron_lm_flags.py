@@ -237,21 +237,19 @@ MEGATRON_LM_DEFAULTS = {
     "model.moe_aux_loss_coeff": (
         lambda settings, backend: 0.0 if settings.get("model", {}).get("num_experts") else None,
         "no MoE load-balancing loss (--moe-aux-loss-coeff)"),
-    "optim.megatron_lr_schedule": (
-        lambda settings, backend: True,
-        "Megatron-LM's optimizer and schedule: weight decay 0.01, Adam beta2 0.999, linear "
-        "decay to --min-lr 0 without warm-up, steps counted as its scheduler "
-        "(--weight-decay, --adam-beta2, --lr-decay-style, --min-lr, --lr-warmup-iters)"),
-    "optim.weight_decay": (lambda settings, backend: 0.01, None),
-    "optim.adam_beta2": (lambda settings, backend: 0.999, None),
-    "optim.lr_decay_style": (lambda settings, backend: "linear", None),
-    "optim.min_lr": (lambda settings, backend: 0.0, None),
+    "optim.megatron_lr_schedule": (lambda settings, backend: True,
+                                   "steps counted as Megatron-LM's scheduler"),
+    "optim.weight_decay": (lambda settings, backend: 0.01, "weight decay 0.01 (--weight-decay)"),
+    "optim.adam_beta2": (lambda settings, backend: 0.999, "Adam beta2 0.999 (--adam-beta2)"),
+    "optim.lr_decay_style": (lambda settings, backend: "linear",
+                             "linear learning-rate decay (--lr-decay-style)"),
+    "optim.min_lr": (lambda settings, backend: 0.0, "decay to 0 (--min-lr)"),
     "optim.warmup_steps": (lambda settings, backend: None if settings.get("optim", {}).get(
-        "warmup_fraction") is not None else 0, None),
+        "warmup_fraction") is not None else 0, "no warm-up (--lr-warmup-iters)"),
 }
 """Megatron-LM's defaults where paraloom's own differ: setting -> (its value for the settings
-and backend of the run, or ``None`` where it does not apply; what it means, or ``None`` when an
-earlier entry's text says it)."""
+and backend of the run, or ``None`` where it does not apply; what it means, said only when it
+applied: a value the command line gave is not listed)."""
 _NOT_MEGATRON = {"nprocs"}  # torchrun's spellings
 
 
@@ -289,6 +287,5 @@ def megatron_lm_defaults(settings: dict, values: dict, backend: str) -> list[str
         for part in parents:
             target = target.setdefault(part, {})
         target[name] = chosen
-        if what is not None:  # said once for its group
-            applied.append(what)
+        applied.append(what)
     return applied
