@@ -21,6 +21,13 @@ and compare it with paraloom's own step of the same model and layout::
         --global-batch-size 8 --micro-batch-size 2 --steps 2 --ledger-steps 2 \\
         --no-overlap-p2p-communication --out ours
     paraloom diff rec ours --step 1 --ignore-names
+
+``--use-megatron-fsdp [--data-parallel-sharding-strategy S]`` wraps the chunks in megatron-core's
+Megatron-FSDP instead (Megatron-LM's ``get_model`` under ``--use-megatron-fsdp``), whose
+communication ``paraloom train`` does not build yet: record it to see it::
+
+    paraloom record --megatron-on-cpu --nproc 2 --out fsdp -- examples/megatron_gpt_step.py \
+        --use-megatron-fsdp --layers 2 --microbatches 2
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ def parse(argv=None) -> argparse.Namespace:
     a("--no-align-param-gather", dest="align_param_gather", action="store_false")
     a("--overlap-param-gather-with-optimizer-step", action="store_true")
     a("--bucket-size", type=int, default=None, help="gradient bucket size (elements)")
+    a("--use-megatron-fsdp", action="store_true",
+      help="Megatron-FSDP instead of DistributedDataParallel (with the distributed optimizer)")
+    a("--data-parallel-sharding-strategy", default="optim_grads_params",
+      choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
+      help="Megatron-FSDP's sharding (Megatron-LM's default: optim_grads_params, ZeRO-3)")
     a("--recompute", action="store_true", help="full recomputation of every layer")
     a("--bf16", action="store_true", help="bf16 parameters and activations (fp32 main grads)")
     a("--layers", type=int, default=4)
@@ -112,7 +124,9 @@ def build(args):
             pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage))
-    ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce,
+    fsdp = dict(use_megatron_fsdp=True, data_parallel_sharding_strategy=args.
+                data_parallel_sharding_strategy) if args.use_megatron_fsdp else {}
+    ddp_cfg = DistributedDataParallelConfig(overlap_grad_reduce=args.overlap_grad_reduce, **fsdp,
                                             use_distributed_optimizer=args.distributed_optimizer,
                                             bucket_size=args.bucket_size,
                                             overlap_param_gather=args.overlap_param_gather,
@@ -126,8 +140,12 @@ def build(args):
         from megatron.core.transformer.module import Float16Module
         chunks = [Float16Module(cfg, chunk) for chunk in chunks]
     with_step = args.overlap_param_gather_with_optimizer_step  # Megatron-LM: no bucketing then
-    model = [DistributedDataParallel(config=cfg, ddp_config=ddp_cfg, module=chunk,
-                                     disable_bucketing=i > 0 or with_step)
+    wrapper = DistributedDataParallel
+    if args.use_megatron_fsdp:  # Megatron-LM's get_model: its FullyShardedDataParallel
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        wrapper = FullyShardedDataParallel
+    model = [wrapper(config=cfg, ddp_config=ddp_cfg, module=chunk,
+                     disable_bucketing=i > 0 or with_step)
              for i, chunk in enumerate(chunks)]
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95,
@@ -210,6 +228,8 @@ def train_step(step_fn, iterators, model, optimizer, args):
 
 def main(argv=None) -> None:
     args = parse(argv)
+    if args.use_megatron_fsdp:  # Megatron-LM: Megatron-FSDP implies the distributed optimizer
+        args.distributed_optimizer = True
     if args.vpp and args.pp <= 2:
         raise SystemExit(f"--vpp {args.vpp} needs --pp > 2 with megatron-core's blocking batched "
                          f"p2p (Megatron-LM refuses it too: with pp = 2 a batch would hold two "

@@ -444,7 +444,10 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     # Megatron features paraloom does not have: named, with what it has
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
      "--use-megatron-fsdp: Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
-     "module) is not built"),
+     "module) is not built in paraloom train"),
+    (["--use-megatron-fsdp"], "To see Megatron-FSDP's own communication: paraloom record "
+     "--megatron-on-cpu --nproc 2 --out fsdp -- examples/megatron_gpt_step.py "
+     "--use-megatron-fsdp"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss: Megatron's per-token loss"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a positive number of "

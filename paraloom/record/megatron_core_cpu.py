@@ -53,7 +53,7 @@ import warnings
 
 import torch
 
-from . import gloo_uneven, on_import
+from . import gloo_uneven, megatron_fsdp_cpu, on_import
 from .cuda_on_cpu import TORCH, torch_on_cpu
 
 __all__ = ["install", "PATCHES", "CUDA_MODULES", "TESTED", "PAGED_STASH", "torch_on_cpu"]
@@ -99,6 +99,7 @@ PATCHES = {
                                  "torch.distributed.all_gather into unequal tensors (the "
                                  "alltoall dispatcher with tp > 1); run padded, recorded as "
                                  "issued",
+    **megatron_fsdp_cpu.PATCHES,
 }
 """Every patch and the lines of megatron-core it serves (README, "Record Megatron-Core itself")."""
 
@@ -156,6 +157,8 @@ def _patch_module(module) -> None:
     """What :data:`CUDA_MODULES`, the RNG module and the torch norm get, right after they
     are executed."""
     name = module.__name__
+    if name in megatron_fsdp_cpu.FSDP_MODULES:
+        megatron_fsdp_cpu.patch_module(module, _missed)
     if name in CUDA_MODULES:
         if getattr(module, "torch", None) is torch:
             module.torch = TORCH

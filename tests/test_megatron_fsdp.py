@@ -1,0 +1,114 @@
+"""Megatron-FSDP, megatron-core 0.19.2's own, recorded on CPU: what each sharding strategy sends.
+
+``examples/megatron_gpt_step.py --use-megatron-fsdp --data-parallel-sharding-strategy S`` wraps
+megatron-core's ``GPTModel`` in its ``FullyShardedDataParallel`` (Megatron-LM's ``get_model`` with
+``--use-megatron-fsdp``) and trains two steps on 2 gloo ranks (dp 2, two microbatches per step)
+under ``paraloom record --megatron-on-cpu``; the baseline is the same program with Megatron's
+``DistributedDataParallel`` and distributed optimizer. Each strategy trains what the baseline
+trains (loss and gradient norm as printed), so the CPU patches (:mod:`paraloom.record.
+megatron_fsdp_cpu`: CUDA device names, CPU device meshes, PREMUL_SUM as scale-then-sum) change no
+number; and the steady step (2) holds each strategy's pattern: ``no_shard`` one gradient
+all-reduce; ``optim`` (ZeRO-1) one reduce-scatter after the last microbatch and the parameter
+all-gather in the optimizer step; ``optim_grads`` (ZeRO-2) a reduce-scatter after every
+microbatch; ``optim_grads_params`` (ZeRO-3) besides, parameter all-gathers in forward and again
+in backward.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from _megatron_record import finish, start_record
+from _megatron_source import megatron_file
+
+from paraloom.run_folder import load_events
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "megatron_gpt_step.py"
+MODEL = ["--layers", "2", "--microbatches", "2", "--steps", "2"]
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STEP = re.compile(r"step (\d): loss (\S+)\s+grad_norm (\S+)")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (record folder, the printed (step, loss, grad norm) lines); two at a time."""
+    megatron_file("distributed/fsdp/mcore_fsdp_adapter.py")  # installed, or fail
+    tmp = tmp_path_factory.mktemp("megatron_fsdp")
+    flags = {"baseline": ["--distributed-optimizer"],
+             **{s: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", s]
+                for s in STRATEGIES}}
+    out, names = {}, list(flags)
+    for i in range(0, len(names), 2):
+        procs = {n: start_record(tmp / n, EXAMPLE, [*MODEL, *flags[n]], nproc=2, timeout=200)
+                 for n in names[i:i + 2]}
+        for name, proc in procs.items():
+            code, text = finish(proc, 300)
+            assert code == 0, f"{name}: {text[-3000:]}"
+            out[name] = (tmp / name, STEP.findall(text))
+    return out
+
+
+def _dp(folder: Path, step: int) -> list[tuple[str, str]]:
+    """Rank 0's data-parallel operations of ``step`` (the loss's own all-reduce left out):
+    (op, phase) in order."""
+    return [(e["op"], e["phase"]) for e in load_events(folder)
+            if e["rank"] == 0 and e["step"] == step and e["kind"] == "dp"
+            and not e["site"].endswith(" train_step")]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_each_strategy_trains_what_ddp_trains(runs, strategy):
+    baseline = runs["baseline"][1]
+    assert len(baseline) == 2, baseline
+    assert runs[strategy][1] == baseline
+
+
+def test_the_steady_step_of_each_strategy(runs):
+    ops = {s: _dp(runs[s][0], 2) for s in STRATEGIES}
+    assert ops["no_shard"] == [("all_reduce", "backward")]
+    assert ops["optim"] == [("reduce_scatter", "backward"), ("all_gather", "optimizer")]
+    assert ops["optim_grads"] == [("reduce_scatter", "backward")] * 2 + \
+        [("all_gather", "optimizer")]
+    zero3 = ops["optim_grads_params"]
+    assert {op for op, _ in zero3} == {"all_gather", "reduce_scatter"}
+    gathers = {phase for op, phase in zero3 if op == "all_gather"}
+    assert gathers == {"forward", "backward", "optimizer"}, zero3
+    scatters = [phase for op, phase in zero3 if op == "reduce_scatter"]
+    assert scatters and set(scatters) == {"backward"} and len(scatters) % 2 == 0
+    # each microbatch's backward: gathers of the units' parameters, then their reduce-scatters
+    backward = [op for op, phase in zero3 if phase == "backward"]
+    half = len(backward) // 2
+    assert backward[:half] == backward[half:] and backward[0] == "all_gather"
+
+
+def test_zero3_gathers_are_asynchronous_and_shards(runs):
+    """The parameter all-gathers are launched ahead (async, the prefetch) with a 1/dp shard
+    each; the gradient reduce-scatters wait at once (the recorded op's own flag on gloo)."""
+    events = [e for e in load_events(runs["optim_grads_params"][0])
+              if e["rank"] == 0 and e["step"] == 2 and e["kind"] == "dp"
+              and e["op"] in ("all_gather", "reduce_scatter")]
+    gathers = [e for e in events if e["op"] == "all_gather"]
+    scatters = [e for e in events if e["op"] == "reduce_scatter"]
+    assert all(e["async"] for e in gathers) and not any(e["async"] for e in scatters)
+    assert all(len(e["group"]) == 2 for e in events)
+    assert {e["shape"][0] for e in gathers} <= {e["shape"][0] // 2 for e in scatters}
+
+
+def test_fsdp_patches_are_documented_and_named_when_they_miss():
+    """Each patch has its README row; one whose target moved is named, not skipped."""
+    import types
+
+    from paraloom.record import megatron_core_cpu, megatron_fsdp_cpu
+
+    readme = (ROOT / "README.md").read_text()
+    for patch in megatron_fsdp_cpu.PATCHES:
+        assert f"| {patch} |" in readme and patch in megatron_core_cpu.PATCHES, patch
+    name = megatron_fsdp_cpu.FSDP_MODULES[2]  # param_and_grad_buffer, without its targets
+    with pytest.warns(UserWarning) as caught:
+        megatron_core_cpu._patch_module(types.ModuleType(name))
+    said = " ".join(str(w.message) for w in caught)
+    assert "'Megatron-FSDP on CPU' did not apply" in said
+    assert "'PREMUL_SUM on gloo' did not apply" in said
