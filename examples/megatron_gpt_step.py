@@ -64,6 +64,8 @@ def parse(argv=None) -> argparse.Namespace:
       choices=("no_shard", "optim", "optim_grads", "optim_grads_params"),
       help="Megatron-FSDP's sharding (Megatron-LM's default: optim_grads_params, ZeRO-3)")
     a("--recompute", action="store_true", help="full recomputation of every layer")
+    a("--calculate-per-token-loss", action="store_true",
+      help="Megatron's per-token loss: gradients divided by the step's token count")
     a("--bf16", action="store_true", help="bf16 parameters and activations (fp32 main grads)")
     a("--layers", type=int, default=4)
     a("--hidden", type=int, default=64)
@@ -104,7 +106,7 @@ def build(args):
         num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
         ffn_hidden_size=4 * args.hidden, hidden_dropout=0.0, attention_dropout=0.0,
         use_cpu_initialization=True, params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16,
-        **recompute,
+        **recompute, calculate_per_token_loss=args.calculate_per_token_loss,
         tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
         virtual_pipeline_model_parallel_size=args.vpp, context_parallel_size=args.cp,
         sequence_parallel=args.sequence_parallel, gradient_accumulation_fusion=False,

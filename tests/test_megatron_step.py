@@ -10,7 +10,8 @@ interleaved pp4 (vpp 2, 8 layers), tp2 x pp2 with full recomputation, tp2 x dp2 
 two that once differed (plain 1F1B on 3 stages, tp2 x dp2 with sp and full recomputation),
 ``--overlap-param-gather`` on dp4 with 3000-element buckets (launched as each completes) and on
 pp2 x dp2 (the tied embedding's bucket of its own), and ``--num-distributed-optimizer-instances
-2`` on dp4 (its parameter gathers in the optimizer step) — ``paraloom diff --step 2
+2`` on dp4 (its parameter gathers in the optimizer step), and ``--calculate-per-token-loss`` on
+pp2 x dp2 (the token count's broadcast and all-reduce) — ``paraloom diff --step 2
 --ignore-names`` exits 0 (the steady state), and so does ``--step 1`` (the first iteration, where
 Megatron's DDP launches no bucket from its hooks). ``benchmarks/megatron_sweep.py`` runs the
 same comparison over 52 layouts (these and the ones left out of the suite for its time:
@@ -63,6 +64,11 @@ LAYOUTS = {  # name: (the example's flags, paraloom train's flags)
     "pp2-dp2-distopt-opg": ("--pp 2 --distributed-optimizer --overlap-param-gather",
                             "--tp 1 --pp 2 --dp 2 --distributed-optimizer "
                             "--overlap-param-gather --global-batch-size 16"),
+    # --calculate-per-token-loss: finalize_model_grads ends with the step's token count
+    # broadcast from the last stage over pp and all-reduced over dp (int32 [])
+    "pp2-dp2-distopt-per-token": ("--pp 2 --distributed-optimizer --calculate-per-token-loss",
+                                  "--tp 1 --pp 2 --dp 2 --distributed-optimizer "
+                                  "--calculate-per-token-loss --global-batch-size 16"),
     # --num-distributed-optimizer-instances 2: each bucket reduce-scattered over a block of 2
     # dp ranks, its shard then all-reduced across the blocks, both synchronous
     "dp4-distopt-instances": ("--distributed-optimizer --bucket-size 3000 "
@@ -114,6 +120,10 @@ def test_megatron_whole_step_equals_paraloom_train(runs, name, capsys):
     assert {"mp", "dp"} <= kinds and ({"pp", "emb"} <= kinds or "pp" not in name)
     sites = {e["site"].rpartition(" ")[2] for e in events}
     assert {"get_grad_norm_fp32", "_ParamAndGradBucketGroup.start_grad_sync", "agree"} <= sites
+    counts = [e for e in events if e["site"].endswith("finalize_model_grads")
+              and e["dtype"] == "int32" and e["shape"] == []]  # the per-token loss's count
+    assert {e["op"] for e in counts} == ({"broadcast", "all_reduce"} if "per-token" in name
+                                         else set()), counts
     if "distopt" in name:
         assert {e["op"] for e in events if e["kind"] == "dp"} == \
             {"reduce_scatter", "all_gather", "all_reduce"}  # buckets, parameters, the loss

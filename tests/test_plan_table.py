@@ -30,6 +30,9 @@ LAYOUTS = {
                                                 "--overlap-param-gather"],
     # the second stage's buckets launched by the schedule (Megatron-LM's grad_sync_func)
     "pp with dp": ["--tp", "1", "--pp", "2", "--dp", "2"],
+    # --calculate-per-token-loss: the token count broadcast over pp, summed over dp
+    "pp with dp, per-token loss": ["--tp", "1", "--pp", "2", "--dp", "2",
+                                   "--calculate-per-token-loss"],
     # --exit-duration-in-mins: the vote after the timers' barriers, before the last barrier
     "dp, the exit vote": ["--tp", "1", "--pp", "1", "--dp", "2", "--exit-duration-in-mins",
                           "60"],

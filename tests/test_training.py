@@ -173,6 +173,31 @@ def test_fused_cross_entropy_trains_the_same_model_and_checks_exactly(tmp_path, 
         assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()
 
 
+def test_per_token_loss_trains_the_same_model_and_checks_exactly(tmp_path, reference, capsys):
+    """``--calculate-per-token-loss`` (Megatron's): each microbatch's summed loss is
+    differentiated as it is, the gradients summed over dp and divided at the end of
+    ``finalize_model_grads`` by the step's token count (int32 ``[]``: broadcast from the last
+    stage over pp, summed over dp x cp). Equal windows make it the average it replaces: one
+    process, and every layout with it, trains what the reference trains (a rank dividing by
+    another count would not); ``check`` agrees exactly."""
+    from paraloom.commands import main
+    base = BASE.replace(calculate_per_token_loss=True)
+    one = run_training(layout_config(base, tmp_path / "one"))
+    assert_same_metrics(one, reference)
+    for name, layout in (("pp2-dp2-distopt", dict(pp=2, dp=2, distributed_optimizer=True)),
+                         ("cp2-dp2", dict(cp=2, dp=2)), ("tp2-sp-pp2", dict(tp=2, sp=True, pp=2))):
+        assert_same_metrics(run_training(layout_config(base, tmp_path / name, **layout)), one)
+        events = [e for e in read_json_lines(tmp_path / name / "ledger.jsonl")
+                  if e["site"] == "finalize_model_grads:num_tokens" and e["step"] == 1]
+        pp, dp_cp = layout.get("pp", 1), layout.get("dp", 1) * layout.get("cp", 1)
+        world = pp * dp_cp * layout.get("tp", 1)
+        assert sorted(e["op"] for e in events) == sorted(
+            ["broadcast"] * world * (pp > 1) + ["all_reduce"] * world * (dp_cp > 1)), name
+        assert {(e["dtype"], e["bytes"], tuple(e["shape"])) for e in events} == \
+            {("int32", 4, ())}
+        assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()
+
+
 def test_exit_duration_stops_every_rank_after_the_vote_and_resumes(tmp_path, capsys):
     """``--exit-duration-in-mins``: after every step the ranks take the MAX of "past the limit"
     over the world (an int32 ``[1]`` all-reduce, after the loop's timer barriers); past it, the

@@ -102,6 +102,9 @@ def expected_comm(c: CommConfig, pp_rank: int = 0) -> dict[tuple[str, str, str],
             _megatron_lm_loop(c, first, last, add)
         if c.exit_vote and c.tp * c.cp * c.pp * c.dp > 1:  # --exit-duration-in-mins
             add("world", "all_reduce", "optimizer", 1, 4)
+        if c.per_token_loss:  # the step's token count (int32) in finalize_model_grads
+            add("pp", "broadcast", "optimizer", int(c.pp > 1), 4)
+            add("dp", "all_reduce", "optimizer", int(c.dp * c.cp > 1), 4)
     return dict(out)
 
 

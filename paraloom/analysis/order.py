@@ -29,7 +29,7 @@ from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
-from .order_dp import bucket_rows, gather_site, grad_norm_rows
+from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows
 from .order_loop import after_step_rows
 from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
@@ -224,6 +224,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     if tied and r.pp > 1 and r.pp_rank in (0, r.pp - 1):
         _event(out, **ev, kind="emb", op="all_reduce", site="finalize_model_grads:embedding_grads",
                shape=[cfg.padded_vocab_size // r.tp, cfg.model.hidden_size])
+    for row in num_tokens_rows(cfg):  # --calculate-per-token-loss
+        _event(out, **ev, **row)
     one, loop = dict(ev, shape=[1]), cfg.megatron_lm_loop
     if loop and cfg.rerun_mode != "disabled":
         _event(out, **one, kind="world", op="all_reduce", site="rerun_state_machine:vote",

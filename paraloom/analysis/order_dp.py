@@ -4,7 +4,7 @@ optimizer's parameter all-gathers in the optimizer step."""
 
 from __future__ import annotations
 
-__all__ = ["bucket_rows", "gather_site", "grad_norm_rows"]
+__all__ = ["bucket_rows", "gather_site", "grad_norm_rows", "num_tokens_rows"]
 
 
 def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) -> list[dict]:
@@ -63,3 +63,16 @@ def grad_norm_rows(cfg) -> list[dict]:
                 split="whether any rank has separately-normed parameters")
     return [dict(kind=k, **norm) for k, size in groups if size > 1] + \
         [dict(kind=k, **flag) for k, size in flags if size > 1]
+
+
+def num_tokens_rows(cfg) -> list[dict]:
+    """``--calculate-per-token-loss``: at the end of ``finalize_model_grads`` the step's token
+    count (int32 ``[]``) broadcast from the last pipeline stage, then summed over dp x cp (kind,
+    op, site, split, shape, bytes). Groups of one rank: no row."""
+    p = cfg.parallel
+    if not cfg.calculate_per_token_loss:
+        return []
+    row = dict(site="finalize_model_grads:num_tokens", split="the step's token count", shape=[],
+               bytes=4)
+    return [dict(kind=kind, op=op, **row) for kind, op, size in (
+        ("pp", "broadcast", p.pp), ("dp", "all_reduce", p.dp * p.cp)) if size > 1]

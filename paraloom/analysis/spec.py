@@ -179,6 +179,9 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    per_token_loss: bool = False
+    """``--calculate-per-token-loss``: the step's token count broadcast over pp and all-reduced
+    over dp x cp (int32, 4 bytes each) in ``finalize_model_grads``."""
     exit_vote: bool = False
     """``--exit-duration-in-mins``: after each step an int32 MAX all-reduce over the world."""
     cross_entropy_fusion: bool = False

@@ -27,10 +27,6 @@ NOT_BUILT = {
                          "paraloom record shows a torch FSDP2 program's own communication",
     "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "
                                           "across microbatches is not built",
-    "--calculate-per-token-loss": "Megatron's per-token loss (the token count reduced with the "
-                                  "loss, gradients scaled by the global token count instead of "
-                                  "1/dp) is not built; paraloom averages over microbatches and "
-                                  "dp as Megatron does without the flag",
     "--grad-reduce-in-bf16": "gradients reduced in bf16 (half the bytes of each gradient "
                              "reduction) is not built; paraloom reduces fp32 gradients, "
                              "Megatron's default",

@@ -48,7 +48,7 @@ GROUPS = {
                "bucket_size",
                "bucket_tail_splits", "megatron_lm_loop", "rerun_mode"),
     "batch and steps": ("global_batch_size", "micro_batch_size", "steps", "seed", "dtype",
-                        "recompute"),
+                        "recompute", "calculate_per_token_loss"),
     "model shape": ("model.seq_length", "model.num_layers", "model.hidden_size",
                     "model.num_attention_heads", "model.ffn_hidden_size", "model.vocab_size",
                     "model.make_vocab_size_divisible_by", "model.dropout", "model.init_std",

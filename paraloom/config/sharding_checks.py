@@ -14,6 +14,10 @@ def check_sharding(cfg) -> None:
     variant) under Megatron-LM's conditions."""
     _check_instances(cfg)
     _check_param_gather(cfg)
+    if cfg.calculate_per_token_loss and cfg.model.num_experts:
+        raise ValueError(f"--calculate-per-token-loss with --num-experts "
+                         f"{cfg.model.num_experts} is not built (Megatron rescales the MoE "
+                         f"auxiliary losses for it); use it with a dense model")
 
 
 def _check_instances(cfg) -> None:

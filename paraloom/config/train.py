@@ -117,6 +117,13 @@ class TrainConfig:
     schedule launches each chunk's data-parallel reduction itself (``grad_sync_func``) — on
     pipeline stages after the first after the last ``send_backward``, interleaved at the same
     virtual microbatch on every stage — instead of from the gradient hooks."""
+    calculate_per_token_loss: bool = option(
+        False, "--calculate-per-token-loss",
+        help="Megatron's per-token loss: each microbatch's loss summed over its tokens, the "
+             "gradients summed over dp and divided by the step's token count (broadcast over "
+             "pp, all-reduced over dp x cp in finalize_model_grads)")
+    """Megatron's ``calculate_per_token_loss`` (:func:`paraloom.data_parallel.finalize.
+    finalize_model_grads`); equal-length windows make it the same average as without it."""
     bucket_size: int | None = option(None, "--bucket-size",
                                      help="gradient bucket size in elements")
     """Gradient bucket size in elements; ``None`` for Megatron's default."""

@@ -12,6 +12,11 @@
    optimizer only this rank's shard of it is dp-reduced; the sum is valid there, which is all the
    optimizer reads.
 
+4. With Megatron's per-token loss (``num_tokens`` given: the gradients are sums over the
+   step's tokens, not averages): the token count, known on the last pipeline stage, is
+   broadcast from it over ``mesh.pp`` (kind ``pp``) and summed over ``mesh.dp_cp`` (kind
+   ``dp``), int32 ``[]`` both; every chunk's gradients are then divided by it.
+
 Both sums are linear, so doing them after the data-parallel average gives the same result as
 before it. Each reduction is one ledger event with its kind (phase ``optimizer``).
 """
@@ -55,7 +60,8 @@ def _allreduce_coalesced(params: list[tuple[str, nn.Parameter]], axis, *, kind: 
         offset += g.numel()
 
 
-def finalize_model_grads(model_chunks, mesh: ParallelMesh) -> None:
+def finalize_model_grads(model_chunks, mesh: ParallelMesh,
+                         num_tokens: torch.Tensor | None = None) -> None:
     """Finish dp reduction, then the sp (over tp) and tied-embedding (over emb) gradient sums.
 
     ``model_chunks``: one module or a list (virtual pipeline chunks); each may be a
@@ -79,3 +85,23 @@ def finalize_model_grads(model_chunks, mesh: ParallelMesh) -> None:
         emb = [(n, p) for n, p in named if getattr(p, "shared_embedding", False)]
         _allreduce_coalesced(emb, mesh.emb, kind="emb",
                              site="finalize_model_grads:embedding_grads")
+    if num_tokens is not None:
+        _divide_by_tokens(chunks, modules, num_tokens, mesh)
+
+
+def _divide_by_tokens(chunks, modules, num_tokens: torch.Tensor, mesh: ParallelMesh) -> None:
+    """Megatron's per-token normalisation: the step's token count from the last stage, summed
+    over dp x cp, divides every gradient (Megatron's ``scale_gradients``)."""
+    comm.broadcast(num_tokens, mesh.pp, src=mesh.pp.ranks[-1], phase="optimizer", kind="pp",
+                   site="finalize_model_grads:num_tokens", split="the step's token count")
+    comm.all_reduce(num_tokens, mesh.dp_cp, phase="optimizer", kind="dp",
+                    site="finalize_model_grads:num_tokens", split="the step's token count")
+    scale = 1.0 / max(int(num_tokens), 1)
+    for chunk, module in zip(chunks, modules, strict=True):
+        if isinstance(chunk, DistributedDataParallel):
+            for buf in chunk.buffers_:
+                buf.grad.mul_(scale)
+        else:
+            for p in module.parameters():
+                if (g := _grad(p)) is not None:
+                    g.mul_(scale)

@@ -38,7 +38,8 @@ from ..device import get_device
 from ..mesh import ParallelMesh
 from .plans import batch_site
 
-__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape"]
+__all__ = ["SHAPE_SLOTS", "MAX_ELEMENTS", "communicate", "post", "encode_shape", "decode_shape",
+           "tensor_shape_of", "overlap_p2p"]
 
 SHAPE_SLOTS = 8
 """Length of an exchanged shape tensor: ``[ndim, d0, ..., d6]`` (at most 7 dims)."""
@@ -147,3 +148,27 @@ def post(ops, *, mesh: ParallelMesh, tensor_shape, dtype=torch.float32,
                                       phase=phase, kind="pp", site=batch_site([(what, phase)]),
                                       async_op=True))
     return handles
+
+
+def tensor_shape_of(seq_length: int, micro_batch_size: int, hidden_size: int, mesh: ParallelMesh,
+                    sequence_parallel: bool = False) -> tuple[int, int, int]:
+    """The ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) tensor between stages."""
+    if sequence_parallel and seq_length % mesh.tp.size:
+        raise ValueError(f"seq_length = {seq_length} is not divisible by tp = {mesh.tp.size} "
+                         f"(needed by sequence_parallel)")
+    return (seq_length // mesh.tp.size if sequence_parallel else seq_length, micro_batch_size,
+            hidden_size)
+
+
+def overlap_p2p(requested, device, variable_seq_lengths) -> bool:
+    """Whether to run the overlapped plan: by default on gloo (CPU) without shape exchange."""
+    gloo = (device or get_device()).type == "cpu"
+    if requested is None:
+        return gloo and not variable_seq_lengths
+    if requested and not gloo:  # NCCL runs a peer pair's p2p in posting order: a receive
+        # posted ahead of a send would wait for a peer waiting on that send
+        raise ValueError(f"overlap_p2p_comm=True is for gloo (CPU); got a {device} model")
+    if requested and variable_seq_lengths:
+        raise ValueError("overlap_p2p_comm=True needs fixed shapes (variable_seq_lengths=False): "
+                         "a receive is posted before the shape it would need is known")
+    return bool(requested)

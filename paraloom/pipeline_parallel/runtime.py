@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ledger as _ledger
-from ..device import get_device
 from ..mesh import ParallelMesh
 from ..tensor_parallel.weight_grad import defer_weight_grads
 from . import p2p
+from .p2p import overlap_p2p as _overlap
+from .p2p import tensor_shape_of
 from .plans import p2p_plan
 from .timetable import validate
 
@@ -44,46 +45,25 @@ class PipelineStats:
         self.history.append(self.in_flight)
 
 
-def tensor_shape_of(seq_length: int, micro_batch_size: int, hidden_size: int, mesh: ParallelMesh,
-                    sequence_parallel: bool = False) -> tuple[int, int, int]:
-    """The ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) tensor between stages."""
-    if sequence_parallel and seq_length % mesh.tp.size:
-        raise ValueError(f"seq_length = {seq_length} is not divisible by tp = {mesh.tp.size} "
-                         f"(needed by sequence_parallel)")
-    return (seq_length // mesh.tp.size if sequence_parallel else seq_length, micro_batch_size,
-            hidden_size)
-
-
 def _at(mb: int):
     led = _ledger.active()
     return led.at(microbatch=mb) if led is not None else nullcontext()
 
 
 def _loss_of(result):
+    """``(loss, report, tokens)`` of what a loss function returned: a loss; ``(loss, report)``;
+    or, as Megatron's, ``(loss, num_tokens, report)`` (``tokens`` None but for that)."""
     if isinstance(result, (tuple, list)):
-        return result[0], result[1]
-    return result, result.detach()
-
-
-def _overlap(requested, device, variable_seq_lengths) -> bool:
-    """Whether to run the overlapped plan: by default on gloo (CPU) without shape exchange."""
-    gloo = (device or get_device()).type == "cpu"
-    if requested is None:
-        return gloo and not variable_seq_lengths
-    if requested and not gloo:  # NCCL runs a peer pair's p2p in posting order: a receive
-        # posted ahead of a send would wait for a peer waiting on that send
-        raise ValueError(f"overlap_p2p_comm=True is for gloo (CPU); got a {device} model")
-    if requested and variable_seq_lengths:
-        raise ValueError("overlap_p2p_comm=True needs fixed shapes (variable_seq_lengths=False): "
-                         "a receive is posted before the shape it would need is known")
-    return bool(requested)
+        return (result[0], result[1], None) if len(result) == 2 else \
+            (result[0], result[2], result[1])
+    return result, result.detach(), None
 
 
 def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatches, seq_length,
              micro_batch_size, forward_only, *, mesh, hidden_size, dtype=torch.float32,
              sequence_parallel=False, variable_seq_lengths=False, stats=None, no_sync_func=None,
              finalize_model_grads_func=None, overlap_p2p_comm=None, grad_sync_func=None,
-             param_sync_func=None):
+             param_sync_func=None, calculate_per_token_loss=False):
     """Run ``p2p_plan(schedule, ...)`` for this stage; the one engine behind every schedule.
 
     ``overlap_p2p_comm`` (default: on for gloo without ``variable_seq_lengths``) runs the
@@ -102,7 +82,12 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
     with ``--overlap-param-gather``) launches a chunk's parameter all-gathers: chunks 0 and 1
     before the first step, chunk ``c > 1`` before the forward of virtual microbatch ``k`` when
     ``k + pp_rank`` is chunk ``c - 1``'s first microbatch (Megatron-Core's
-    ``forward_step_helper_preprocess``)."""
+    ``forward_step_helper_preprocess``).
+
+    ``calculate_per_token_loss`` (Megatron's flag): the loss function returns ``(loss,
+    num_tokens, report)``; each microbatch's loss is differentiated as it is (not divided by
+    ``num_tokens`` and the microbatches), and ``finalize_model_grads_func(chunks, num_tokens)``
+    gets the stage's token count (zero but on the last stage) to divide the gradients by."""
     p, rank, v, m = mesh.pp.size, mesh.pp.rank, len(chunks), num_microbatches
     validate(schedule, p, m, v)
     if schedule == "interleaved" and v != mesh.vpp:
@@ -129,7 +114,9 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
         dtype=dtype, device=device, variable_seq_lengths=variable_seq_lengths,
         stats=stats if stats is not None else PipelineStats(), no_sync=no_sync,
         grad_sync=grad_sync, param_sync=param_sync_func if schedule == "interleaved"
-        and not forward_only else None)
+        and not forward_only else None,
+        num_tokens=torch.zeros((), dtype=torch.int, device=device)
+        if calculate_per_token_loss else None)
     if stage.param_sync is not None:  # Megatron: "synchronize params for first two chunks"
         stage.param_sync[0]()
         stage.param_sync[1]()
@@ -137,7 +124,8 @@ def execute(schedule, forward_step_func, data_iterators, chunks, num_microbatche
         _STEPS[step[0]](stage, i, step)
     stage.finish()
     if finalize_model_grads_func is not None and not forward_only:
-        finalize_model_grads_func(chunks)
+        finalize_model_grads_func(chunks, *(() if stage.num_tokens is None
+                                            else (stage.num_tokens,)))
     return stage.losses
 
 
@@ -162,6 +150,8 @@ class _Stage:
     no_sync: list
     grad_sync: list | None
     param_sync: list | None = None
+    num_tokens: torch.Tensor | None = None
+    """The tokens of the losses so far (``calculate_per_token_loss``), int32 ``[]``."""
     received: dict = field(default_factory=dict)
     outbox: dict = field(default_factory=dict)
     saved: dict = field(default_factory=dict)
@@ -247,9 +237,13 @@ def _forward(st: _Stage, i: int, step) -> None:
         st.chunks[c].set_input_tensor(inp)
         out, loss_func = st.forward_step_func(st.data_iterators[c], st.chunks[c])
         if vs == st.last_vs:
-            loss, info = _loss_of(loss_func(out))
+            loss, info, tokens = _loss_of(loss_func(out))
             st.losses.append(info)
-            out = loss / st.m
+            if st.num_tokens is None:
+                out = loss / st.m
+            else:  # Megatron's per-token loss: the sum, divided by the step's tokens later
+                st.num_tokens += tokens
+                out = loss
         else:
             st.outbox[("act", mb, vs)] = out  # [s, b, h]
     if not st.forward_only:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -103,6 +104,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                                     bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
                                     disable_bucketing=c > 0 or with_step,  # Megatron-LM's rule
                                     tail_splits=cfg.bucket_tail_splits,
+                                    average=not cfg.calculate_per_token_loss,  # per token: sum
                                     instances=cfg.num_distributed_optimizer_instances)
             for c, chunk in enumerate(chunks)]
     for c, d in enumerate(ddps if cfg.overlap_param_gather else []):  # hooks: after a step
@@ -116,9 +118,10 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                GradNorm(ddps, mesh, sharded=zero, dense_optimizers=2 if with_step else 1))
 
 
-def forward_step(data_iterator, model: GPTModel):
+def forward_step(data_iterator, model: GPTModel, token_sum: bool = False):
     """Megatron's ``forward_step_func``: read a microbatch where the chunk needs one (with
-    context parallelism, this cp rank's chunks of it and their global positions)."""
+    context parallelism, this cp rank's chunks of it and their global positions); ``token_sum``
+    (``--calculate-per-token-loss``): the loss is the sum, with the token count (int32)."""
     tokens, labels, *positions = next(data_iterator)
     out = model(tokens if model.pre_process else None, labels if model.post_process else None,
                 position_ids=positions[0] if positions else None)
@@ -128,6 +131,8 @@ def forward_step(data_iterator, model: GPTModel):
         loss = per_token.mean()  # Megatron's loss / num_tokens: the microbatch's mean
         report = torch.stack([per_token.detach().sum(),
                               torch.tensor(float(per_token.numel()), device=per_token.device)])
+        if token_sum:
+            return per_token.sum(), torch.tensor(per_token.numel(), dtype=torch.int), report
         return loss, report      # Megatron's "lm loss": [sum, tokens] (fp32)
     return out, loss_func
 
@@ -160,7 +165,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
               overlap_p2p_comm=cfg.overlap_p2p_comm)
     if not forward_only:
         kw.update(no_sync_func=[d.no_sync for d in run.ddps],
-                  finalize_model_grads_func=lambda _: finalize_model_grads(run.ddps, mesh))
+                  calculate_per_token_loss=cfg.calculate_per_token_loss,
+                  finalize_model_grads_func=lambda _, *n: finalize_model_grads(run.ddps, mesh, *n))
         if cfg.overlap_grad_reduce and cfg.align_grad_reduce:  # Megatron-LM's grad_sync_func
             kw["grad_sync_func"] = [d.start_grad_sync for d in run.ddps]
         gather = run.ddps[0].param_gather  # --align-param-gather: the schedule launches them
@@ -170,7 +176,8 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
         chunk.train(not forward_only)
     if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the loss
         MoEAuxLossAutoScaler.set_loss_scale(1.0 / len(mbs))
-    return schedule(forward_step, iters if interleaved else iters[0],
+    step = partial(forward_step, token_sum=cfg.calculate_per_token_loss)
+    return schedule(step, iters if interleaved else iters[0],
                     run.chunks if interleaved else run.chunks[0], len(mbs),
                     cfg.model.seq_length // mesh.cp.size, cfg.micro_batch_size, forward_only,
                     **kw)
