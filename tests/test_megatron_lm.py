@@ -36,7 +36,10 @@ ARGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32
         "--hidden-dropout 0 --attention-dropout 0").split()
 LAYOUTS = {
     "tp2-pp2": "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
-    "tp2-dp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel",
+    # with Megatron-LM's logged statistics: the parameter norm after the step (its dp, expert
+    # dp and mp all-reduces) and the zero count in the optimizer step (then a MAX over mp)
+    "tp2-dp2-sp": "--tensor-model-parallel-size 2 --sequence-parallel --log-params-norm "
+                  "--log-num-zeros-in-grad",
 }
 INTERLEAVED = {  # Megatron-LM's default overlapped p2p (compared with paraloom train only)
     "pp4-vpp2": "--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 1 "
@@ -90,6 +93,12 @@ def test_megatron_lms_own_collectives_are_on_the_record(runs, name):
     sites = Counter((_function(e), e["op"], e.get("dtype"), tuple(e.get("shape") or ()))
                     for e in setup)
     assert sites[("build_train_valid_test_data_loaders", "broadcast", "int64", (3,))] == 1
+    stats = Counter((_function(e).split(".")[0], e["kind"]) for e in _step(events, 0))
+    if "--log-params-norm" in LAYOUTS[name]:  # 2 over dp, 2 over expert dp, 1 over mp
+        assert [stats[("calc_params_l2_norm", k)] for k in ("dp", "edp", "mp")] == [2, 2, 1]
+        assert stats[("count_zeros_fp32", "mp")] == 1
+    else:
+        assert not any(f in ("calc_params_l2_norm", "count_zeros_fp32") for f, _ in stats)
     assert sites[("pretrain", "all_reduce", "float64", (1,))] >= 1
     assert sum(1 for e in setup if e["op"] == "barrier") >= 5
     microbatches = 4 if "pp" in name else 2  # global batch 8 = micro 2 x m x dp

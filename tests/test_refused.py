@@ -453,8 +453,6 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a positive number of "
      "minutes, got 0"),
-    (["--log-params-norm"], "--log-params-norm: Megatron's parameter-norm logging"),
-    (["--log-num-zeros-in-grad"], "--log-num-zeros-in-grad: Megatron's count of zero"),
     (["--log-timers-to-tensorboard"], "--log-timers-to-tensorboard: Megatron's timers"),
     (["--apply-layernorm-1p"], "--apply-layernorm-1p: Megatron's zero-centred LayerNorm"),
     (["--train-samples", "40"], "--train-samples: sample-based training is not built: give "

@@ -198,6 +198,29 @@ def test_per_token_loss_trains_the_same_model_and_checks_exactly(tmp_path, refer
         assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()
 
 
+def test_megatron_lm_logged_statistics_are_the_one_process_values_and_check_exactly(
+        tmp_path, capsys):
+    """``--log-params-norm`` and ``--log-num-zeros-in-grad`` (Megatron-LM's): every layout
+    reports the parameter norm one process reports (each parameter once: no tp duplicates, no
+    tied copy; the distributed optimizer's shards summed over dp) and the same count of zero
+    gradients within 1% (the untied input embedding's rows of absent tokens, ~7,000; under cp
+    the attention's chunked softmax rounds a few more gradients to exactly zero), and ``check``
+    agrees exactly with their all-reduces."""
+    from paraloom.commands import main
+    base = BASE.replace(model=replace(MODEL, untie_embeddings_and_output_weights=True),
+                        log_params_norm=True, log_num_zeros_in_grad=True, steps=2)
+    one = run_training(layout_config(base, tmp_path / "one"))
+    assert all(m["num_zeros"] > 1000 for m in one)
+    for name, layout in (("tp2-pp2", dict(tp=2, pp=2)), ("dp2-cp2", dict(dp=2, cp=2)),
+                         ("pp2-dp2-distopt", dict(pp=2, dp=2, distributed_optimizer=True))):
+        got = run_training(layout_config(base, tmp_path / name, **layout))
+        assert_same_metrics(got, one)
+        for a, b in zip(got, one, strict=True):
+            assert a["params_norm"] == pytest.approx(b["params_norm"], rel=1e-5), name
+            assert abs(a["num_zeros"] - b["num_zeros"]) <= 0.01 * b["num_zeros"], (name, a, b)
+        assert main(["check", str(tmp_path / name), "--step", "1"]) == 0, capsys.readouterr()
+
+
 def test_exit_duration_stops_every_rank_after_the_vote_and_resumes(tmp_path, capsys):
     """``--exit-duration-in-mins``: after every step the ranks take the MAX of "past the limit"
     over the world (an int32 ``[1]`` all-reduce, after the loop's timer barriers); past it, the

@@ -96,3 +96,17 @@ def test_bf16_softmax_is_computed_in_fp32_already():
     scores = (torch.randn(2, 4, 128, 128) * 8).bfloat16()
     scores = scores.masked_fill(torch.ones(128, 128, dtype=torch.bool).triu(1), float("-inf"))
     assert torch.equal(scores.softmax(-1), scores.float().softmax(-1).bfloat16())
+
+
+def test_bf16_params_norm_of_the_distributed_optimizers_shards(tmp_path, reference):
+    """``--log-params-norm`` in bf16 is the norm of the fp32 main parameters (Megatron-LM's
+    ``calc_params_l2_norm``): under the distributed optimizer each rank's main shards, summed
+    over dp before the model-parallel sum; one process's replicated main copies agree within
+    the bf16 tolerance (the shards are the same numbers, updated from other reductions; a
+    shard not summed over dp would give about 1/sqrt(2) of it)."""
+    one = train(tmp_path, "one", log_params_norm=True, **KW)
+    got = train(tmp_path, "zero", tp=1, pp=2, dp=2, distributed_optimizer=True,
+                log_params_norm=True, **KW)
+    for a, b in zip(got, one, strict=True):
+        assert a["params_norm"] == pytest.approx(b["params_norm"], rel=LOSS_RTOL), (a, b)
+    assert [m["loss"] for m in one] == [m["loss"] for m in reference]  # logging changes nothing

@@ -211,8 +211,17 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         if size > 1:  # the norm, and in the first step each optimizer's has_grad_norm_group
             add(kind, "all_reduce", "optimizer", 1 + (chained if i == 0 else 1) *
                 c.first_step, F32)
-    if mp > 1:
-        add("mp", "all_reduce", "optimizer", 2, F32)  # update flag (int32), norm (fp32)
+    if c.num_zeros:  # Megatron's count_zeros_fp32: int64, once when the groups are shared
+        for kind, size in groups[:1] if c.distributed_optimizer else groups:
+            add(kind, "all_reduce", "optimizer", int(size > 1), 8)
+    if mp > 1:  # update flag (int32), norm (fp32) and with --log-num-zeros-in-grad the zeros
+        add("mp", "all_reduce", "optimizer", 2 + c.num_zeros, F32)
+    if c.params_norm:  # Megatron-LM's calc_params_l2_norm (paraloom.training.step_stats)
+        ep = c.moe.ep if c.moe is not None else 1
+        add("dp", "all_reduce", "optimizer", 2 * (c.dp * c.cp > 1), F32)
+        add("edp", "all_reduce", "optimizer", 2 * (c.dp * c.cp // ep > 1), F32)
+        add("mp", "all_reduce", "optimizer", int(mp > 1), F32)
+        add("tp_ep_pp", "all_reduce", "optimizer", int(ep > 1), F32)
     if r == c.pp - 1 and c.dp > 1:
         add("dp", "all_reduce", "optimizer", 1, 2 * F32)  # [loss sum, tokens]
     if c.moe is not None and world > 1:

@@ -30,7 +30,7 @@ from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
 from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows
-from .order_loop import after_step_rows
+from .order_loop import after_step_rows, train_step_rows
 from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
 
@@ -241,16 +241,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
             _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
                    bytes=sum(b.numel for b in g) // block * r.item,
                    split="parameter bucket, 1/dp contiguous shard", **gather_site(with_step))
-    if r.tp * r.pp > 1:
-        _event(out, **one, kind="mp", op="all_reduce", site="train_step:update_successful",
-               split="whether this rank updated")
-        _event(out, **one, kind="mp", op="all_reduce", site="train_step:grad_norm",
-               split="the gradient norm")
-    if r.pp_rank == r.pp - 1 and p.dp * p.cp > 1:
-        _event(out, **dict(ev, shape=[2]), kind="dp", op="all_reduce", site="train_step:loss",
-               split="loss sum and token count")
-    for row in after_step_rows(cfg, r.tp * r.pp):  # Megatron-LM's loop, the exit vote
-        _event(out, **ev, **row)
+    for row in train_step_rows(cfg, r.pp_rank) + after_step_rows(cfg, r.tp * r.pp):
+        _event(out, **ev, **row)  # the agreements, the loss; Megatron-LM's loop, the exit vote
     if cfg.model.num_experts is not None and cfg.parallel.world_size > 1:  # paraloom's log
         _event(out, **dict(ev, shape=[3 + cfg.model.num_layers * cfg.model.num_experts]),
                kind="world", op="all_reduce", site="train_step:moe_stats", itemsize=8,

@@ -49,7 +49,9 @@ def grad_norm_rows(cfg) -> list[dict]:
     over its grad-stats group (the model-parallel ranks, the experts' tp x ep x pp ranks; under
     the distributed optimizer both the instance's ranks), then, on the first step, Megatron
     0.19's has-grad-norm-group flag per optimizer of the chain (the dense one per optimizer:
-    two under ``--overlap-param-gather-with-optimizer-step``). Groups of one rank: no row."""
+    two under ``--overlap-param-gather-with-optimizer-step``), and with
+    ``--log-num-zeros-in-grad`` the zero count (int64; once when the groups are shared, under
+    the distributed optimizer). Groups of one rank: no row."""
     p, n = cfg.parallel, cfg.num_distributed_optimizer_instances
     dense = ("distopt", p.tp * p.pp * p.dp * p.cp // n) if cfg.distributed_optimizer else \
         ("mp", p.tp * p.pp)
@@ -61,8 +63,13 @@ def grad_norm_rows(cfg) -> list[dict]:
                 split="this rank's squared gradient norm")
     flag = dict(op="all_reduce", site="has_grad_norm_group:flag",
                 split="whether any rank has separately-normed parameters")
+    zeros = dict(op="all_reduce", site="count_zeros_fp32:num_zeros", itemsize=8,
+                 split="this rank's count of zero gradients")  # --log-num-zeros-in-grad
+    counted = (groups[:1] if cfg.distributed_optimizer else groups) \
+        if cfg.run.log_num_zeros_in_grad else []
     return [dict(kind=k, **norm) for k, size in groups if size > 1] + \
-        [dict(kind=k, **flag) for k, size in flags if size > 1]
+        [dict(kind=k, **flag) for k, size in flags if size > 1] + \
+        [dict(kind=k, **zeros) for k, size in counted if size > 1]
 
 
 def num_tokens_rows(cfg) -> list[dict]:

@@ -6,7 +6,36 @@ done"."""
 
 from __future__ import annotations
 
-__all__ = ["after_step_rows"]
+__all__ = ["train_step_rows", "after_step_rows"]
+
+
+def train_step_rows(cfg, pp_rank: int) -> list[dict]:
+    """What Megatron-LM's ``train_step`` issues after ``optimizer.step()`` on a rank of pipeline
+    stage ``pp_rank`` (:mod:`paraloom.training.step_stats`): the update flag, the gradient norm
+    and with ``--log-num-zeros-in-grad`` the zero count agreed over mp; on the last stage the
+    loss over dp x cp; then ``--log-params-norm``'s all-reduces."""
+    p, one, rows = cfg.parallel, dict(shape=[1]), []
+    agreed = [("update_successful", "whether this rank updated"), ("grad_norm",
+                                                                     "the gradient norm")]
+    if cfg.run.log_num_zeros_in_grad:
+        agreed.append(("num_zeros", "the count of zero gradients"))
+    if p.tp * p.pp > 1:
+        rows += [dict(kind="mp", op="all_reduce", site=f"train_step:{tag}", split=split, **one)
+                 for tag, split in agreed]
+    if pp_rank == p.pp - 1 and p.dp * p.cp > 1:
+        rows.append(dict(kind="dp", op="all_reduce", site="train_step:loss", shape=[2],
+                         split="loss sum and token count"))
+    if cfg.run.log_params_norm:
+        shards = dict(op="all_reduce", site="calc_params_l2_norm:sharded_norm", **one,
+                      split="squared norm of this rank's parameter shards")
+        rows += [dict(kind=kind, **shards) for kind, size in (
+            ("dp", p.dp * p.cp), ("dp", p.dp * p.cp), ("edp", p.dp * p.cp // p.ep),
+            ("edp", p.dp * p.cp // p.ep)) if size > 1]
+        rows += [dict(kind=kind, op="all_reduce", site="calc_params_l2_norm:model_parallel",
+                      split="squared parameter norm of this rank's model part", **one)
+                 for kind, size in (("mp", p.tp * p.pp), ("tp_ep_pp", p.tp * p.pp * p.ep))
+                 if size > 1 and (kind == "mp" or p.ep > 1)]
+    return rows
 
 
 def after_step_rows(cfg, model_parallel: int) -> list[dict]:

@@ -179,6 +179,12 @@ class CommConfig:
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""
+    params_norm: bool = False
+    """``--log-params-norm``: Megatron-LM's parameter norm after each step (four fp32 ``[1]``
+    over the dp x cp and expert-dp groups, then over mp, and over tp x ep x pp when ep > 1)."""
+    num_zeros: bool = False
+    """``--log-num-zeros-in-grad``: an int64 ``[1]`` per grad-stats group in the optimizer step
+    and an fp32 ``[1]`` MAX over mp after it."""
     per_token_loss: bool = False
     """``--calculate-per-token-loss``: the step's token count broadcast over pp and all-reduced
     over dp x cp (int32, 4 bytes each) in ``finalize_model_grads``."""

@@ -43,7 +43,8 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         megatron_lm_loop=cfg.megatron_lm_loop, rerun_vote=cfg.rerun_mode != "disabled",
         cross_entropy_fusion=m.cross_entropy_loss_fusion,
         exit_vote=cfg.run.exit_duration_mins is not None,
-        per_token_loss=cfg.calculate_per_token_loss,
+        per_token_loss=cfg.calculate_per_token_loss, params_norm=cfg.run.log_params_norm,
+        num_zeros=cfg.run.log_num_zeros_in_grad,
         total_steps=cfg.steps, log_interval=cfg.run.log_interval)
 
 

@@ -30,10 +30,6 @@ NOT_BUILT = {
     "--grad-reduce-in-bf16": "gradients reduced in bf16 (half the bytes of each gradient "
                              "reduction) is not built; paraloom reduces fp32 gradients, "
                              "Megatron's default",
-    "--log-params-norm": "Megatron's parameter-norm logging (an all-reduce over the "
-                         "model-parallel group at every log) is not built",
-    "--log-num-zeros-in-grad": "Megatron's count of zero gradients (an all-reduce over the "
-                               "model-parallel group every step) is not built",
     "--log-timers-to-tensorboard": "Megatron's timers in TensorBoard (their times all-gathered "
                                    "over the ranks at every log) are not built; "
                                    "--tensorboard-dir writes paraloom's own metrics",

@@ -60,7 +60,8 @@ GROUPS = {
     "data": ("data.file", "data.data_path", "data.tokenizer", "data.split"),
     "run": ("run.out", "run.save_every", "run.resume", "run.init_from_hf", "run.ledger_steps",
             "run.timeout_s", "run.hang_after", "run.max_bad_steps", "run.tensorboard_dir",
-            "run.log_interval", "run.tensorboard_log_interval", "run.exit_duration_mins"),
+            "run.log_interval", "run.tensorboard_log_interval", "run.exit_duration_mins",
+            "run.log_params_norm", "run.log_num_zeros_in_grad"),
     "mixture of experts (Megatron's flags)": (
         "model.num_experts", "model.moe_router_topk", "model.moe_aux_loss_coeff",
         "model.moe_z_loss_coeff", "model.moe_expert_capacity_factor",

@@ -74,6 +74,18 @@ class RunConfig:
     """TensorBoard scalars every N steps (and at the last; Megatron-LM's
     ``--tensorboard-log-interval``)."""
 
+    log_params_norm: bool = option(False, "--log-params-norm",
+                                   help="Megatron-LM's parameter norm after every step (its "
+                                        "sharded and model-parallel all-reduces; in metrics)")
+    """Megatron-LM's ``calc_params_l2_norm`` after each step
+    (:func:`paraloom.training.step_stats.params_norm`)."""
+    log_num_zeros_in_grad: bool = option(False, "--log-num-zeros-in-grad",
+                                         help="Megatron's count of zero gradients in the "
+                                              "optimizer step (int64 all-reduce over the "
+                                              "grad-stats group, then a MAX over mp)")
+    """Megatron's ``count_zeros_fp32`` (:meth:`paraloom.data_parallel.clip_grads.GradNorm.
+    count_zeros`)."""
+
     def __post_init__(self) -> None:
         if isinstance(self.ledger_steps, bool) or not isinstance(self.ledger_steps, int) or (
                 self.ledger_steps < 1 and self.ledger_steps != -1):

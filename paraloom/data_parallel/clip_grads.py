@@ -32,10 +32,10 @@ from .. import comm
 from ..mesh import ParallelMesh
 from .ddp import DistributedDataParallel
 
-__all__ = ["GradNorm"]
+__all__ = ["GradNorm", "counts_once"]
 
 
-def _counts_once(param, mesh: ParallelMesh) -> bool:
+def counts_once(param, mesh: ParallelMesh) -> bool:
     """Whether this rank's copy of ``param`` is its one counted copy in the global norm."""
     if getattr(param, "shared_embedding", False) and not mesh.is_first_stage:
         return False  # the last stage's tied copy: counted on the first stage
@@ -61,7 +61,7 @@ class GradNorm:
                 lo, hi = bucket.shard(axis.rank, axis.size) if sharded else (0, bucket.numel)
                 into = self.expert_pieces if bucket.expert else self.pieces
                 for param in bucket.params:  # in buffer order: offsets increase
-                    if _counts_once(param, mesh):
+                    if counts_once(param, mesh):
                         _, a, b = ddp.param_range(param)
                         self._add(into, bucket, max(a, lo), min(b, hi))
         # the grad-stats groups of Megatron's dense and expert optimizers, with their kinds
@@ -112,6 +112,25 @@ class GradNorm:
                                 split="whether any rank has separately-normed parameters")
             self._first = False
         return math.sqrt(sum(sums))  # inf or nan when a part is
+
+    def count_zeros(self, device: torch.device) -> int:
+        """Megatron's ``count_zeros_fp32`` (``--log-num-zeros-in-grad``, inside the optimizer
+        step after clipping): the zeros among the gradients this rank counts in the norm, an
+        int64 ``[1]`` summed over the grad-stats group — once over both parts when the dense
+        and expert optimizers share it (the distributed optimizer), else per optimizer."""
+        shared = all(axis is self.groups[0][0] for axis, _ in self.groups)
+        parts = [(self.pieces + self.expert_pieces, self.groups[0])] if shared else \
+            [(self.pieces, self.groups[0]), (self.expert_pieces, self.groups[1])]
+        total = 0
+        for pieces, (axis, kind) in parts:
+            zeros = torch.zeros(1, dtype=torch.int64, device=device)
+            for bucket, a, b in pieces:
+                zeros += (b - a) - torch.count_nonzero(bucket.grad[a:b])
+            comm.all_reduce(zeros, axis, phase="optimizer", kind=kind,
+                            site="count_zeros_fp32:num_zeros",
+                            split="this rank's count of zero gradients")
+            total += int(zeros.item())
+        return total
 
     def clip(self, total_norm: float, max_norm: float) -> bool:
         """Scale every main grad by ``max_norm / total_norm`` if ``total_norm`` exceeds

@@ -18,8 +18,11 @@ WIDTH = 24
 def progress_line(step: int, total: int, metrics: dict, tok_s: float) -> str:
     """``[#####.....] step 3/10  loss ...`` for ``step`` (counted from 1) of ``total``."""
     done = int(WIDTH * step / total)
+    extra = "".join(f"  {name} {fmt.format(metrics[key])}" for key, name, fmt in (
+        ("params_norm", "params_norm", "{:.3f}"), ("num_zeros", "num_zeros", "{:d}"))
+        if metrics.get(key) is not None)  # --log-params-norm, --log-num-zeros-in-grad
     return (f"[{'#' * done}{'.' * (WIDTH - done)}] step {step}/{total}  "
-            f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}{extra}  "
             f"lr {metrics['lr']:.2e}  {tok_s:,.0f} tok/s")
 
 

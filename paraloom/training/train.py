@@ -46,6 +46,7 @@ from ..pipeline_parallel.schedules import (
 from ..tensor_parallel.random import model_parallel_seed
 from .lr_schedule import run_learning_rate
 from .megatron_lm_loop import after_step, broadcast_batch, rerun_vote
+from .step_stats import agree, params_norm, reduce_loss
 
 __all__ = ["Run", "build", "train_step", "forward_step", "evaluate"]
 
@@ -217,11 +218,17 @@ def train_step(run: Run, step: int) -> dict:
     ok = math.isfinite(grad_norm)
     if ok:
         run.grad_norm.clip(grad_norm, o.clip_grad)
+    zeros = run.grad_norm.count_zeros(run.device) if cfg.run.log_num_zeros_in_grad else None
+    if ok:
         for opt in run.optimizers:
             opt.lr = lr
             opt.step()                               # ... to here
-    ok, grad_norm = _agree(run, ok, grad_norm)
-    out = {"loss": _reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
+    ok, grad_norm, zeros = agree(run, ok, grad_norm, zeros)
+    out = {"loss": reduce_loss(run, losses), "grad_norm": grad_norm, "lr": lr}
+    if zeros is not None:
+        out["num_zeros"] = zeros
+    if cfg.run.log_params_norm:  # Megatron-LM's loop, before training_log
+        out["params_norm"] = params_norm(run)
     if after_step(mesh, cfg, step, step == run.first_step, lr, run.started, run.device):
         out["exit"] = True  # --exit-duration-in-mins: some rank has run that long
     if moe:
@@ -229,30 +236,6 @@ def train_step(run: Run, step: int) -> dict:
     run.step = step + 1
     run.tokens += cfg.tokens_per_step
     return out if ok else {**out, "skipped": True}
-
-
-def _agree(run: Run, ok: bool, grad_norm: float) -> tuple[bool, float]:
-    """Megatron-LM's ``logical_and_across_model_parallel_group`` and
-    ``reduce_max_stat_across_model_parallel_group`` after ``optimizer.step()``."""
-    device, mp = run.device, run.mesh.mp
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    comm.all_reduce(flag, mp, op="min", phase="optimizer", kind="mp",
-                    site="train_step:update_successful", split="whether this rank updated")
-    norm = torch.tensor([grad_norm], dtype=torch.float32, device=device)
-    comm.all_reduce(norm, mp, op="max", phase="optimizer", kind="mp",
-                    site="train_step:grad_norm", split="the gradient norm")
-    return bool(flag.item()), norm.item()
-
-
-def _reduce_loss(run: Run, losses: list) -> float | None:
-    """The step's loss per token on the last stage (``None`` elsewhere): the microbatches'
-    ``[sum, count]`` summed, then over dp x cp (kind ``dp``)."""
-    if not run.mesh.is_last_stage:
-        return None
-    total = torch.stack(losses).sum(0)                   # fp32 [2]
-    comm.all_reduce(total, run.mesh.dp_cp, phase="optimizer", kind="dp",
-                    site="train_step:loss", split="loss sum and token count")
-    return (total[0] / total[1]).item()
 
 
 def _moe_stats(run: Run) -> torch.Tensor:
