@@ -287,6 +287,22 @@ def test_every_expert_layout_trains_the_same_model(world4, single, layout):
 
 
 @pytest.mark.parametrize("layout", [
+    dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2, sp=True), dict(pp=2, dp=2, ep=2, zero=True),
+    dict(tp=2, cp=2, ep=2, sp=True),
+], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_per_token_loss_with_experts_trains_the_same_model(world4, single, layout):
+    """``--calculate-per-token-loss`` with MoE: Megatron multiplies the auxiliary and z losses
+    by the router's tokens x tp x cp (the microbatch's tokens), so that after the division by
+    the step's tokens their gradients are scaled as without the flag: the same model."""
+    got = world4.run(train_steps, TRAIN.replace(calculate_per_token_loss=True).replace(
+        **{k: v for k, v in vars(_cfg(**layout)).items() if k in ("parallel", "schedule",
+                                                                   "distributed_optimizer")}))
+    pp = layout.get("pp", 1)
+    for rank, rank_metrics in enumerate(got):
+        assert_same_training(rank_metrics, single[None], loss=rank >= 4 - 4 // pp)
+
+
+@pytest.mark.parametrize("layout", [
     dict(dp=4, ep=4), dict(tp=2, dp=2, ep=2, sp=True), dict(tp=2, dp=2, ep=2, zero=True),
     dict(pp=2, dp=2, ep=2), dict(tp=2, cp=2, ep=2, sp=True), dict(cp=2, dp=2, ep=4, zero=True),
 ], ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))

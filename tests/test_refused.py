@@ -448,8 +448,9 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--use-megatron-fsdp"], "To see Megatron-FSDP's own communication: paraloom record "
      "--megatron-on-cpu --nproc 2 --out fsdp -- examples/megatron_gpt_step.py "
      "--use-megatron-fsdp"),
-    (["--calculate-per-token-loss", "--num-experts", "4"], "--calculate-per-token-loss with "
-     "--num-experts 4 is not built"),
+    (["--calculate-per-token-loss", "--num-experts", "4", "--tensor-model-parallel-size", "2",
+      "--nprocs", "2"], "--calculate-per-token-loss with --num-experts and tp = 2 needs "
+     "--sequence-parallel"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16: gradients reduced in bf16"),
     (["--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be a positive number of "
      "minutes, got 0"),

@@ -14,10 +14,13 @@ def check_sharding(cfg) -> None:
     variant) under Megatron-LM's conditions."""
     _check_instances(cfg)
     _check_param_gather(cfg)
-    if cfg.calculate_per_token_loss and cfg.model.num_experts:
-        raise ValueError(f"--calculate-per-token-loss with --num-experts "
-                         f"{cfg.model.num_experts} is not built (Megatron rescales the MoE "
-                         f"auxiliary losses for it); use it with a dense model")
+    p = cfg.parallel
+    if cfg.calculate_per_token_loss and cfg.model.num_experts and p.tp > 1 \
+            and not p.sequence_parallel:
+        raise ValueError(f"--calculate-per-token-loss with --num-experts and tp = {p.tp} needs "
+                         f"--sequence-parallel: Megatron scales the MoE auxiliary losses by the "
+                         f"router's tokens x tp x cp, which counts the tokens once only when "
+                         f"the sequence is split over tp")
 
 
 def _check_instances(cfg) -> None:

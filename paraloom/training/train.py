@@ -175,8 +175,12 @@ def _run_schedule(run: Run, batch: torch.Tensor, forward_only: bool) -> list:
             kw["param_sync_func"] = [d.param_gather.start_all for d in run.ddps]
     for chunk in run.chunks:
         chunk.train(not forward_only)
-    if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the loss
-        MoEAuxLossAutoScaler.set_loss_scale(1.0 / len(mbs))
+    if cfg.model.num_experts:  # the aux loss's gradient is scaled as the schedule scales the
+        # loss; per token, Megatron multiplies it by the router's tokens x tp x cp (= b x s; the
+        # MoE layer multiplies a cp slice's share by cp already)
+        MoEAuxLossAutoScaler.set_loss_scale(cfg.micro_batch_size * cfg.model.seq_length
+                                            // mesh.cp.size if cfg.calculate_per_token_loss
+                                            else 1.0 / len(mbs))
     step = partial(forward_step, token_sum=cfg.calculate_per_token_loss)
     return schedule(step, iters if interleaved else iters[0],
                     run.chunks if interleaved else run.chunks[0], len(mbs),
