@@ -51,7 +51,7 @@ class GradNorm:
         ``dense_optimizers``: how many optimizers Megatron chains for the dense parameters (two
         under ``--overlap-param-gather-with-optimizer-step``: chunk 0's and the rest's); each
         makes the first step's agreement of its own."""
-        self.ddps, self.mesh = ddps, mesh
+        self.ddps, self.mesh, self.sharded = ddps, mesh, sharded
         self.pieces: list[tuple] = []  # (bucket, lo, hi), in buffer order
         self.expert_pieces: list[tuple] = []
         self.expert = any(b.expert for ddp in ddps for b in ddp.buckets)
@@ -118,7 +118,7 @@ class GradNorm:
         step after clipping): the zeros among the gradients this rank counts in the norm, an
         int64 ``[1]`` summed over the grad-stats group — once over both parts when the dense
         and expert optimizers share it (the distributed optimizer), else per optimizer."""
-        shared = all(axis is self.groups[0][0] for axis, _ in self.groups)
+        shared = self.sharded or not self.expert  # Megatron: the chain's groups are one
         parts = [(self.pieces + self.expert_pieces, self.groups[0])] if shared else \
             [(self.pieces, self.groups[0]), (self.expert_pieces, self.groups[1])]
         total = 0
