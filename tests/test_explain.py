@@ -195,6 +195,30 @@ class DDP(torch.nn.Module):
 '''
 
 
+LOSS = '''\
+import torch.distributed as dist
+
+def reduce_loss(total, dp_group, main_grad):
+    dist.all_reduce(total, group=dp_group)
+    dist.all_reduce(main_grad, group=dp_group)
+    return total
+'''
+
+
+def test_a_data_parallel_all_reduce_is_called_a_gradient_sync_only_when_it_is_one():
+    """The loss or a token count summed over dp is not "parameter gradients" (it once was: every
+    dp all-reduce was); a tensor named as gradients still is."""
+    for lang, value, grads in (("en", "sums total across data-parallel replicas",
+                                "syncs parameter gradients across data-parallel replicas: "
+                                "main_grad"),
+                               ("zh", "在数据并行副本之间对 total 求和",
+                                "同步参数梯度：main_grad")):
+        text = explain("-", stdin=io.StringIO(LOSS), lang=lang)["answers"]["all_reduce_phase"][
+            "text"]
+        assert value in text and grads in text, text
+        assert "gradients across data-parallel replicas: total" not in text
+
+
 def test_snippets_with_missing_context():
     f = explain("-", stdin=io.StringIO(HELPER))
     [s] = f["sites"]

@@ -85,18 +85,16 @@ def finalize_model_grads(model_chunks, mesh: ParallelMesh,
         emb = [(n, p) for n, p in named if getattr(p, "shared_embedding", False)]
         _allreduce_coalesced(emb, mesh.emb, kind="emb",
                              site="finalize_model_grads:embedding_grads")
-    if num_tokens is not None:
-        _divide_by_tokens(chunks, modules, num_tokens, mesh)
+    if num_tokens is not None:  # the per-token loss: the count from the last stage, over dp x cp
+        comm.broadcast(num_tokens, mesh.pp, src=mesh.pp.ranks[-1], phase="optimizer", kind="pp",
+                       site="finalize_model_grads:num_tokens", split="the step's token count")
+        comm.all_reduce(num_tokens, mesh.dp_cp, phase="optimizer", kind="dp",
+                        site="finalize_model_grads:num_tokens", split="the step's token count")
+        _scale_gradients(chunks, modules, 1.0 / max(int(num_tokens), 1))
 
 
-def _divide_by_tokens(chunks, modules, num_tokens: torch.Tensor, mesh: ParallelMesh) -> None:
-    """Megatron's per-token normalisation: the step's token count from the last stage, summed
-    over dp x cp, divides every gradient (Megatron's ``scale_gradients``)."""
-    comm.broadcast(num_tokens, mesh.pp, src=mesh.pp.ranks[-1], phase="optimizer", kind="pp",
-                   site="finalize_model_grads:num_tokens", split="the step's token count")
-    comm.all_reduce(num_tokens, mesh.dp_cp, phase="optimizer", kind="dp",
-                    site="finalize_model_grads:num_tokens", split="the step's token count")
-    scale = 1.0 / max(int(num_tokens), 1)
+def _scale_gradients(chunks, modules, scale: float) -> None:
+    """Every gradient times ``scale`` (Megatron's ``scale_gradients``)."""
     for chunk, module in zip(chunks, modules, strict=True):
         if isinstance(chunk, DistributedDataParallel):
             for buf in chunk.buffers_:

@@ -54,6 +54,9 @@ _T = {
                "对部分输出（激活）求和，不是梯度：{arg}"),
     "ar_dp": ("syncs parameter gradients across data-parallel replicas: {arg}",
               "在数据并行副本之间同步参数梯度：{arg}"),
+    "ar_dp_value": ("sums {arg} across data-parallel replicas (by its name not a gradient: a "
+                    "loss, a count or a statistic)",
+                    "在数据并行副本之间对 {arg} 求和（从名称看不是梯度：损失、计数或统计量）"),
     "sp": ("with sequence parallelism the input gradient is reduce-scattered (line {rs}{rs_async}) "
            "instead of all-reduced{ar}: the reduce-scatter already sums the partial gradients "
            "and leaves each rank its [s/tp] shard, which is what the sequence-parallel input "
@@ -119,14 +122,22 @@ def _inputs(facts, lang):
     return parts, lines
 
 
+def _dp_what(arg: str, phase: str) -> str:
+    """A data-parallel all-reduce syncs gradients when it runs in backward (a gradient hook) or
+    its tensor is named as gradients or their bucket/buffer; otherwise (the loss, a token count,
+    a norm after the step) saying "gradients" would be a false fact."""
+    named = re.search(r"grad|bucket|buffer", arg or "", re.IGNORECASE)
+    return "ar_dp" if phase == "backward" or named else "ar_dp_value"
+
+
 def _all_reduce(facts, lang):
     parts, lines = [], []
     sites = [s for s in facts["sites"] if s["op"] == "all_reduce" and s["phase"] != "symbolic"]
     main = [s for s in sites if not s["helper"]] or sites
     for s in main:
         arg = s["arg"] or s["call"]
-        what = ("ar_dp" if s["kind"] == "dp" else "ar_bwd" if s["phase"] == "backward"
-                else "ar_fwd" if s["phase"] == "forward" else None)
+        what = (_dp_what(arg, s["phase"]) if s["kind"] == "dp" else "ar_bwd"
+                if s["phase"] == "backward" else "ar_fwd" if s["phase"] == "forward" else None)
         phase = _PHASE_ZH.get(s["phase"], s["phase"]) if lang == "zh" else s["phase"]
         if s["phase"] == UNKNOWN:
             phase = _NMC[lang]
