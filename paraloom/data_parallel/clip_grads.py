@@ -140,6 +140,5 @@ class GradNorm:
             return False
         scale = max_norm / (total_norm + 1e-6)
         for ddp in self.ddps:
-            for buf in ddp.buffers_:
-                buf.grad.mul_(scale)
+            ddp.scale_gradients(scale)
         return True

@@ -240,6 +240,12 @@ class DistributedDataParallel(nn.Module):
                 f"the last backward (not used to compute the loss?): {', '.join(missing)}. "
                 f"Remove them, set requires_grad=False, or make the loss depend on them.")
 
+    def scale_gradients(self, scale: float) -> None:
+        """Every ``main_grad`` times ``scale`` (Megatron's ``scale_gradients``: clipping, the
+        per-token loss's division)."""
+        for buf in self.buffers_:
+            buf.grad.mul_(scale)
+
     def zero_grad_buffer(self) -> None:
         """Start a step: every ``main_grad`` counts as zero (the next gradient overwrites it; no
         pass over the buffer) and readiness and pending work are forgotten."""

@@ -97,8 +97,7 @@ def _scale_gradients(chunks, modules, scale: float) -> None:
     """Every gradient times ``scale`` (Megatron's ``scale_gradients``)."""
     for chunk, module in zip(chunks, modules, strict=True):
         if isinstance(chunk, DistributedDataParallel):
-            for buf in chunk.buffers_:
-                buf.grad.mul_(scale)
+            chunk.scale_gradients(scale)
         else:
             for p in module.parameters():
                 if (g := _grad(p)) is not None:

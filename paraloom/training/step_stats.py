@@ -21,7 +21,6 @@ import math
 import torch
 
 from .. import comm
-from ..data_parallel import DistributedOptimizer
 from ..data_parallel.clip_grads import counts_once
 
 __all__ = ["agree", "reduce_loss", "params_norm"]
@@ -61,16 +60,17 @@ def _pieces(run) -> dict[str, list[torch.Tensor]]:
     """The parameter values each part of the norm takes on this rank."""
     mesh, bf16 = run.mesh, run.cfg.dtype == "bf16"
     parts: dict[str, list] = {"dense": [], "dense_sharded": [], "moe": [], "moe_sharded": []}
+    if bf16 and run.cfg.distributed_optimizer:  # the fp32 main shards: the stretches the
+        # gradient norm counts (GradNorm's, sharded), read in the masters
+        masters = {id(b): (lo, master) for opt in run.optimizers for b, lo, _, master, *_ in
+                   opt.shards}
+        for key, pieces in (("dense_sharded", run.grad_norm.pieces),
+                            ("moe_sharded", run.grad_norm.expert_pieces)):
+            for bucket, a, b in pieces:
+                lo, master = masters[id(bucket)]
+                parts[key].append(master[a - lo:b - lo])
+        return parts
     for ddp, opt in zip(run.ddps, run.optimizers, strict=True):
-        if bf16 and isinstance(opt, DistributedOptimizer):  # fp32 main shards
-            for bucket, lo, hi, master, *_ in opt.shards:
-                for param in bucket.params:
-                    _, a, b = ddp.param_range(param)
-                    a, b = max(a, lo), min(b, hi)
-                    if a < b and counts_once(param, mesh):
-                        parts["moe_sharded" if bucket.expert else "dense_sharded"].append(
-                            master[a - lo:b - lo])
-            continue
         masters = {id(g[0]): g[1] for g in getattr(opt, "groups", ())} if bf16 else {}
         for bucket in ddp.buckets:
             for param in bucket.params:
