@@ -11,7 +11,8 @@ number; and the steady step (2) holds each strategy's pattern: ``no_shard`` one 
 all-reduce; ``optim`` (ZeRO-1) one reduce-scatter after the last microbatch and the parameter
 all-gather in the optimizer step; ``optim_grads`` (ZeRO-2) a reduce-scatter after every
 microbatch; ``optim_grads_params`` (ZeRO-3) besides, parameter all-gathers in forward and again
-in backward.
+in backward. ``paraloom train --use-megatron-fsdp`` with the three strategies it builds diffs equal
+against these records, step 1 and 2.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pytest
 from _megatron_record import finish, start_record
 from _megatron_source import megatron_file
 
+from paraloom.commands import main
+from paraloom.config.megatron_fsdp_checks import BUILT
 from paraloom.run_folder import load_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +98,29 @@ def test_zero3_gathers_are_asynchronous_and_shards(runs):
     assert all(e["async"] for e in gathers) and not any(e["async"] for e in scatters)
     assert all(len(e["group"]) == 2 for e in events)
     assert {e["shape"][0] for e in gathers} <= {e["shape"][0] // 2 for e in scatters}
+
+
+@pytest.mark.parametrize("strategy", BUILT)
+def test_paraloom_train_communicates_as_megatron_fsdp(runs, strategy, tmp_path, capsys):
+    """``paraloom train --use-megatron-fsdp`` with the same model, layout and strategy:
+    ``paraloom diff --ignore-names`` equal in the first step (the unsharding gathers in
+    forward) and the steady one, on both ranks; the buckets are the same size to the element
+    (megatron-core's layout and padding)."""
+    ours = tmp_path / strategy
+    assert main(["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+                 "--micro-batch-size", "2", "--global-batch-size", "8", "--tp", "1", "--pp",
+                 "1", "--dp", "2", "--steps", "2", "--ledger-steps", "2", "--save-every", "0",
+                 "--no-overlap-p2p-communication", "--no-megatron-lm-loop", "--timeout", "120",
+                 "--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+                 "--out", str(ours)]) == 0
+    for step in ("1", "2"):
+        capsys.readouterr()
+        code = main(["diff", str(runs[strategy][0]), str(ours), "--step", step,
+                     "--ignore-names"])
+        text = capsys.readouterr().out
+        assert code == 0 and text.count(": equal (") == 2, f"{strategy} step {step}:\n{text}"
+    scatter = "all_reduce" if strategy == "no_shard" else "reduce_scatter"  # not vacuous
+    assert (scatter, "backward") in _dp(runs[strategy][0], 2)
 
 
 def test_fsdp_patches_are_documented_and_named_when_they_miss():

@@ -40,7 +40,8 @@ def layer_param_count(arch: Architecture, h: int, a: int, f: int) -> tuple[int, 
 
 def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
     """The parameters of a chunk (``first``/``last``: it holds the embedding / the head) of
-    CommConfig ``c``, in registration order, as ``param_cls(name, numel, shared, sp)``."""
+    CommConfig ``c``, in registration order, as ``param_cls(name, numel, shared, sp, row)``
+    (``row``: the elements of one row of a matrix, its size over the first dimension)."""
     arch, t, h, f, sp = c.arch, c.tp, c.hidden, c.f, c.sp
     vocab = -(-c.vocab // t) * t
     rms, bias = arch.normalization == "RMSNorm", arch.add_bias_linear
@@ -54,34 +55,34 @@ def arch_chunk_params(c, first: bool, last: bool, layer_ids, param_cls) -> list:
             out.append(param_cls(name + ".bias", h, sp=sp))
 
     word = param_cls("embedding.word_embeddings.weight", vocab // t * h,
-                     shared=c.pp > 1 and arch.tied)
+                     shared=c.pp > 1 and arch.tied, row=h)
     if first:
         out.append(word)
     if first and arch.position_embedding_type == "learned_absolute":  # replicated, even with sp
-        out.append(param_cls("embedding.position_embeddings.weight", c.seq_len * h))
+        out.append(param_cls("embedding.position_embeddings.weight", c.seq_len * h, row=h))
     for i in layer_ids:
         p = f"layers.{i}."
         norm(p + "ln1")
-        out.append(param_cls(p + "attention.proj.weight", h * (h // t)))
+        out.append(param_cls(p + "attention.proj.weight", h * (h // t), row=h // t))
         if bias:
             out.append(param_cls(p + "attention.proj.bias", h, sp=sp))
-        out.append(param_cls(p + "attention.qkv.weight", qkv // t * h))
+        out.append(param_cls(p + "attention.qkv.weight", qkv // t * h, row=h))
         if bias:
             out.append(param_cls(p + "attention.qkv.bias", qkv // t))
         norm(p + "ln2")
         if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
             out += moe_layer_params(c, p + "mlp.")
             continue
-        out.append(param_cls(p + "mlp.fc1.weight", fc1 // t * h))
+        out.append(param_cls(p + "mlp.fc1.weight", fc1 // t * h, row=h))
         if bias:
             out.append(param_cls(p + "mlp.fc1.bias", fc1 // t))
-        out.append(param_cls(p + "mlp.fc2.weight", h * (f // t)))
+        out.append(param_cls(p + "mlp.fc2.weight", h * (f // t), row=f // t))
         if bias:
             out.append(param_cls(p + "mlp.fc2.bias", h, sp=sp))
     if last:
         norm("final_layernorm")
         if not arch.tied:
-            out.append(param_cls("output_layer.weight", vocab // t * h))
+            out.append(param_cls("output_layer.weight", vocab // t * h, row=h))
         elif not first:  # the last stage's tied copy, registered as its output layer
             out.append(word)
     return out

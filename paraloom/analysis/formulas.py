@@ -155,7 +155,9 @@ def _bucket_phase(c: CommConfig, r: int) -> str:
 def _grad_sync(c: CommConfig, r: int, add) -> None:
     """What a train step adds after the schedule, in Megatron-Core's and Megatron-LM's terms:
 
-    * the data-parallel bucket reductions (:func:`_bucket_phase`; under the distributed
+    * the data-parallel bucket reductions (:func:`_bucket_phase`; Megatron-FSDP's in backward,
+      under ``optim_grads`` after every microbatch, and in the first step its unsharding
+      all-gather of every bucket in forward; under the distributed
       optimizer every bucket reduce-scattered, and after the update every bucket's parameter
       shard all-gathered — with ``overlap_param_gather`` in the forward of the next step
       instead, when ``param_gather_forward``; chunk 0's in the optimizer step again with
@@ -169,7 +171,8 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
       ``[1]``), and on the last stage the loss ``[sum, tokens]`` over dp (x cp),
     * with MoE, paraloom's statistics over every rank (float64)."""
     if c.dp > 1:
-        phase = _bucket_phase(c, r)
+        phase = "backward" if c.megatron_fsdp else _bucket_phase(c, r)
+        times = c.num_microbatches if c.megatron_fsdp == "optim_grads" else 1  # ZeRO-2: each
         edp = c.dp // c.moe.ep if c.moe is not None else c.dp
         if c.buckets is None:
             buckets = [(sum(b.numel for b in g), g[0].reduce_scatter,  # one op per group
@@ -182,12 +185,14 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
                 continue
             size //= c.instances  # the block a bucket is sharded over (instances: see spec)
             if size > 1:
-                add("dp", "reduce_scatter" if scatter else "all_reduce", phase, 1,
+                add("dp", "reduce_scatter" if scatter else "all_reduce", phase, times,
                     n * c.grad_bytes)
             if c.instances > 1:  # this rank's shard, summed across the instances
                 add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
             if not c.distributed_optimizer or size == 1:
                 continue
+            if c.megatron_fsdp and c.first_step:  # the first forward unshards the model
+                add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
             if c.param_gather_with_optimizer_step and chunk == 0:
                 if c.optimizer_step:  # right after chunk 0's update, every step
                     add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)

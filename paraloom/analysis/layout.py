@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..data_parallel.fsdp_layout import fsdp_layout
 from ..data_parallel.grad_buffer import bucket_layout
 from .arch import arch_chunk_params
 from .moe_formulas import moe_layer_params
@@ -38,6 +39,8 @@ def bucket_size_of(c: CommConfig, pp_rank: int = 0, chunk: int = 0) -> int | Non
     ``max(40M, 1M * dp)``; ``None`` (one bucket) without overlap, on a pipeline rank > 0 or
     for a chunk after the first (Megatron's ``disable_bucketing``; for every chunk with
     ``param_gather_with_optimizer_step``)."""
+    if c.megatron_fsdp:  # Megatron-FSDP: --ddp-bucket-size, else no limit
+        return c.bucket_size
     if not c.overlap_grad_reduce or pp_rank > 0 or chunk > 0 or \
             c.param_gather_with_optimizer_step:
         return None
@@ -55,23 +58,24 @@ def chunk_params(c: CommConfig, pp_rank: int, chunk: int = 0) -> list[Param]:
     t, h, f, s = c.tp, c.hidden, c.f, c.seq_len
     sp = c.sp
     vocab = -(-c.vocab // t) * t  # padded to a multiple of tp
-    word = Param("embedding.word_embeddings.weight", vocab // t * h, shared=c.pp > 1)
+    word = Param("embedding.word_embeddings.weight", vocab // t * h, shared=c.pp > 1, row=h)
     out: list[Param] = []
     if first:
-        out += [word, Param("embedding.position_embeddings.weight", s * h)]
+        out += [word, Param("embedding.position_embeddings.weight", s * h, row=h)]
     for i in layer_ids:
         p = f"layers.{i}."
         out += [Param(p + "ln1.weight", h, sp=sp), Param(p + "ln1.bias", h, sp=sp),
-                Param(p + "attention.proj.weight", h * (h // t)),
+                Param(p + "attention.proj.weight", h * (h // t), row=h // t),
                 Param(p + "attention.proj.bias", h, sp=sp),
-                Param(p + "attention.qkv.weight", 3 * h // t * h),
+                Param(p + "attention.qkv.weight", 3 * h // t * h, row=h),
                 Param(p + "attention.qkv.bias", 3 * h // t),
                 Param(p + "ln2.weight", h, sp=sp), Param(p + "ln2.bias", h, sp=sp)]
         if c.moe is not None and c.moe.is_moe_layer(i):  # router + this ep rank's experts
             out += moe_layer_params(c, p + "mlp.")
             continue
-        out += [Param(p + "mlp.fc1.weight", f // t * h), Param(p + "mlp.fc1.bias", f // t),
-                Param(p + "mlp.fc2.weight", h * (f // t)), Param(p + "mlp.fc2.bias", h, sp=sp)]
+        out += [Param(p + "mlp.fc1.weight", f // t * h, row=h), Param(p + "mlp.fc1.bias", f // t),
+                Param(p + "mlp.fc2.weight", h * (f // t), row=f // t),
+                Param(p + "mlp.fc2.bias", h, sp=sp)]
     if last:
         out += [Param("final_layernorm.weight", h, sp=sp), Param("final_layernorm.bias", h, sp=sp)]
         if not first:  # the tied copy, registered as the last stage's output layer
@@ -106,6 +110,12 @@ def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool,
          size: int | None) -> list[Bucket]:
     if not params:
         return []
+    if c.megatron_fsdp:  # Megatron-FSDP: registration order, its own padding
+        layout = fsdp_layout([(p.numel, p.row, p.shared) for p in params], size,
+                             shard_over=axis, sharded=c.distributed_optimizer)
+        return [Bucket(end - start, c.distributed_optimizer,
+                       tuple(params[i].name for i, _, _ in members), expert)
+                for start, end, members in layout]
     order = list(reversed(params))  # backward order: last layer first
     layout = bucket_layout([(p.numel, p.shared) for p in order], size, shard_over=axis,
                            sharded=c.distributed_optimizer, tail_splits=c.bucket_tail_splits)

@@ -29,7 +29,7 @@ from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
-from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows
+from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows, unshard_rows
 from .order_loop import after_step_rows, train_step_rows
 from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
@@ -101,6 +101,10 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
                 _event(out, **dict(ev, itemsize=4), phase="data", kind="tp", op="broadcast",
                        site=f"get_batch_on_this_tp_rank:{what}", split=split, shape=shape)
     fwd = dict(ev, phase="forward")
+    if mb == 0:  # Megatron-FSDP's first forward unshards every bucket (pp = 1)
+        groups = [([b.numel for b in g], g[0].expert) for g in chunk_groups(r.c, r.pp_rank, 0)]
+        for row in unshard_rows(r.cfg, groups, r.cp, r.item):
+            _event(out, **fwd, **row)
     if pre and r.tp > 1:  # sp without learned positions: reduce-scattered to [s/tp]
         scatter = r.sp and r.cfg.model.position_embedding_type != "learned_absolute"
         _event(out, **fwd, kind="sp" if scatter else "tp",
@@ -240,7 +244,8 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
         if block > 1 and (not cfg.overlap_param_gather or (with_step and chunk == 0)):
             _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
                    bytes=sum(b.numel for b in g) // block * r.item,
-                   split="parameter bucket, 1/dp contiguous shard", **gather_site(with_step))
+                   split="parameter bucket, 1/dp contiguous shard",
+                   **gather_site(with_step, cfg.use_megatron_fsdp))
     for row in train_step_rows(cfg, r.pp_rank) + after_step_rows(cfg, r.tp * r.pp):
         _event(out, **ev, **row)  # the agreements, the loss; Megatron-LM's loop, the exit vote
     if cfg.model.num_experts is not None and cfg.parallel.world_size > 1:  # paraloom's log
@@ -266,7 +271,7 @@ def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,
         schedule == "interleaved" or (schedule == "1f1b" and r.pp_rank > 0))
     backwards = [(e[1], e[2]) for e in plan if e[0] == "B"]
     synced: list[int] = []
-    done = 0
+    done, fsdp = 0, cfg.use_megatron_fsdp  # Megatron-FSDP (pp = 1): its own hooks
     for entry in plan:
         if entry[0] in ("comm", "post"):
             _p2p(r, out, entry)
@@ -275,6 +280,10 @@ def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,
         elif entry[0] == "B":
             _backward(r, out, entry[1], entry[2])
             done += 1
+            if fsdp and (cfg.data_parallel_sharding_strategy == "optim_grads"
+                         or entry[1] == cfg.num_microbatches - 1):  # ZeRO-2: every microbatch
+                synced = [0]
+                _buckets(r, out, 0, "backward")
             g = done - 1 - r.pp_rank
             if schedule == "interleaved" and schedule_syncs and g >= 0 \
                     and backwards[g][0] == cfg.num_microbatches - 1 \

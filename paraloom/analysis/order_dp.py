@@ -4,7 +4,7 @@ optimizer's parameter all-gathers in the optimizer step."""
 
 from __future__ import annotations
 
-__all__ = ["bucket_rows", "gather_site", "grad_norm_rows", "num_tokens_rows"]
+__all__ = ["bucket_rows", "gather_site", "grad_norm_rows", "num_tokens_rows", "unshard_rows"]
 
 
 def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) -> list[dict]:
@@ -17,16 +17,19 @@ def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) 
     all-reduced across the blocks (kind ``dp_inter``), both synchronous, as Megatron issues them
     then."""
     zero, n = cfg.distributed_optimizer, cfg.num_distributed_optimizer_instances
+    fsdp = cfg.use_megatron_fsdp  # Megatron-FSDP: synchronous, on a side stream
+    owner = "FullyShardedDataParallel" if fsdp else "DistributedDataParallel"
     rows = []
     for numels, expert in groups:
         # the ranks a bucket is reduced (sharded) over
         block = cfg.parallel.dp * cp // (cfg.parallel.ep if expert else 1) // n
         if block > 1:
             rows.append(dict(kind="dp", op="reduce_scatter" if zero else "all_reduce",
-                             site=f"DistributedDataParallel.{phase}:bucket_grads",
+                             site=f"{owner}.{phase}:bucket_grads",
                              shape=[numels[0]], bytes=4 * sum(numels),
                              split="gradient bucket, 1/dp contiguous shard"
-                             if zero else "gradient bucket (replicated)", **{"async": n == 1}))
+                             if zero else "gradient bucket (replicated)",
+                             **{"async": n == 1 and not fsdp}))
         if n > 1:
             rows.append(dict(kind="dp_inter", op="all_reduce",
                              site=f"DistributedDataParallel.{phase}:shard_across_instances",
@@ -36,9 +39,28 @@ def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) 
     return rows
 
 
-def gather_site(with_step: bool) -> dict:
+def unshard_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, itemsize: int) -> list:
+    """Megatron-FSDP's first forward under a sharding strategy: every bucket's parameters
+    all-gathered from the shards, asynchronously (kind, op, site, split, shape, bytes, async)."""
+    if not (cfg.use_megatron_fsdp and cfg.distributed_optimizer):
+        return []
+    rows = []
+    for numels, expert in groups:
+        block = cfg.parallel.dp * cp // (cfg.parallel.ep if expert else 1)
+        if block > 1:
+            rows.append(dict(kind="dp", op="all_gather", site="FullyShardedDataParallel.forward:"
+                             "unshard", split="parameter bucket, 1/dp contiguous shard",
+                             shape=[numels[0] // block], bytes=sum(numels) // block * itemsize,
+                             **{"async": True}))
+    return rows
+
+
+def gather_site(with_step: bool, fsdp: bool = False) -> dict:
     """A parameter all-gather in the optimizer step: the synchronous one, or chunk 0's launched
-    by its own step under ``--overlap-param-gather-with-optimizer-step`` (asynchronous)."""
+    by its own step under ``--overlap-param-gather-with-optimizer-step`` (asynchronous), or
+    Megatron-FSDP's (launched asynchronously, waited at once)."""
+    if fsdp:
+        return {"site": "DistributedOptimizer.step:param_shards", "async": True}
     if with_step:
         return {"site": "DistributedDataParallel.start_param_sync:param_shards", "async": True}
     return {"site": "DistributedOptimizer.step:param_shards"}

@@ -117,6 +117,9 @@ class CommConfig:
     forward communication runs again in backward, all of it, as Megatron's re-run)."""
     distributed_optimizer: bool = False
     """ZeRO-1: gradient buckets reduce-scattered, parameter shards all-gathered."""
+    megatron_fsdp: str | None = None
+    """``--use-megatron-fsdp``: its sharding strategy (``no_shard``, ``optim``, ``optim_grads``;
+    :mod:`paraloom.data_parallel.megatron_fsdp`), ``None`` for Megatron's DDP."""
     instances: int = 1
     """``--num-distributed-optimizer-instances``: buckets sharded and reduce-scattered within
     blocks of ``dp / instances`` ranks, the shard then all-reduced across the blocks (kind
@@ -245,6 +248,9 @@ class Param:
     """``sequence_parallel``: its gradient is all-reduced over tp by ``finalize_model_grads``."""
     expert: bool = False
     """An expert's parameter (``allreduce=False``): its own buffer, reduced over edp."""
+    row: int = 1
+    """Elements of one row (all dimensions but the first; 1 for a vector): Megatron-FSDP's
+    layout orders and pads by it (:mod:`paraloom.data_parallel.fsdp_layout`)."""
 
 
 @dataclass(frozen=True)

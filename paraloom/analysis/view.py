@@ -30,6 +30,7 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         tp=p.tp, pp=p.pp, dp=p.dp, vpp=p.vpp, sequence_parallel=p.uses_sequence_parallel,
         recompute=cfg.recompute, distributed_optimizer=cfg.distributed_optimizer,
         instances=cfg.num_distributed_optimizer_instances,
+        megatron_fsdp=cfg.data_parallel_sharding_strategy if cfg.use_megatron_fsdp else None,
         overlap_param_gather=cfg.overlap_param_gather,
         param_gather_forward=cfg.overlap_param_gather,
         param_gather_with_optimizer_step=cfg.overlap_param_gather_with_optimizer_step,

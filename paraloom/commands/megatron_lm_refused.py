@@ -12,17 +12,6 @@ from __future__ import annotations
 __all__ = ["NOT_BUILT", "not_built"]
 
 NOT_BUILT = {
-    "--use-megatron-fsdp": "Megatron-FSDP (ZeRO-2/3: gradients and parameters sharded per "
-                           "module) is not built in paraloom train; paraloom shards the "
-                           "optimizer state as Megatron's distributed optimizer does (ZeRO-1): "
-                           "--distributed-optimizer. To see Megatron-FSDP's own communication: "
-                           "paraloom record --megatron-on-cpu --nproc 2 --out fsdp -- "
-                           "examples/megatron_gpt_step.py --use-megatron-fsdp",
-    "--data-parallel-sharding-strategy": "Megatron-FSDP's sharding strategies are not built in "
-                                         "paraloom train; ZeRO-1 is --distributed-optimizer; "
-                                         "megatron-core's own: examples/megatron_gpt_step.py "
-                                         "--use-megatron-fsdp under paraloom record "
-                                         "--megatron-on-cpu",
     "--use-torch-fsdp2": "torch FSDP2 as Megatron's data-parallel wrapper is not built; "
                          "paraloom record shows a torch FSDP2 program's own communication",
     "--overlap-moe-expert-parallel-comm": "Megatron's MoE communication/computation overlap "

@@ -45,7 +45,7 @@ GROUPS = {
                "distributed_optimizer", "num_distributed_optimizer_instances",
                "overlap_param_gather", "align_param_gather",
                "overlap_param_gather_with_optimizer_step",
-               "bucket_size",
+               "use_megatron_fsdp", "data_parallel_sharding_strategy", "bucket_size",
                "bucket_tail_splits", "megatron_lm_loop", "rerun_mode"),
     "batch and steps": ("global_batch_size", "micro_batch_size", "steps", "seed", "dtype",
                         "recompute", "calculate_per_token_loss"),

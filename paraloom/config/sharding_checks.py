@@ -4,6 +4,7 @@ bad value names itself and what is valid)."""
 
 from __future__ import annotations
 
+from .megatron_fsdp_checks import check_megatron_fsdp
 from .parallel import positive_int
 
 __all__ = ["check_sharding"]
@@ -12,8 +13,15 @@ __all__ = ["check_sharding"]
 def check_sharding(cfg) -> None:
     """``--num-distributed-optimizer-instances`` and ``--overlap-param-gather`` (and its
     variant) under Megatron-LM's conditions."""
+    if cfg.bucket_size is not None:
+        positive_int("bucket_size (--bucket-size, elements)", cfg.bucket_size)
+    if isinstance(cfg.bucket_tail_splits, bool) or not isinstance(
+            cfg.bucket_tail_splits, int) or not 0 <= cfg.bucket_tail_splits <= 8:
+        raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
+                         f"from 0 to 8, got {cfg.bucket_tail_splits!r}")
     _check_instances(cfg)
     _check_param_gather(cfg)
+    check_megatron_fsdp(cfg)
     p = cfg.parallel
     if cfg.calculate_per_token_loss and cfg.model.num_experts and p.tp > 1 \
             and not p.sequence_parallel:

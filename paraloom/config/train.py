@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .data import DataConfig
 from .earlier import earlier_meanings
 from .fields import nested_configs, option
+from .megatron_fsdp_checks import STRATEGIES
 from .model import ModelConfig, check_layout
 from .optim import OptimConfig
 from .parallel import SCHEDULES, ParallelConfig, default_schedule, positive_int
@@ -134,6 +135,15 @@ class TrainConfig:
                                           "equal buckets)")
     """paraloom's tail-halving buckets (:func:`~paraloom.data_parallel.grad_buffer.
     bucket_layout`); 0, Megatron's equal buckets, by default."""
+    use_megatron_fsdp: bool = option(False, "--use-megatron-fsdp",
+                                     help="Megatron-FSDP instead of DistributedDataParallel, "
+                                          "sharded as --data-parallel-sharding-strategy says")
+    """Megatron-LM's ``--use-megatron-fsdp`` (:mod:`paraloom.data_parallel.megatron_fsdp`)."""
+    data_parallel_sharding_strategy: str = option(
+        "optim_grads_params", "--data-parallel-sharding-strategy", choices=STRATEGIES,
+        help="Megatron-FSDP's: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2); "
+             "optim_grads_params (ZeRO-3, Megatron-LM's default) is not built")
+    """Megatron-FSDP's sharding strategy; Megatron-LM's default, ZeRO-3, is refused."""
     megatron_lm_loop: bool = option(True, "--megatron-lm-loop", negatable=True,
                                     help="communicate what Megatron-LM's training loop adds to "
                                          "the step: the batch broadcast over tp, the rerun "
@@ -167,13 +177,10 @@ class TrainConfig:
         if self.schedule is None:
             object.__setattr__(self, "schedule", default_schedule(p.pp, p.vpp))
         self._check_schedule()
-        if self.bucket_size is not None:
-            positive_int("bucket_size (--bucket-size, elements)", self.bucket_size)
         check_sharding(self)
-        if isinstance(self.bucket_tail_splits, bool) or not isinstance(
-                self.bucket_tail_splits, int) or not 0 <= self.bucket_tail_splits <= 8:
-            raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
-                             f"from 0 to 8, got {self.bucket_tail_splits!r}")
+        if self.use_megatron_fsdp:  # Megatron-LM: the optimizer sharded unless no_shard
+            object.__setattr__(self, "distributed_optimizer",
+                               self.data_parallel_sharding_strategy != "no_shard")
 
     def _check_schedule(self) -> None:
         p = self.parallel

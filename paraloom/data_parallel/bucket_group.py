@@ -24,7 +24,7 @@ from .. import comm
 
 __all__ = ["BucketGroup", "gather_params", "land_params", "group_buckets"]
 
-_SITE = "DistributedDataParallel.{phase}:bucket_grads"
+_SITE = "{owner}.{phase}:bucket_grads"
 _INTER = "DistributedDataParallel.{phase}:shard_across_instances"
 _SHARD = "gradient bucket, 1/dp contiguous shard"
 _ACROSS = "gradient shard, summed across optimizer instances"
@@ -72,12 +72,15 @@ class BucketGroup:
             event["expert"] = True
         return event
 
-    def launch_grads(self, phase: str, async_op: bool, fp32: bool) -> None:
+    def launch_grads(self, phase: str, async_op: bool, fp32: bool,
+                     owner: str = "DistributedDataParallel") -> None:
         """Reduce the group's gradients (reduce-scatter under the distributed optimizer; with
-        several instances then the shards all-reduced across, both synchronous)."""
+        several instances then the shards all-reduced across, both synchronous); ``owner``: the
+        wrapper named in the site."""
         lead = self.lead
         sends = [b.grad if fp32 else b.grad.to(torch.bfloat16) for b in self.buckets]
-        args = self.fields(phase=phase, site=_SITE.format(phase=phase), async_op=async_op)
+        args = self.fields(phase=phase, site=_SITE.format(owner=owner, phase=phase),
+                           async_op=async_op)
         if lead.inter.size > 1:  # partial distributed optimizer: in the block, then across
             args["async_op"] = async_op = False
             shards = _results(_op("reduce_scatter", sends, lead.axis, split=_SHARD, **args))

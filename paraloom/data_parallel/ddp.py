@@ -81,6 +81,8 @@ class DistributedDataParallel(nn.Module):
     """
 
     param_gather = None  # a ParamGather (.param_gather) under --overlap-param-gather
+    fsdp_layout = False  # Megatron-FSDP's buffer layout (.megatron_fsdp sets it)
+    param_gather_async = False  # the optimizer step's parameter all-gather, async then waited
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *, overlap_grad_reduce: bool = True,
                  bucket_size: int | None = None, average_in_collective: bool = False,
@@ -95,13 +97,7 @@ class DistributedDataParallel(nn.Module):
         self.use_distributed_optimizer = use_distributed_optimizer
         self.dp = mesh.dp_cp  # Megatron: non-expert grads reduced over dp x cp, in one reduction
         dp = self.dp.size
-        self.bucket_size = default_bucket_size(mesh.dp.size) if bucket_size is None \
-            else bucket_size
-        if not overlap_grad_reduce or disable_bucketing or mesh.pp.rank > 0:
-            # Megatron: nothing to overlap, a model chunk after the first (Megatron-LM's
-            # disable_bucketing), or a pipeline stage after the first (its reduction is off the
-            # critical path): one bucket
-            self.bucket_size = None
+        self.bucket_size = self._bucket_size(bucket_size, disable_bucketing)
         by_dtype: dict[tuple[torch.dtype, bool], list] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
@@ -118,7 +114,8 @@ class DistributedDataParallel(nn.Module):
                 (axes["dp_intra"], axes["dp_inter"])
             buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
                              shard_over=axis.size if use_distributed_optimizer else 1,
-                             hold_params=use_distributed_optimizer, tail_splits=tail_splits)
+                             hold_params=use_distributed_optimizer, tail_splits=tail_splits,
+                             fsdp=self.fsdp_layout)
             for bucket in buf.buckets:
                 bucket.axis, bucket.inter, bucket.expert = axis, inter, expert
             self.buffers_.append(buf)
@@ -147,6 +144,14 @@ class DistributedDataParallel(nn.Module):
                 param.overwrite_main_grad = True  # the next gradient replaces main_grad
                 if not self.hookless:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _bucket_size(self, given: int | None, disable_bucketing: bool) -> int | None:
+        """Megatron's: ``given`` or ``max(40M, 1M x dp)``; one bucket (``None``) with nothing to
+        overlap, on a model chunk after the first (Megatron-LM's ``disable_bucketing``) or a
+        pipeline stage after the first (its reduction is off the critical path)."""
+        if not self.overlap_grad_reduce or disable_bucketing or self.mesh.pp.rank > 0:
+            return None
+        return default_bucket_size(self.mesh.dp.size) if given is None else given
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -213,14 +218,8 @@ class DistributedDataParallel(nn.Module):
         unused parameters are the same everywhere), so nothing hangs. A second call after a
         successful one (e.g. the training loop, then :func:`finalize_model_grads`) does nothing.
         """
-        if not self._sync:
-            raise RuntimeError("DistributedDataParallel.finish_grad_sync() called inside "
-                               "no_sync(): run the last microbatch's backward outside no_sync()")
-        if self._synced:
+        if not self._finish_begins():
             return
-        if self.hookless:
-            for bucket in self.buckets:
-                bucket.ready.update(id(p) for p in bucket.params if self._fold(p))
         if not any(b.ready for b in self.buckets):
             raise RuntimeError("DistributedDataParallel.finish_grad_sync(): no backward ran "
                                "outside no_sync() since the last step; the last microbatch must")
@@ -239,6 +238,19 @@ class DistributedDataParallel(nn.Module):
                 f"DistributedDataParallel: {len(missing)} parameter(s) received no gradient in "
                 f"the last backward (not used to compute the loss?): {', '.join(missing)}. "
                 f"Remove them, set requires_grad=False, or make the loss depend on them.")
+
+    def _finish_begins(self) -> bool:
+        """``finish_grad_sync``'s start: refused inside ``no_sync``; ``False`` when done already;
+        without hooks the gradients folded into ``main_grad`` now (the buckets ready)."""
+        if not self._sync:
+            raise RuntimeError(f"{type(self).__name__}.finish_grad_sync() called inside "
+                               f"no_sync(): run the last microbatch's backward outside no_sync()")
+        if self._synced:
+            return False
+        if self.hookless:
+            for bucket in self.buckets:
+                bucket.ready.update(id(p) for p in bucket.params if self._fold(p))
+        return True
 
     def scale_gradients(self, scale: float) -> None:
         """Every ``main_grad`` times ``scale`` (Megatron's ``scale_gradients``: clipping, the

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .fsdp_layout import fsdp_layout
+
 __all__ = ["Bucket", "GradBuffer", "accumulate_grad", "default_bucket_size", "bucket_layout",
            "PARAM_ALIGN",
            "bucket_divisor"]
@@ -201,11 +203,13 @@ class GradBuffer:
             then Megatron's padded layout), else 1.
         hold_params: also move the parameters' data into a flat buffer of the same layout.
         tail_splits: paraloom's halving of the last buckets (:func:`bucket_layout`).
+        fsdp: Megatron-FSDP's layout instead (:func:`~.fsdp_layout.fsdp_layout`: registration
+            order, ordered by row size inside a bucket, padded to ``shard_over x chunk``).
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *,
                  bucket_size: int | None, first_index: int = 0, shard_over: int = 1,
-                 hold_params: bool = False, tail_splits: int = 0) -> None:
+                 hold_params: bool = False, tail_splits: int = 0, fsdp: bool = False) -> None:
         if bucket_size is not None and (isinstance(bucket_size, bool)
                                         or not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive number of elements or None, got "
@@ -219,10 +223,16 @@ class GradBuffer:
         self.dtype = dtypes.pop()
         self.shard_over = shard_over
         device = named_params[0][1].device
-        order = list(reversed(named_params))  # backward order: last layer first
-        layout = bucket_layout([(p.numel(), getattr(p, "shared_embedding", False))
-                                for _, p in order], bucket_size, shard_over=shard_over,
-                               sharded=hold_params, tail_splits=tail_splits)
+        if fsdp:
+            order = list(named_params)
+            layout = fsdp_layout([(p.numel(), p[0].numel() if p.dim() > 1 else 1,
+                                   getattr(p, "shared_embedding", False)) for _, p in order],
+                                 bucket_size, shard_over=shard_over, sharded=hold_params)
+        else:
+            order = list(reversed(named_params))  # backward order: last layer first
+            layout = bucket_layout([(p.numel(), getattr(p, "shared_embedding", False))
+                                    for _, p in order], bucket_size, shard_over=shard_over,
+                                   sharded=hold_params, tail_splits=tail_splits)
         self.offsets: dict[int, tuple[int, int]] = {}  # id(param) -> [start, end) in the buffer
         for _, _, members in layout:
             for i, lo, hi in members:

@@ -255,6 +255,8 @@ class DistributedOptimizer(_AdamBase):
         if self.ddp.param_gather is not None:  # the next forward gathers them, or (the first
             self.ddp.param_gather.after_step()  # chunk with_optimizer_step) it starts now
             return
-        for group in self.ddp.groups:  # Megatron's start_param_sync: in bucket order,
-            land_params(group, gather_params(group, phase="optimizer",  # synchronous
-                                             site="DistributedOptimizer.step:param_shards"))
+        wait = self.ddp.param_gather_async  # Megatron-FSDP: launched async, waited at once
+        for group in self.ddp.groups:  # Megatron's start_param_sync: in bucket order
+            gathered = gather_params(group, phase="optimizer", async_op=wait,
+                                     site="DistributedOptimizer.step:param_shards")
+            land_params(group, gathered.wait() if wait else gathered)

@@ -31,6 +31,7 @@ from ..data_parallel import (
     paused,
 )
 from ..data_parallel.clip_grads import GradNorm
+from ..data_parallel.megatron_fsdp import FullyShardedDataParallel
 from ..device import get_device
 from ..mesh import ParallelMesh
 from ..models import GPTModel, ParallelOptions
@@ -101,13 +102,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
     if init_from_hf is not None:
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero, with_step = cfg.distributed_optimizer, cfg.overlap_param_gather_with_optimizer_step
-    ddps = [DistributedDataParallel(chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                    bucket_size=cfg.bucket_size, use_distributed_optimizer=zero,
-                                    disable_bucketing=c > 0 or with_step,  # Megatron-LM's rule
-                                    tail_splits=cfg.bucket_tail_splits,
-                                    average=not cfg.calculate_per_token_loss,  # per token: sum
-                                    instances=cfg.num_distributed_optimizer_instances)
-            for c, chunk in enumerate(chunks)]
+    ddps = [_data_parallel(cfg, mesh, chunk, c) for c, chunk in enumerate(chunks)]
     for c, d in enumerate(ddps if cfg.overlap_param_gather else []):  # hooks: after a step
         ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather,
                     with_optimizer_step=with_step and c == 0)
@@ -117,6 +112,21 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                   for d in ddps]
     return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device,
                GradNorm(ddps, mesh, sharded=zero, dense_optimizers=2 if with_step else 1))
+
+
+def _data_parallel(cfg: TrainConfig, mesh: ParallelMesh, chunk, c: int):
+    """Model chunk ``c``'s data-parallel wrapper: Megatron-FSDP under ``--use-megatron-fsdp``,
+    else Megatron's DDP with Megatron-LM's arguments (bucketing off after the first chunk)."""
+    average = not cfg.calculate_per_token_loss  # per token: the plain sum
+    if cfg.use_megatron_fsdp:
+        return FullyShardedDataParallel(chunk, mesh, bucket_size=cfg.bucket_size, average=average,
+                                        data_parallel_sharding_strategy=cfg.
+                                        data_parallel_sharding_strategy)
+    return DistributedDataParallel(
+        chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size,
+        use_distributed_optimizer=cfg.distributed_optimizer, tail_splits=cfg.bucket_tail_splits,
+        disable_bucketing=c > 0 or cfg.overlap_param_gather_with_optimizer_step, average=average,
+        instances=cfg.num_distributed_optimizer_instances)
 
 
 def forward_step(data_iterator, model: GPTModel, token_sum: bool = False):

@@ -1,0 +1,46 @@
+"""Megatron-FSDP's settings of a :class:`~paraloom.config.train.TrainConfig`
+(``--use-megatron-fsdp``, ``--data-parallel-sharding-strategy``), checked when the config is
+made: what paraloom builds of it (:mod:`paraloom.data_parallel.megatron_fsdp`) and what does not
+combine with it."""
+
+from __future__ import annotations
+
+__all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp"]
+
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Megatron-LM's ``--data-parallel-sharding-strategy`` choices (its default: the last)."""
+BUILT = STRATEGIES[:3]
+"""The strategies ``paraloom train`` builds."""
+RECORD = ("paraloom record --megatron-on-cpu --nproc 2 --out fsdp -- "
+          "examples/megatron_gpt_step.py --use-megatron-fsdp")
+"""The command that records megatron-core's own Megatron-FSDP (every strategy)."""
+
+
+def check_megatron_fsdp(cfg) -> None:
+    """The strategy is one paraloom builds, and no flag is given that Megatron-FSDP replaces."""
+    strategy = cfg.data_parallel_sharding_strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"data_parallel_sharding_strategy (--data-parallel-sharding-strategy) "
+                         f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if not cfg.use_megatron_fsdp:
+        if strategy != STRATEGIES[-1]:
+            raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs "
+                             f"--use-megatron-fsdp (it is Megatron-FSDP's setting; without it "
+                             f"--distributed-optimizer is ZeRO-1)")
+        return
+    if strategy not in BUILT:
+        raise ValueError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy {strategy} "
+                         f"(ZeRO-3, Megatron-LM's default) is not built in paraloom train: give "
+                         f"--data-parallel-sharding-strategy {', '.join(BUILT)}; megatron-core's "
+                         f"own ZeRO-3 communication: {RECORD}")
+    taken = {"--num-distributed-optimizer-instances": cfg.num_distributed_optimizer_instances > 1,
+             "--overlap-param-gather": cfg.overlap_param_gather,
+             "--bucket-tail-splits": cfg.bucket_tail_splits > 0,
+             "--pp > 1": cfg.parallel.pp > 1,
+             "--num-experts": cfg.model.num_experts is not None}
+    given = [flag for flag, on in taken.items() if on]
+    if given:
+        raise ValueError(f"--use-megatron-fsdp with {', '.join(given)} is not built: Megatron-"
+                         f"FSDP gathers and reduces on its own terms (hybrid sharding, its own "
+                         f"parameter prefetch) and paraloom trains it without pipeline "
+                         f"parallelism or experts so far; drop {given[0]}")

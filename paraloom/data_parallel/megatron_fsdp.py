@@ -1,0 +1,148 @@
+"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``): strategies ``no_shard``, ``optim``
+and ``optim_grads``.
+
+Megatron-LM's ``--use-megatron-fsdp --data-parallel-sharding-strategy S`` wraps each model chunk
+in Megatron-FSDP instead of its ``DistributedDataParallel``. What each strategy communicates, as
+megatron-core 0.19.2 does on CPU under ``paraloom record --megatron-on-cpu``
+(``tests/test_megatron_fsdp.py``), over ``dp x cp`` (expert buckets over the expert-data-parallel
+group):
+
+* ``no_shard``: one all-reduce per bucket when the last microbatch's backward ends; the optimizer
+  is not sharded (its gradient norm over the model-parallel group, as without data parallelism).
+* ``optim`` (ZeRO-1): one reduce-scatter per bucket when the last microbatch's backward ends;
+  each rank updates its ``1/dp`` piece, and the optimizer step all-gathers every bucket's
+  parameters (launched asynchronously, waited at once).
+* ``optim_grads`` (ZeRO-2): the reduce-scatter after *every* microbatch's backward, each rank
+  adding the piece it owns into its sharded gradient; the same optimizer step.
+
+Under both sharded strategies the first forward of the process all-gathers every bucket's
+parameters (asynchronously) before it starts (Megatron-FSDP unshards the model from its
+optimizer's shards). The reductions are synchronous (Megatron-FSDP issues them on a side
+stream, so the record shows ``async`` false), in bucket order, each bucket complete once every
+parameter in it got its gradient; contributions are scaled by ``1/dp`` before the sum (its path
+without ``gradient_reduce_div_fusion``). The buffers have Megatron-FSDP's layout
+(:mod:`.fsdp_layout`): the bucket sizes on the record are its padded sizes.
+
+``optim_grads_params`` (ZeRO-3: parameters gathered per transformer layer in forward and again
+in backward, released after use) is not built here: ``paraloom record --megatron-on-cpu`` shows
+megatron-core's own.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config.megatron_fsdp_checks import BUILT
+from ..mesh import ParallelMesh
+from .bucket_group import gather_params, land_params
+from .ddp import DistributedDataParallel
+
+__all__ = ["FullyShardedDataParallel"]
+
+_FIRST = "FullyShardedDataParallel.forward:unshard"
+
+
+class FullyShardedDataParallel(DistributedDataParallel):
+    """Megatron-FSDP around ``module`` (one pipeline stage, already tensor-parallel).
+
+    Args:
+        module, mesh, average, grad_reduce_in_fp32: as :class:`DistributedDataParallel`.
+        data_parallel_sharding_strategy: one of :data:`BUILT` (see the module's docstring).
+        bucket_size: elements per bucket (Megatron-LM's ``--ddp-bucket-size``); ``None``, its
+            default, one bucket per buffer (a shared embedding apart under sharding).
+    """
+
+    fsdp_layout = True
+    param_gather_async = True
+
+    def __init__(self, module: nn.Module, mesh: ParallelMesh, *,
+                 data_parallel_sharding_strategy: str = "optim_grads",
+                 bucket_size: int | None = None, average: bool = True,
+                 grad_reduce_in_fp32: bool = True) -> None:
+        strategy = data_parallel_sharding_strategy
+        if strategy not in BUILT:
+            raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not built; "
+                             f"valid: {', '.join(BUILT)}")
+        self.strategy = strategy
+        super().__init__(module, mesh, overlap_grad_reduce=True, bucket_size=bucket_size,
+                         grad_reduce_in_fp32=grad_reduce_in_fp32, average=average,
+                         use_distributed_optimizer=strategy != "no_shard")
+        self.sharded = strategy != "no_shard"
+        self.every_microbatch = strategy == "optim_grads"
+        self._owned: dict[int, torch.Tensor] = {}  # bucket index -> its summed 1/dp piece
+        self._reduced = False  # this step's last backward completed (and reduced) every bucket
+        self._first = module.register_forward_pre_hook(self._unshard) if self.sharded else None
+
+    def _bucket_size(self, given: int | None, disable_bucketing: bool) -> int | None:
+        return given  # Megatron-FSDP: no default limit
+
+    def _unshard(self, *_unused) -> None:
+        """The first training forward of the process: every bucket's parameters all-gathered
+        from the shards (a forward pre-hook on the chunk, removed once it ran). paraloom's
+        held-out evaluation before training (no gradients; Megatron-LM has none) does not count:
+        the gather is in step 1, where Megatron-FSDP's is; the values are the same either way."""
+        if not torch.is_grad_enabled():
+            return
+        self._first.remove()
+        for group in self.groups:
+            handle = gather_params(group, phase="forward", site=_FIRST, async_op=True)
+            land_params(group, handle.wait())
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._fold(param) or not (self._sync or self.every_microbatch):
+            return
+        self._synced = False
+        self._bucket_of[id(param)].ready.add(id(param))
+        if all(b.is_complete() for b in self.buckets):  # this backward is over
+            self._reduce("backward")
+
+    def _reduce(self, phase: str) -> None:
+        """Reduce every bucket now, in order; under ``optim_grads`` keep the owned pieces."""
+        for group in self.groups:
+            group.launch_grads(phase, False, self.grad_reduce_in_fp32, type(self).__name__)
+            group.finish_grads()
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            if not self.every_microbatch:
+                continue
+            lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
+            piece = bucket.grad[lo:hi]
+            if bucket.index in self._owned:
+                self._owned[bucket.index].add_(piece)
+            else:
+                self._owned[bucket.index] = piece.clone()
+            for p in bucket.params:  # the next microbatch's gradient replaces main_grad
+                p.overwrite_main_grad = True
+        self._reduced = True
+
+    def start_grad_sync(self, *_unused) -> None:
+        """Nothing: Megatron-FSDP reduces from its own backward hooks."""
+
+    def finish_grad_sync(self) -> None:
+        """After the last microbatch: the owned pieces (``optim_grads``) back in the buffer.
+
+        Raises ``RuntimeError`` naming the parameters that got no gradient (then nothing was
+        reduced on any rank, so nothing hangs)."""
+        if not self._finish_begins():
+            return
+        if self.hookless:  # nothing to reduce with: complete once every gradient came
+            self._reduced = all(b.is_complete() for b in self.buckets)
+        missing = [] if self._reduced else [n for b in self.buckets for n in b.missing()]
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        if missing:
+            raise RuntimeError(
+                f"FullyShardedDataParallel: {len(missing)} parameter(s) received no gradient in "
+                f"the last backward (not used to compute the loss?): {', '.join(missing)}")
+        for bucket in self.buckets:
+            owned = self._owned.pop(bucket.index, None)
+            if owned is not None:
+                lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
+                bucket.grad[lo:hi].copy_(owned)
+        self._synced, self._reduced = True, False
+
+    def zero_grad_buffer(self) -> None:
+        super().zero_grad_buffer()
+        self._owned.clear()
+        self._reduced = False

@@ -1,0 +1,205 @@
+"""``paraloom train --use-megatron-fsdp --data-parallel-sharding-strategy S`` (``no_shard``,
+``optim``, ``optim_grads``): Megatron-FSDP's data parallelism (``paraloom.data_parallel.
+megatron_fsdp``, its layout ``paraloom.data_parallel.fsdp_layout``).
+
+One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the flag on four
+layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
+with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
+ZeRO-2 (against its own bf16 reference). Each trains the same model as its reference, ``paraloom
+check`` is exact, the ledger changes against the distributed optimizer exactly as Megatron-FSDP
+communicates, and checkpoints reshard both ways. The layout is megatron-core's own
+(``build_data_parallel_buffer_index``, compared on random shapes); the recorded sequence against
+megatron-core's Megatron-FSDP is in ``tests/test_megatron_fsdp.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _megatron_source import megatron_file
+from conftest import assert_same_metrics
+
+from paraloom.commands import main
+from paraloom.data_parallel.fsdp_layout import fsdp_layout
+from paraloom.run_folder import load_events, read_metrics
+
+SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+         "--micro-batch-size", "1", "--global-batch-size", "8", "--steps", "4",
+         "--ledger-steps", "4", "--timeout", "120"]
+FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
+DP4 = ["--tp", "1", "--pp", "1", "--dp", "4"]
+LAYOUTS = {
+    "reference": [*DP4, "--distributed-optimizer", "--save-every", "2"],
+    "dp4-optim_grads": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
+                        "--save-every", "2"],
+    "tp2-dp2-sp-recompute-optim": ["--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel",
+                                   "--recompute", "full", *FSDP, "optim"],
+    "cp2-dp2-no_shard": ["--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", *FSDP, "no_shard"],
+    "bf16-reference": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16",
+                       "--distributed-optimizer"],
+    "bf16-dp2-optim_grads": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16", *FSDP,
+                             "optim_grads"],
+}
+BF16_RTOL = 2e-3
+"""bf16 against bf16: the same rounding of every product, the sums over microbatches and ranks
+in another order (one bf16 ulp is 2**-8 of a value; after 4 steps the losses agree to ~1e-4)."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("megatron_fsdp_train")
+    out = {}
+    for name, flags in LAYOUTS.items():
+        out[name] = root / name
+        assert main(["train", *SMALL, *flags, "--out", str(out[name])]) == 0, name
+    return out
+
+
+def _comms(folder: Path, step: int) -> list[dict]:
+    return [e for e in load_events(folder) if e["step"] == step and e["op"] != "compute"]
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "reference" not in n])
+def test_every_layout_trains_the_same_model(runs, name):
+    bf16 = name.startswith("bf16")
+    want = runs["bf16-reference" if bf16 else "reference"]
+    assert_same_metrics(read_metrics(runs[name] / "metrics.jsonl"),
+                        read_metrics(want / "metrics.jsonl"), rtol=BF16_RTOL if bf16 else 1e-5)
+
+
+@pytest.mark.parametrize("name", [n for n in LAYOUTS if "reference" not in n])
+def test_check_is_exact(runs, name, capsys):
+    capsys.readouterr()
+    assert main(["check", str(runs[name])]) == 0, capsys.readouterr().out
+    assert "rows agree" in capsys.readouterr().out
+
+
+def _dp(folder: Path, step: int, rank: int = 0) -> list[tuple]:
+    return [(e["op"], e["phase"], bool(e.get("async")), e["bytes"])
+            for e in _comms(folder, step) if e["rank"] == rank and e["kind"] == "dp"
+            and "loss" not in e["site"]]
+
+
+def test_the_ledger_changes_as_megatron_fsdp_communicates(runs):
+    """Against the distributed optimizer (one bucket: the same bytes padded otherwise): ZeRO-2
+    reduce-scatters after each of the 4 microbatches, synchronously, in backward; the first
+    step's forward gathers every bucket (async); the optimizer step's gathers are async; no
+    other communication changes. Without sharding: one synchronous all-reduce in backward,
+    no gathers, the grad norm over the model-parallel group (kind mp, none at dp only)."""
+    ref, zero2 = runs["bf16-reference"], runs["bf16-dp2-optim_grads"]
+    for step in (1, 2):
+        was, now = _dp(ref, step), _dp(zero2, step)
+        (scatter,) = [e for e in was if e[0] == "reduce_scatter"]
+        (gather,) = [e for e in was if e[0] == "all_gather"]
+        assert scatter[2] and not gather[2]  # DDP: overlapped reduce, synchronous gather
+        mine = [e for e in now if e[0] == "reduce_scatter"]
+        assert [e[:3] for e in mine] == [("reduce_scatter", "backward", False)] * 4
+        # Megatron-FSDP's padding: the parameters back to back (no 64-element starts), the
+        # bucket to dp x chunk = 2 x 128 (fc2's rows); no_shard's all-reduce: unpadded
+        size, (plain,) = mine[0][3], [e[3] for e in _dp(runs["cp2-dp2-no_shard"], step)]
+        assert plain <= size < plain + 4 * 256 and size % (4 * 256) == 0 and size < scatter[3]
+        gathers = [e for e in now if e[0] == "all_gather"]
+        phases = ["forward"] * (step == 1) + ["optimizer"]
+        assert [(e[1], e[2], e[3]) for e in gathers] == [(p, True, size // 2 // 2)
+                                                          for p in phases]  # bf16: 2 bytes
+        rest = Counter((e["kind"], e["op"], e["phase"]) for e in _comms(ref, step)
+                       if e["kind"] != "dp")
+        assert rest == Counter((e["kind"], e["op"], e["phase"]) for e in _comms(zero2, step)
+                               if e["kind"] != "dp"), step
+    assert [e[:3] for e in _dp(runs["cp2-dp2-no_shard"], 2)] == [("all_reduce", "backward",
+                                                                   False)]
+    kinds = {e["kind"] for e in _comms(runs["cp2-dp2-no_shard"], 2)}
+    assert "distopt" not in kinds
+    several = [e for e in _dp(runs["dp4-optim_grads"], 2) if e[0] == "reduce_scatter"]
+    assert len(several) > 2 and len(several) % 2 == 0  # buckets x 2 microbatches (dp 4)
+
+
+def test_a_checkpoint_reshards_with_and_without_the_flag(runs, tmp_path):
+    """Saved at step 2 under ZeRO-2 (its own layout), resumed at tp 2 x dp 2 with Megatron's
+    DDP and distributed optimizer; saved by the reference, resumed under ZeRO-1 at dp 2 x cp 2:
+    both continue the same model."""
+    want = read_metrics(runs["reference"] / "metrics.jsonl")[2:]
+    for saved, flags in ((runs["dp4-optim_grads"], ["--tp", "2", "--dp", "2",
+                                                    "--distributed-optimizer"]),
+                         (runs["reference"], ["--tp", "1", "--dp", "2", "--cp", "2", *FSDP,
+                                              "optim"])):
+        out = tmp_path / saved.name
+        assert main(["train", "--resume", str(saved / "checkpoints" / "step_2"), *flags,
+                     "--out", str(out), "--timeout", "120"]) == 0, saved.name
+        assert_same_metrics(read_metrics(out / "metrics.jsonl"), want)
+
+
+def test_the_layout_is_megatron_cores():
+    """:func:`fsdp_layout` against megatron-core 0.19.2's own ``build_data_parallel_buffer_
+    index`` (offsets of every parameter, the padded size) on random buckets of matrices and
+    vectors, and its chunk size rule on the real model's bucket (recorded: 118784 elements at
+    dp 2 for 2 layers of hidden 64, ffn 256, vocabulary 256, sequence 32)."""
+    import sys
+
+    import torch
+    src = megatron_file("distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py").parents[1]
+    sys.path.insert(0, str(src))  # megatron_fsdp as its own package: no megatron.core import
+    try:
+        from megatron_fsdp import param_and_grad_buffer as mf
+    finally:
+        sys.path.remove(str(src))
+
+    class Config:
+        data_parallel_sharding_strategy = "optim"
+
+    rng = random.Random(0)
+    for _ in range(400):
+        shapes = [torch.Size([rng.choice([3, 5, 64, 192, 320])]) if rng.random() < 0.4 else
+                  torch.Size([rng.choice([1, 2, 7, 32]), rng.choice([3, 8, 64, 96, 256])])
+                  for _ in range(rng.randint(1, 7))]
+        dp = rng.choice([1, 2, 4])
+        ((start, end, members),) = fsdp_layout(
+            [(s.numel(), s[1:].numel(), False) for s in shapes], None, shard_over=dp,
+            sharded=True)
+        order = sorted(range(len(shapes)), key=lambda i: -shapes[i][1:].numel())
+        chunk = _chunk_of(shapes, order)
+        items, bucket, _ = mf.build_data_parallel_buffer_index(
+            [shapes[i] for i in order], 0, dp, True, Config, chunk_size_factor=chunk)
+        theirs = sorted((order[it.item_id], it.global_data_index,
+                         it.global_data_index + it.size) for it in items.values())
+        assert sorted(members) == theirs and end - start == bucket.size, (shapes, dp)
+    h, f, v, s = 64, 256, 256, 32
+    layer = [(h, 1), (h, 1), (h * h, h), (h, 1), (3 * h * h, h), (3 * h, 1), (h, 1), (h, 1),
+             (f * h, h), (f, 1), (h * f, f), (h, 1)]
+    model = [(v * h, h), (s * h, h), *layer, *layer, (h, 1), (h, 1)]
+    ((_, end, _),) = fsdp_layout([(n, r, False) for n, r in model], None, shard_over=2,
+                                 sharded=True)
+    assert end == 118784
+    ((_, end, _),) = fsdp_layout([(n, r, False) for n, r in model], None)
+    assert end == 118528  # no_shard: no padding
+
+
+def _chunk_of(shapes, order) -> int:
+    """Megatron-FSDP's chunk size rule, as its parameter grouping computes it."""
+    chunk = shapes[order[0]][1:].numel()
+    for i in order:
+        row, numel = shapes[i][1:].numel(), shapes[i].numel()
+        if not (row == chunk or (chunk % row == 0 and numel % chunk == 0) or numel < chunk):
+            chunk = math.lcm(chunk, row)
+    return chunk
+
+
+def test_refused_before_any_rank_starts(capsys, no_ranks):
+    base = ["train", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
+            "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1", *DP4]
+    for extra, said in (
+            (["--use-megatron-fsdp"], "optim_grads_params (ZeRO-3, Megatron-LM's default) is "
+                                      "not built"),
+            (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
+            ([*FSDP, "optim", "--overlap-param-gather", "--distributed-optimizer"],
+             "--use-megatron-fsdp with --overlap-param-gather is not built"),
+            ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "--pp > 1 is not built"),
+            ([*FSDP, "optim", "--num-experts", "4"], "--num-experts is not built")):
+        capsys.readouterr()
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert said in err, (extra, err)
