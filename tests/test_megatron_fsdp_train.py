@@ -203,3 +203,37 @@ def test_refused_before_any_rank_starts(capsys, no_ranks):
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert said in err, (extra, err)
+
+
+def test_plan_counts_what_megatron_fsdp_holds_and_waits_for():
+    """``plan``: ZeRO-2 holds the full fp32 gradient buffer plus its 1/dp pieces, ZeRO-1 and
+    no_shard the buffer alone (optimizer states sharded under ZeRO only); the exposed
+    data-parallel time of ZeRO-2 grows with the microbatches (a reduce-scatter after each),
+    ZeRO-1's does not."""
+    from paraloom.analysis.hardware import hardware_from
+    from paraloom.analysis.memory_formulas import memory_per_gpu
+    from paraloom.analysis.steptime import Options, step_time
+    from paraloom.analysis.view import comm_view
+    from paraloom.config import ModelConfig, ParallelConfig, TrainConfig
+
+    def view(strategy, batch=16):
+        return comm_view(TrainConfig(model=ModelConfig(num_layers=2, hidden_size=64,
+                                                       num_attention_heads=4, seq_length=32),
+                                     parallel=ParallelConfig(tp=1, pp=1, dp=2),
+                                     global_batch_size=batch, micro_batch_size=2,
+                                     use_megatron_fsdp=True,
+                                     data_parallel_sharding_strategy=strategy))
+
+    mem = {s: memory_per_gpu(view(s)) for s in ("no_shard", "optim", "optim_grads")}
+    assert mem["optim"]["grads"] == mem["no_shard"]["grads"]
+    assert mem["optim_grads"]["grads"] == pytest.approx(1.5 * mem["optim"]["grads"])
+    assert mem["optim"]["optimizer"] == pytest.approx(mem["no_shard"]["optimizer"] / 2)
+    hw = hardware_from("a100-80gb")
+
+    def exposed(strategy, batch):
+        return step_time(view(strategy, batch), hw, Options())["breakdown_s"]["dp_comm"]
+    # 4 then 8 microbatches: ZeRO-2 is 4 (8) reduce-scatters + the gathers, ZeRO-1 one of each
+    one = (exposed("optim_grads", 16) - exposed("optim", 16)) / 3
+    assert one > 0 and exposed("optim_grads", 32) - exposed("optim_grads", 16) == \
+        pytest.approx(4 * one)
+    assert exposed("optim", 32) == pytest.approx(exposed("optim", 16))

@@ -67,7 +67,11 @@ def memory_per_gpu(c: CommConfig) -> dict[str, float]:
     experts = max(e["expert_params"] for e in extra.values())  # ZeRO shards them over edp
     shards = (c.dp * c.cp // c.instances, max(1, extra[0]["edp"] // c.instances)) \
         if c.distributed_optimizer else (1, 1)  # sharded within one optimizer instance
-    memory = {"weights": per_rank * c.dtype_bytes, "grads": per_rank * 4,
+    # Megatron-FSDP's ZeRO-2 as paraloom builds it: the full fp32 buffer each backward writes,
+    # plus the 1/dp pieces this rank sums over the microbatches
+    owned = (per_rank - experts) / shards[0] + experts / shards[1] \
+        if c.megatron_fsdp == "optim_grads" else 0
+    memory = {"weights": per_rank * c.dtype_bytes, "grads": (per_rank + owned) * 4,
               "optimizer": ((per_rank - experts) / shards[0] + experts / shards[1]) * opt_bytes,
               "activations": activations}
     memory["total"] = sum(memory.values())

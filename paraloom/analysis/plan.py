@@ -93,7 +93,8 @@ def render_plan(c: CommConfig, p: dict) -> str:
              + f", sp={'on' if c.sp else 'off'}, "
              f"recompute={c.recompute}, distributed optimizer="
              f"{'on' if c.distributed_optimizer else 'off'}"
-             + (f" x {c.instances} instances" if c.instances > 1 else "") + ", "
+             + (f" x {c.instances} instances" if c.instances > 1 else "")
+             + (f", Megatron-FSDP {c.megatron_fsdp}" if c.megatron_fsdp else "") + ", "
              f"{'bf16' if c.dtype_bytes == 2 else 'fp32'})",
              f"global batch {p['global_batch_size']} = micro {c.micro_batch} x "
              f"{c.num_microbatches} microbatches x dp {c.dp}",

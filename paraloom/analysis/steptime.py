@@ -201,6 +201,9 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
             gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter, lanes)
         else:
             reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter, lanes)
+    if c.megatron_fsdp:  # synchronous, once a backward completes every bucket: exposed,
+        # after every microbatch under ZeRO-2; the optimizer step waits for its gathers
+        return reduce * (c.num_microbatches if c.megatron_fsdp == "optim_grads" else 1), gather
     v, hide = c.v, hw.overlap_efficiency
     if v > 1:  # interleaved: a chunk's buckets go once its last backward is done (the gathers
         # as its first forward nears), under the other chunks' work of the last (first) group
