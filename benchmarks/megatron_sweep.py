@@ -36,7 +36,7 @@ MODEL = "--hidden 64 --heads 4 --seq-len 32 --micro-batch-size 2"
 
 def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recompute=False,
             bf16=False, bucket=None, overlap=True, align=True, microbatches=4, hidden=64,
-            heads=4, opg=False, with_step=False, instances=1):
+            heads=4, opg=False, with_step=False, instances=1, fsdp=None):
     """(world size, the example's flags, paraloom train's flags) of one layout."""
     ex = [f"--tp {tp}", f"--pp {pp}", f"--layers {layers}", f"--microbatches {microbatches}",
           f"--hidden {hidden}", f"--heads {heads}"]
@@ -55,7 +55,9 @@ def _layout(tp=1, pp=1, dp=1, vpp=None, layers=4, sp=False, distopt=False, recom
                      (not overlap, "--no-overlap-grad-reduce", "--no-overlap-grad-reduce"),
                      (not align, "--no-align-grad-reduce", "--no-align-grad-reduce"),
                      (instances > 1, f"--num-distributed-optimizer-instances {instances}",
-                      f"--num-distributed-optimizer-instances {instances}")):
+                      f"--num-distributed-optimizer-instances {instances}"),
+                     (fsdp, f"--use-megatron-fsdp --data-parallel-sharding-strategy {fsdp}",
+                      f"--use-megatron-fsdp --data-parallel-sharding-strategy {fsdp}")):
         if on:
             ex.append(e)
             ours.append(o)
@@ -132,6 +134,14 @@ LAYOUTS = {
     "small-buckets-dp4-distopt-instances2": _layout(dp=4, distopt=True, bucket=3000,
                                                     instances=2),
     "dp4-distopt-opg-instances2": _layout(dp=4, distopt=True, opg=True, instances=2),
+    # Megatron-FSDP (its own layout; reductions when a bucket completes, ZeRO-2's per microbatch)
+    "fsdp-optim_grads-dp4": _layout(dp=4, fsdp="optim_grads"),
+    "fsdp-optim-dp2-bf16": _layout(dp=2, fsdp="optim", bf16=True),
+    "fsdp-no_shard-dp4-small-buckets": _layout(dp=4, fsdp="no_shard", bucket=3000),
+    # (with sp megatron-core's Megatron-FSDP leaves out finalize_model_grads' all-reduce of the
+    # sequence-parallel gradients over tp, which paraloom keeps: README, Megatron-FSDP)
+    "fsdp-optim_grads-tp2-dp2-buckets": _layout(tp=2, dp=2, fsdp="optim_grads", bucket=20000),
+    "fsdp-optim-tp2-dp2-recompute": _layout(tp=2, dp=2, fsdp="optim", recompute=True),
 }
 
 

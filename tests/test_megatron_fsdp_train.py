@@ -5,11 +5,12 @@ megatron_fsdp``, its layout ``paraloom.data_parallel.fsdp_layout``).
 One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the flag on four
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
-ZeRO-2 (against its own bf16 reference). Each trains the same model as its reference, ``paraloom
-check`` is exact, the ledger changes against the distributed optimizer exactly as Megatron-FSDP
-communicates, and checkpoints reshard both ways. The layout is megatron-core's own
-(``build_data_parallel_buffer_index``, compared on random shapes); the recorded sequence against
-megatron-core's Megatron-FSDP is in ``tests/test_megatron_fsdp.py``.
+ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients).
+Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
+against the distributed optimizer exactly as Megatron-FSDP communicates, and checkpoints
+reshard both ways. The layout is megatron-core's own (``build_data_parallel_buffer_index``,
+compared on random shapes); the recorded sequence against megatron-core's Megatron-FSDP is in
+``tests/test_megatron_fsdp.py``.
 """
 
 from __future__ import annotations
@@ -99,12 +100,14 @@ def test_the_ledger_changes_as_megatron_fsdp_communicates(runs):
         mine = [e for e in now if e[0] == "reduce_scatter"]
         assert [e[:3] for e in mine] == [("reduce_scatter", "backward", False)] * 4
         # Megatron-FSDP's padding: the parameters back to back (no 64-element starts), the
-        # bucket to dp x chunk = 2 x 128 (fc2's rows); no_shard's all-reduce: unpadded
-        size, (plain,) = mine[0][3], [e[3] for e in _dp(runs["cp2-dp2-no_shard"], step)]
-        assert plain <= size < plain + 4 * 256 and size % (4 * 256) == 0 and size < scatter[3]
+        # bucket to dp x chunk = 2 x 128 (fc2's rows); no_shard's all-reduce: unpadded. In bf16
+        # Megatron-FSDP reduces bf16 gradients (its main grads take the parameters' dtype)
+        size = mine[0][3] // 2
+        (plain,) = [e[3] // 4 for e in _dp(runs["cp2-dp2-no_shard"], step)]
+        assert plain <= size < plain + 256 and size % 256 == 0 and size < scatter[3] // 4
         gathers = [e for e in now if e[0] == "all_gather"]
         phases = ["forward"] * (step == 1) + ["optimizer"]
-        assert [(e[1], e[2], e[3]) for e in gathers] == [(p, True, size // 2 // 2)
+        assert [(e[1], e[2], e[3]) for e in gathers] == [(p, True, size // 2 * 2)
                                                           for p in phases]  # bf16: 2 bytes
         rest = Counter((e["kind"], e["op"], e["phase"]) for e in _comms(ref, step)
                        if e["kind"] != "dp")

@@ -186,7 +186,7 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
             size //= c.instances  # the block a bucket is sharded over (instances: see spec)
             if size > 1:
                 add("dp", "reduce_scatter" if scatter else "all_reduce", phase, times,
-                    n * c.grad_bytes)
+                    n * (c.dp_grad_bytes or c.grad_bytes))
             if c.instances > 1:  # this rank's shard, summed across the instances
                 add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
             if not c.distributed_optimizer or size == 1:

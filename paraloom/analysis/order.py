@@ -49,6 +49,8 @@ _CE = "logits, vocabulary range"
 def check_supported(cfg: TrainConfig) -> None:
     """``ValueError`` for what this reading does not derive yet."""
     why = moe_unsupported(cfg) if cfg.model.num_experts is not None else None
+    if cfg.use_megatron_fsdp and cfg.bucket_size is not None:
+        why = "Megatron-FSDP's buckets under --bucket-size (each launched as it completes)"
     if why:
         raise ValueError(f"plan --table does not derive the order of {why} yet; run the layout "
                          f"small and read `paraloom table RUN --step 1`")

@@ -4,6 +4,8 @@ optimizer's parameter all-gathers in the optimizer step."""
 
 from __future__ import annotations
 
+from ..config.megatron_fsdp_checks import fsdp_reduces_in_bf16
+
 __all__ = ["bucket_rows", "gather_site", "grad_norm_rows", "num_tokens_rows", "unshard_rows"]
 
 
@@ -19,6 +21,7 @@ def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) 
     zero, n = cfg.distributed_optimizer, cfg.num_distributed_optimizer_instances
     fsdp = cfg.use_megatron_fsdp  # Megatron-FSDP: synchronous, on a side stream
     owner = "FullyShardedDataParallel" if fsdp else "DistributedDataParallel"
+    item = 2 if fsdp_reduces_in_bf16(cfg) else 4
     rows = []
     for numels, expert in groups:
         # the ranks a bucket is reduced (sharded) over
@@ -26,7 +29,7 @@ def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) 
         if block > 1:
             rows.append(dict(kind="dp", op="reduce_scatter" if zero else "all_reduce",
                              site=f"{owner}.{phase}:bucket_grads",
-                             shape=[numels[0]], bytes=4 * sum(numels),
+                             shape=[numels[0]], bytes=item * sum(numels),
                              split="gradient bucket, 1/dp contiguous shard"
                              if zero else "gradient bucket (replicated)",
                              **{"async": n == 1 and not fsdp}))

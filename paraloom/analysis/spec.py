@@ -179,6 +179,9 @@ class CommConfig:
     dtype_bytes: int = 4
     """Bytes per activation / parameter element (fp32 4, bf16 2)."""
     grad_bytes: int = 4
+    dp_grad_bytes: int | None = None
+    """Bytes per element of the data-parallel gradient reductions where they differ from
+    ``grad_bytes`` (Megatron-FSDP in bf16 reduces bf16: 2)."""
     """Bytes per element of reduced gradients (fp32 ``main_grad``: 4; bf16 reduction: 2)."""
     label_smoothing: bool = False
     """Cross-entropy reduces a third per-token number (the sum of logits)."""

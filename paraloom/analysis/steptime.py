@@ -196,11 +196,13 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
         inter = spans_nodes(stride, n, hw.gpus_per_node)
         lanes = node_lanes(stride, n, hw.gpus_per_node)
         if c.distributed_optimizer:
-            reduce += collective_time("reduce_scatter", n, n_par * c.grad_bytes, hw, inter,
+            reduce += collective_time("reduce_scatter", n, n_par * (c.dp_grad_bytes or
+                                                                     c.grad_bytes), hw, inter,
                                       lanes)
             gather += collective_time("all_gather", n, n_par * c.dtype_bytes, hw, inter, lanes)
         else:
-            reduce += collective_time("all_reduce", n, n_par * c.grad_bytes, hw, inter, lanes)
+            reduce += collective_time("all_reduce", n, n_par * (c.dp_grad_bytes or c.grad_bytes),
+                                      hw, inter, lanes)
     if c.megatron_fsdp:  # synchronous, once a backward completes every bucket: exposed,
         # after every microbatch under ZeRO-2; the optimizer step waits for its gathers
         return reduce * (c.num_microbatches if c.megatron_fsdp == "optim_grads" else 1), gather

@@ -5,7 +5,7 @@ combine with it."""
 
 from __future__ import annotations
 
-__all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp"]
+__all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp", "fsdp_reduces_in_bf16"]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-LM's ``--data-parallel-sharding-strategy`` choices (its default: the last)."""
@@ -16,13 +16,26 @@ RECORD = ("paraloom record --megatron-on-cpu --nproc 2 --out fsdp -- "
 """The command that records megatron-core's own Megatron-FSDP (every strategy)."""
 
 
+def fsdp_reduces_in_bf16(cfg) -> bool:
+    """Whether Megatron-FSDP reduces (and Megatron accumulates) the gradients in bf16: its
+    main gradients take the parameters' dtype unless ``--megatron-fsdp-main-grads-dtype fp32``
+    (paraloom keeps fp32 sums and reduces a bf16 copy, as for ``grad_reduce_in_fp32=False``)."""
+    return cfg.use_megatron_fsdp and cfg.dtype == "bf16" and \
+        cfg.megatron_fsdp_main_grads_dtype == "auto"
+
+
 def check_megatron_fsdp(cfg) -> None:
     """The strategy is one paraloom builds, and no flag is given that Megatron-FSDP replaces."""
     strategy = cfg.data_parallel_sharding_strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"data_parallel_sharding_strategy (--data-parallel-sharding-strategy) "
                          f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    if cfg.megatron_fsdp_main_grads_dtype not in ("auto", "fp32"):
+        raise ValueError(f"megatron_fsdp_main_grads_dtype (--megatron-fsdp-main-grads-dtype) "
+                         f"must be auto or fp32, got {cfg.megatron_fsdp_main_grads_dtype!r}")
     if not cfg.use_megatron_fsdp:
+        if cfg.megatron_fsdp_main_grads_dtype != "auto":
+            raise ValueError("--megatron-fsdp-main-grads-dtype needs --use-megatron-fsdp")
         if strategy != STRATEGIES[-1]:
             raise ValueError(f"--data-parallel-sharding-strategy {strategy} needs "
                              f"--use-megatron-fsdp (it is Megatron-FSDP's setting; without it "

@@ -135,15 +135,18 @@ class TrainConfig:
                                           "equal buckets)")
     """paraloom's tail-halving buckets (:func:`~paraloom.data_parallel.grad_buffer.
     bucket_layout`); 0, Megatron's equal buckets, by default."""
-    use_megatron_fsdp: bool = option(False, "--use-megatron-fsdp",
-                                     help="Megatron-FSDP instead of DistributedDataParallel, "
-                                          "sharded as --data-parallel-sharding-strategy says")
+    use_megatron_fsdp: bool = option(False, "--use-megatron-fsdp", help="Megatron-FSDP "
+                                     "instead of DistributedDataParallel")
     """Megatron-LM's ``--use-megatron-fsdp`` (:mod:`paraloom.data_parallel.megatron_fsdp`)."""
     data_parallel_sharding_strategy: str = option(
         "optim_grads_params", "--data-parallel-sharding-strategy", choices=STRATEGIES,
         help="Megatron-FSDP's: no_shard, optim (ZeRO-1), optim_grads (ZeRO-2); "
              "optim_grads_params (ZeRO-3, Megatron-LM's default) is not built")
     """Megatron-FSDP's sharding strategy; Megatron-LM's default, ZeRO-3, is refused."""
+    megatron_fsdp_main_grads_dtype: str = option(
+        "auto", "--megatron-fsdp-main-grads-dtype", choices=("auto", "fp32"),
+        help="Megatron-FSDP's gradient reductions: auto (the parameters' dtype, Megatron-LM's "
+             "default: bf16 under --dtype bf16) or fp32")
     megatron_lm_loop: bool = option(True, "--megatron-lm-loop", negatable=True,
                                     help="communicate what Megatron-LM's training loop adds to "
                                          "the step: the batch broadcast over tp, the rerun "

@@ -18,9 +18,9 @@ group):
 Under both sharded strategies the first forward of the process all-gathers every bucket's
 parameters (asynchronously) before it starts (Megatron-FSDP unshards the model from its
 optimizer's shards). The reductions are synchronous (Megatron-FSDP issues them on a side
-stream, so the record shows ``async`` false), in bucket order, each bucket complete once every
-parameter in it got its gradient; contributions are scaled by ``1/dp`` before the sum (its path
-without ``gradient_reduce_div_fusion``). The buffers have Megatron-FSDP's layout
+stream, so the record shows ``async`` false), each bucket as soon as every parameter in it got
+its gradient (in the order they complete); contributions are scaled by ``1/dp`` before the sum
+(its path without ``gradient_reduce_div_fusion``). The buffers have Megatron-FSDP's layout
 (:mod:`.fsdp_layout`): the bucket sizes on the record are its padded sizes.
 
 ``optim_grads_params`` (ZeRO-3: parameters gathered per transformer layer in forward and again
@@ -72,6 +72,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         self.every_microbatch = strategy == "optim_grads"
         self._owned: dict[int, torch.Tensor] = {}  # bucket index -> its summed 1/dp piece
         self._reduced = False  # this step's last backward completed (and reduced) every bucket
+        self._done: set[int] = set()  # the bucket groups this backward reduced so far
         self._first = module.register_forward_pre_hook(self._unshard) if self.sharded else None
 
     def _bucket_size(self, given: int | None, disable_bucketing: bool) -> int | None:
@@ -93,28 +94,31 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if not self._fold(param) or not (self._sync or self.every_microbatch):
             return
         self._synced = False
-        self._bucket_of[id(param)].ready.add(id(param))
-        if all(b.is_complete() for b in self.buckets):  # this backward is over
-            self._reduce("backward")
+        bucket = self._bucket_of[id(param)]
+        bucket.ready.add(id(param))
+        group = bucket.group
+        if group.is_complete():  # reduced as soon as complete, as Megatron-FSDP's pipeline
+            self._reduce(group)
 
-    def _reduce(self, phase: str) -> None:
-        """Reduce every bucket now, in order; under ``optim_grads`` keep the owned pieces."""
-        for group in self.groups:
-            group.launch_grads(phase, False, self.grad_reduce_in_fp32, type(self).__name__)
-            group.finish_grads()
-        for bucket in self.buckets:
+    def _reduce(self, group) -> None:
+        """Reduce ``group`` now (in backward); under ``optim_grads`` keep the owned pieces."""
+        group.launch_grads("backward", False, self.grad_reduce_in_fp32, type(self).__name__)
+        group.finish_grads()
+        for bucket in group.buckets:
             bucket.ready.clear()
-            if not self.every_microbatch:
-                continue
-            lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-            piece = bucket.grad[lo:hi]
-            if bucket.index in self._owned:
-                self._owned[bucket.index].add_(piece)
-            else:
-                self._owned[bucket.index] = piece.clone()
-            for p in bucket.params:  # the next microbatch's gradient replaces main_grad
-                p.overwrite_main_grad = True
-        self._reduced = True
+            if self.every_microbatch:
+                lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
+                piece = bucket.grad[lo:hi]
+                if bucket.index in self._owned:
+                    self._owned[bucket.index].add_(piece)
+                else:
+                    self._owned[bucket.index] = piece.clone()
+                for p in bucket.params:  # the next microbatch's gradient replaces main_grad
+                    p.overwrite_main_grad = True
+        self._done.add(id(group))
+        if len(self._done) == len(self.groups):  # this backward reduced every bucket
+            self._done.clear()
+            self._reduced = True
 
     def start_grad_sync(self, *_unused) -> None:
         """Nothing: Megatron-FSDP reduces from its own backward hooks."""
@@ -145,4 +149,5 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def zero_grad_buffer(self) -> None:
         super().zero_grad_buffer()
         self._owned.clear()
+        self._done.clear()
         self._reduced = False

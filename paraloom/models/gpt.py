@@ -132,7 +132,7 @@ class MLP(nn.Module):
         bias, self.swiglu = cfg.add_bias_linear, cfg.swiglu
         width, fc1_init = (2 * cfg.ffn, SwiGLUInit(init)) if cfg.swiglu else (cfg.ffn, init)
         self.fc1 = ColumnParallelLinear(h, width, bias=bias, init_method=fc1_init,
-                                        name=f"{name}.fc1",
+                                        name=f"{name}.fc1", skip_bias_add=True,
                                         async_grad_allreduce=opt.async_grad_allreduce,
                                         sequence_parallel=sp, **common)
         if cfg.swiglu:
@@ -148,7 +148,9 @@ class MLP(nn.Module):
             self.gate_weight.sequence_parallel = sp and mesh.tp.size > 1
 
     def forward(self, x):
-        h, _ = self.fc1(x)                                   # [s, b, 4h/tp]
+        h, b = self.fc1(x)                                   # [s, b, 4h/tp]
+        if b is not None:  # Megatron's MLP adds fc1's bias outside the linear (skip_bias_add):
+            h = h + b      # its gradient comes before fc1's backward, as the buckets see it
         act = swiglu(h) if self.swiglu else F.gelu(h, approximate="tanh")
         out, _ = self.fc2(act)                               # [s(/tp), b, h]
         if self.gate_weight is not None:                     # a shared expert's gate

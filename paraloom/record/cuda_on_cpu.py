@@ -2,7 +2,8 @@
 
 A ``torch`` stand-in for the modules of :data:`paraloom.record.megatron_core_cpu.CUDA_MODULES`: its
 tensor factories put ``device="cuda"`` tensors on the CPU, its ``torch.cuda.current_device()``
-is the CPU, ``synchronize`` does nothing, and its streams and events do nothing either (work on
+is the CPU (its random state the CPU generator's), ``synchronize`` does nothing, and its streams and
+events do nothing either (work on
 a CPU is synchronous: an event is reached when it is recorded). Every other name is torch's.
 """
 
@@ -86,6 +87,10 @@ class _CudaOnCpu(types.ModuleType):
             return _NullEvent
         if name == "stream":
             return lambda *_a, **_k: contextlib.nullcontext()
+        if name == "get_rng_state":  # the device's generator is the CPU's
+            return lambda *_a, **_k: torch.get_rng_state()
+        if name == "set_rng_state":
+            return lambda state, *_a, **_k: torch.set_rng_state(state)
         return getattr(torch.cuda, name)
 
 

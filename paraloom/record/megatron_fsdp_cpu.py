@@ -30,7 +30,7 @@ PATCHES = {
     "Megatron-FSDP on CPU": "distributed/fsdp: mcore_fsdp_adapter, megatron_fsdp, "
                             "param_and_grad_buffer, utils, uneven_dtensor, mixed_precision: "
                             "torch.device('cuda:N'), DeviceMesh.from_group(device_type='cuda'), "
-                            "side streams",
+                            "side streams, torch.cuda.get/set_rng_state (tp > 1)",
     "PREMUL_SUM on gloo": "distributed/fsdp/.../param_and_grad_buffer.py: "
                           "gradient_reduce_preprocessing's _make_nccl_premul_sum(1/dp)",
 }

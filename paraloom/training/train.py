@@ -19,6 +19,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig
+from ..config.megatron_fsdp_checks import fsdp_reduces_in_bf16
 from ..context_parallel import get_batch_on_this_cp_rank
 from ..data import Corpus, microbatches
 from ..data_parallel import (
@@ -121,7 +122,8 @@ def _data_parallel(cfg: TrainConfig, mesh: ParallelMesh, chunk, c: int):
     if cfg.use_megatron_fsdp:
         return FullyShardedDataParallel(chunk, mesh, bucket_size=cfg.bucket_size, average=average,
                                         data_parallel_sharding_strategy=cfg.
-                                        data_parallel_sharding_strategy)
+                                        data_parallel_sharding_strategy,
+                                        grad_reduce_in_fp32=not fsdp_reduces_in_bf16(cfg))
     return DistributedDataParallel(
         chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size,
         use_distributed_optimizer=cfg.distributed_optimizer, tail_splits=cfg.bucket_tail_splits,
