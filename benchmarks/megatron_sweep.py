@@ -142,6 +142,10 @@ LAYOUTS = {
     # sequence-parallel gradients over tp, which paraloom keeps: README, Megatron-FSDP)
     "fsdp-optim_grads-tp2-dp2-buckets": _layout(tp=2, dp=2, fsdp="optim_grads", bucket=20000),
     "fsdp-optim-tp2-dp2-recompute": _layout(tp=2, dp=2, fsdp="optim", recompute=True),
+    "fsdp-zero3-dp4": _layout(dp=4, fsdp="optim_grads_params"),
+    "fsdp-zero3-tp2-dp2-bf16": _layout(tp=2, dp=2, fsdp="optim_grads_params", bf16=True),
+    "fsdp-zero3-dp2-layers6-m3": _layout(dp=2, layers=6, microbatches=3,
+                                         fsdp="optim_grads_params"),
 }
 
 

@@ -206,6 +206,7 @@ def test_no_internal_issue_numbers_in_the_source():
 PURE_HELPERS = {
     "paraloom.data_parallel.grad_buffer": "bucket_layout: the buckets a buffer makes (arithmetic)",
     "paraloom.data_parallel.fsdp_layout": "fsdp_layout: Megatron-FSDP's buckets (arithmetic)",
+    "paraloom.data_parallel.fsdp_unshard_plan": "zero3_gathers: Megatron-FSDP's ZeRO-3 rules",
     "paraloom.moe.router": "expert_capacity: Megatron's capacity rule (arithmetic)",
     "paraloom.pipeline_parallel.timetable": "the schedules' timetables and bubble (arithmetic)",
     "paraloom.pipeline_parallel.plans": "each stage's p2p plan, which the runtime executes",

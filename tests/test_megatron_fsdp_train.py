@@ -1,11 +1,13 @@
 """``paraloom train --use-megatron-fsdp --data-parallel-sharding-strategy S`` (``no_shard``,
-``optim``, ``optim_grads``): Megatron-FSDP's data parallelism (``paraloom.data_parallel.
-megatron_fsdp``, its layout ``paraloom.data_parallel.fsdp_layout``).
+``optim``, ``optim_grads``, ``optim_grads_params``): Megatron-FSDP's data parallelism
+(``paraloom.data_parallel.megatron_fsdp``, its layout ``paraloom.data_parallel.fsdp_layout``,
+ZeRO-3's gathers ``paraloom.data_parallel.megatron_fsdp_unshard``).
 
 One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the flag on four
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
-ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients).
+ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients);
+ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with selective recomputation and dp 2 in bf16.
 Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
 against the distributed optimizer exactly as Megatron-FSDP communicates, and checkpoints
 reshard both ways. The layout is megatron-core's own (``build_data_parallel_buffer_index``,
@@ -44,6 +46,14 @@ LAYOUTS = {
                        "--distributed-optimizer"],
     "bf16-dp2-optim_grads": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16", *FSDP,
                              "optim_grads"],
+    # ZeRO-3: Megatron-LM's default strategy
+    "tp2-dp2-sp-optim_grads_params": ["--tp", "2", "--pp", "1", "--dp", "2",
+                                      "--sequence-parallel", "--use-megatron-fsdp",
+                                      "--save-every", "2"],
+    "cp2-dp2-optim_grads_params": ["--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", *FSDP,
+                                   "optim_grads_params", "--recompute", "selective"],
+    "bf16-dp2-optim_grads_params": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16",
+                                    *FSDP, "optim_grads_params"],
 }
 BF16_RTOL = 2e-3
 """bf16 against bf16: the same rounding of every product, the sums over microbatches and ranks
@@ -66,7 +76,7 @@ def _comms(folder: Path, step: int) -> list[dict]:
 
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "reference" not in n])
 def test_every_layout_trains_the_same_model(runs, name):
-    bf16 = name.startswith("bf16")
+    bf16 = name.startswith("bf16")  # (tp2-dp2 with sp: global batch 8, as the reference's)
     want = runs["bf16-reference" if bf16 else "reference"]
     assert_same_metrics(read_metrics(runs[name] / "metrics.jsonl"),
                         read_metrics(want / "metrics.jsonl"), rtol=BF16_RTOL if bf16 else 1e-5)
@@ -121,16 +131,37 @@ def test_the_ledger_changes_as_megatron_fsdp_communicates(runs):
     assert len(several) > 2 and len(several) % 2 == 0  # buckets x 2 microbatches (dp 4)
 
 
+def test_zero3_gathers_before_each_use_and_reduces_per_layer(runs):
+    """ZeRO-3 (steady step, rank 0, 4 microbatches of 2 layers): every parameter gather async,
+    a 1/dp piece; in forward only from the second microbatch (the optimizer step left all
+    gathered), in backward both layers each microbatch, after the update every bucket (the
+    layers' two and the rest); a reduce-scatter per layer and one for the rest per microbatch,
+    synchronous; ZeRO-2's run of the same layout has none of the forward/backward gathers."""
+    ops = _dp(runs["tp2-dp2-sp-optim_grads_params"], 2)
+    gathers = [(phase, bool(a)) for op, phase, a, _ in ops if op == "all_gather"]
+    assert gathers == [("backward", True)] * 2 + ([("forward", True)] * 2 + [
+        ("backward", True)] * 2) * 3 + [("optimizer", True)] * 3, ops
+    scatters = [(phase, a) for op, phase, a, _ in ops if op == "reduce_scatter"]
+    assert scatters == [("backward", False)] * 3 * 4
+    first = [phase for op, phase, _, _ in _dp(runs["tp2-dp2-sp-optim_grads_params"], 1)
+             if op == "all_gather"]
+    assert first[:3] == ["forward"] * 3  # the first forward: the rest, then both layers
+
+
 def test_a_checkpoint_reshards_with_and_without_the_flag(runs, tmp_path):
     """Saved at step 2 under ZeRO-2 (its own layout), resumed at tp 2 x dp 2 with Megatron's
-    DDP and distributed optimizer; saved by the reference, resumed under ZeRO-1 at dp 2 x cp 2:
-    both continue the same model."""
+    DDP and distributed optimizer; saved by the reference, resumed under ZeRO-1 at dp 2 x cp 2
+    and under ZeRO-3 at dp 4; saved under ZeRO-3, resumed at dp 4 with Megatron's DDP: each
+    continues the same model."""
     want = read_metrics(runs["reference"] / "metrics.jsonl")[2:]
     for saved, flags in ((runs["dp4-optim_grads"], ["--tp", "2", "--dp", "2",
                                                     "--distributed-optimizer"]),
                          (runs["reference"], ["--tp", "1", "--dp", "2", "--cp", "2", *FSDP,
-                                              "optim"])):
-        out = tmp_path / saved.name
+                                              "optim"]),
+                         (runs["reference"], [*DP4, "--use-megatron-fsdp"]),
+                         (runs["tp2-dp2-sp-optim_grads_params"], [*DP4,
+                                                                  "--distributed-optimizer"])):
+        out = tmp_path / f"{saved.name}-{len(flags)}"
         assert main(["train", "--resume", str(saved / "checkpoints" / "step_2"), *flags,
                      "--out", str(out), "--timeout", "120"]) == 0, saved.name
         assert_same_metrics(read_metrics(out / "metrics.jsonl"), want)
@@ -195,13 +226,16 @@ def test_refused_before_any_rank_starts(capsys, no_ranks):
     base = ["train", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
             "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1", *DP4]
     for extra, said in (
-            (["--use-megatron-fsdp"], "optim_grads_params (ZeRO-3, Megatron-LM's default) is "
-                                      "not built"),
+            (["--use-megatron-fsdp", "--recompute", "full"], "optim_grads_params with "
+                                                              "--recompute full: ZeRO-3's"),
             (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
             ([*FSDP, "optim", "--overlap-param-gather", "--distributed-optimizer"],
-             "--use-megatron-fsdp with --overlap-param-gather is not built"),
-            ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "--pp > 1 is not built"),
-            ([*FSDP, "optim", "--num-experts", "4"], "--num-experts is not built")):
+             "optim with --overlap-param-gather: Megatron-FSDP's own parameter prefetch"),
+            ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "with --pp 2: Megatron-FSDP with "
+                                                               "pipeline parallelism is not "
+                                                               "built"),
+            ([*FSDP, "optim", "--num-experts", "4"], "with --num-experts: Megatron-FSDP with "
+                                                     "experts is not built")):
         capsys.readouterr()
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err

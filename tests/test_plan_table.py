@@ -88,6 +88,11 @@ LAYOUTS = {
     "megatron-fsdp optim_grads, tp with sp": [
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads"],
+    # ZeRO-3: each layer's parameters gathered at its forward and backward hooks (prefetching
+    # the rest), its gradients reduce-scattered after its backward, all gathered after the step
+    "megatron-fsdp optim_grads_params, tp with sp": [
+        "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "optim_grads_params"],
     "megatron-fsdp no_shard": [
         "--tp", "1", "--pp", "1", "--dp", "2", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "no_shard"],

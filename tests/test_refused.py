@@ -442,12 +442,10 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
      "gloo"),
     (["--nprocs", "6", "--tensor-model-parallel-size", "4"], "--nprocs 6 does not match"),
     # Megatron features paraloom does not have: named, with what it has
-    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
-     "--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads_params (ZeRO-3, "
-     "Megatron-LM's default) is not built in paraloom train"),
-    (["--use-megatron-fsdp"], "megatron-core's own ZeRO-3 communication: paraloom record "
-     "--megatron-on-cpu --nproc 2 --out fsdp -- examples/megatron_gpt_step.py "
-     "--use-megatron-fsdp"),
+    (["--use-megatron-fsdp", "--overlap-param-gather", "--overlap-grad-reduce"],
+     "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params with "
+     "--overlap-param-gather: Megatron-FSDP's own parameter prefetch under this flag is not "
+     "built"),
     (["--calculate-per-token-loss", "--num-experts", "4", "--tensor-model-parallel-size", "2",
       "--nprocs", "2"], "--calculate-per-token-loss with --num-experts and tp = 2 needs "
      "--sequence-parallel"),

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cp_formulas import add_cp_comm, grad_sync_view, local_seq
+from .fsdp_formulas import zero3_gather_events
 from .layout import chunk_groups, layers_per_stage, sp_elems
 from .moe_formulas import moe_comm
 from .spec import F32, CommConfig
@@ -171,35 +172,7 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
       ``[1]``), and on the last stage the loss ``[sum, tokens]`` over dp (x cp),
     * with MoE, paraloom's statistics over every rank (float64)."""
     if c.dp > 1:
-        phase = "backward" if c.megatron_fsdp else _bucket_phase(c, r)
-        times = c.num_microbatches if c.megatron_fsdp == "optim_grads" else 1  # ZeRO-2: each
-        edp = c.dp // c.moe.ep if c.moe is not None else c.dp
-        if c.buckets is None:
-            buckets = [(sum(b.numel for b in g), g[0].reduce_scatter,  # one op per group
-                        edp if g[0].expert else c.dp, chunk)
-                       for chunk in range(c.v) for g in chunk_groups(c, r, chunk)]
-        else:
-            buckets = [(n, c.distributed_optimizer, c.dp, 0) for n in c.buckets]
-        for n, scatter, size, chunk in buckets:
-            if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
-                continue
-            size //= c.instances  # the block a bucket is sharded over (instances: see spec)
-            if size > 1:
-                add("dp", "reduce_scatter" if scatter else "all_reduce", phase, times,
-                    n * (c.dp_grad_bytes or c.grad_bytes))
-            if c.instances > 1:  # this rank's shard, summed across the instances
-                add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
-            if not c.distributed_optimizer or size == 1:
-                continue
-            if c.megatron_fsdp and c.first_step:  # the first forward unshards the model
-                add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
-            if c.param_gather_with_optimizer_step and chunk == 0:
-                if c.optimizer_step:  # right after chunk 0's update, every step
-                    add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
-            elif c.overlap_param_gather and c.param_gather_forward:  # ahead of first use
-                add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
-            elif not c.overlap_param_gather and c.optimizer_step:  # after the update
-                add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
+        _dp_buckets(c, r, add)
     if c.tp > 1 and sp_elems(c, r):  # LayerNorms etc. under sp; MoE: experts' fc2 biases
         add("sp", "all_reduce", "optimizer", 1, sp_elems(c, r) * c.grad_bytes)
     if c.pp > 1 and r in (0, c.pp - 1) and c.arch.tied:
@@ -231,3 +204,41 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
         add("dp", "all_reduce", "optimizer", 1, 2 * F32)  # [loss sum, tokens]
     if c.moe is not None and world > 1:
         add("world", "all_reduce", "optimizer", 1, (3 + c.layers * c.moe.num_experts) * 8)
+
+
+def _dp_buckets(c: CommConfig, r: int, add) -> None:
+    """The data-parallel bucket reductions and parameter gathers of a train step (dp > 1)."""
+    phase = "backward" if c.megatron_fsdp else _bucket_phase(c, r)
+    zero3 = c.megatron_fsdp == "optim_grads_params"
+    times = c.num_microbatches if c.megatron_fsdp in ("optim_grads", "optim_grads_params") \
+        else 1  # ZeRO-2 and 3 reduce after every microbatch
+    for phase_, _, _, nbytes, _ in zero3_gather_events(c, r) if zero3 else ():
+        if phase_ != "optimizer" or c.optimizer_step:  # ZeRO-3's: before each use, after
+            add("dp", "all_gather", phase_, 1, nbytes)  # the update (a step that ran)
+    edp = c.dp // c.moe.ep if c.moe is not None else c.dp
+    if c.buckets is None:
+        buckets = [(sum(b.numel for b in g), g[0].reduce_scatter,  # one op per group
+                    edp if g[0].expert else c.dp, chunk)
+                   for chunk in range(c.v) for g in chunk_groups(c, r, chunk)]
+    else:
+        buckets = [(n, c.distributed_optimizer, c.dp, 0) for n in c.buckets]
+    for n, scatter, size, chunk in buckets:
+        if size == 1:  # an expert bucket with ep = dp: no replica to reduce with
+            continue
+        size //= c.instances  # the block a bucket is sharded over (instances: see spec)
+        if size > 1:
+            add("dp", "reduce_scatter" if scatter else "all_reduce", phase, times,
+                n * (c.dp_grad_bytes or c.grad_bytes))
+        if c.instances > 1:  # this rank's shard, summed across the instances
+            add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
+        if not c.distributed_optimizer or size == 1 or zero3:
+            continue
+        if c.megatron_fsdp and c.first_step:  # the first forward unshards the model
+            add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
+        if c.param_gather_with_optimizer_step and chunk == 0:
+            if c.optimizer_step:  # right after chunk 0's update, every step
+                add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)
+        elif c.overlap_param_gather and c.param_gather_forward:  # ahead of first use
+            add("dp", "all_gather", "forward", 1, n // size * c.dtype_bytes)
+        elif not c.overlap_param_gather and c.optimizer_step:  # after the update
+            add("dp", "all_gather", "optimizer", 1, n // size * c.dtype_bytes)

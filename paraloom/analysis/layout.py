@@ -111,8 +111,11 @@ def _cut(c: CommConfig, params: list[Param], axis: int, expert: bool,
     if not params:
         return []
     if c.megatron_fsdp:  # Megatron-FSDP: registration order, its own padding
-        layout = fsdp_layout([(p.numel, p.row, p.shared) for p in params], size,
-                             shard_over=axis, sharded=c.distributed_optimizer)
+        zero3 = c.megatron_fsdp == "optim_grads_params"  # each transformer layer a unit
+        layout = fsdp_layout([(p.numel, p.row, p.shared, int(p.name.split(".")[1])
+                               if zero3 and p.name.startswith("layers.") else None)
+                              for p in params], size, shard_over=axis,
+                             sharded=c.distributed_optimizer)
         return [Bucket(end - start, c.distributed_optimizer,
                        tuple(params[i].name for i, _, _ in members), expert)
                 for start, end, members in layout]

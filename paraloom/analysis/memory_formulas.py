@@ -67,11 +67,14 @@ def memory_per_gpu(c: CommConfig) -> dict[str, float]:
     experts = max(e["expert_params"] for e in extra.values())  # ZeRO shards them over edp
     shards = (c.dp * c.cp // c.instances, max(1, extra[0]["edp"] // c.instances)) \
         if c.distributed_optimizer else (1, 1)  # sharded within one optimizer instance
-    # Megatron-FSDP's ZeRO-2 as paraloom builds it: the full fp32 buffer each backward writes,
-    # plus the 1/dp pieces this rank sums over the microbatches
-    owned = (per_rank - experts) / shards[0] + experts / shards[1] \
-        if c.megatron_fsdp == "optim_grads" else 0
-    memory = {"weights": per_rank * c.dtype_bytes, "grads": (per_rank + owned) * 4,
+    # Megatron-FSDP's ZeRO-2 and 3 as paraloom builds them: the full fp32 buffer each backward
+    # writes, plus the 1/dp pieces this rank sums over the microbatches
+    sharded = (per_rank - experts) / shards[0] + experts / shards[1]
+    owned = sharded if c.megatron_fsdp in ("optim_grads", "optim_grads_params") else 0
+    # ZeRO-3 keeps its 1/dp pieces besides the gathered parameters, which are all held at
+    # once after each optimizer step (Megatron-FSDP gathers every bucket then)
+    kept = sharded if c.megatron_fsdp == "optim_grads_params" else 0
+    memory = {"weights": (per_rank + kept) * c.dtype_bytes, "grads": (per_rank + owned) * 4,
               "optimizer": ((per_rank - experts) / shards[0] + experts / shards[1]) * opt_bytes,
               "activations": activations}
     memory["total"] = sum(memory.values())

@@ -19,7 +19,8 @@ The order is the runtime's, derived from the same pure parts it executes:
   sums, and the optimizer step's agreements as :mod:`paraloom.training.train` issues them.
 
 Groups of one rank record nothing, so they have no rows. A MoE layer's MLP region is
-:mod:`.order_moe`'s; what it does not derive is refused (:func:`check_supported`), not guessed.
+:mod:`.order_moe`'s, Megatron-FSDP's rows :mod:`.order_fsdp`'s; what it does not derive is
+refused (:func:`check_supported`), not guessed.
 """
 
 from __future__ import annotations
@@ -29,19 +30,14 @@ from ..pipeline_parallel.plans import batch_site, p2p_plan
 from ..pipeline_parallel.stage import layer_range
 from .layout import chunk_groups, sp_elems
 from .order_cp import cp_rows
-from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows, unshard_rows
-from .order_loop import after_step_rows, train_step_rows
+from .order_dp import bucket_rows, gather_site, grad_norm_rows, num_tokens_rows
+from .order_fsdp import FsdpRows
+from .order_loop import after_step_rows, batch_rows, train_step_rows
 from .order_moe import moe_backward, moe_forward, moe_unsupported
 from .spec import CommConfig
 
 __all__ = ["check_supported", "step_one_events"]
 
-_BATCH = (("tokens", "the microbatch's tokens"), ("labels", "the microbatch's labels"),
-          ("loss_mask", "the microbatch's loss mask"),
-          ("position_ids", "the microbatch's position ids"),
-          ("attention_mask", "the microbatch's attention mask"))
-_FIRST = ("tokens", "position_ids", "attention_mask")
-_LAST = ("labels", "loss_mask", "attention_mask")
 _COL, _ROW = "ColumnParallelLinear weight, output dim", "RowParallelLinear weight, input dim"
 _CE = "logits, vocabulary range"
 
@@ -82,6 +78,7 @@ class _Rank:
         self.b, self.s, self.local, self.cp = b, s, local, p.cp
         self.kv = [2, b, m.query_groups // p.tp, local, m.head_dim]  # K and V of this rank
         self.heads = (m.num_attention_heads // p.tp, m.query_groups // p.tp)  # a rank's q, k/v
+        self.fsdp = FsdpRows(cfg, c, p.cp, self.item) if cfg.use_megatron_fsdp else None
 
     def moe(self, i: int) -> bool:
         m = self.cfg.model
@@ -95,18 +92,10 @@ class _Rank:
 def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
     pre, post, layers = r.chunk(c)
     ev = dict(rank=r.rank, microbatch=mb, itemsize=r.item)
-    if r.cfg.megatron_lm_loop and r.tp > 1 and (pre or post):
-        wanted = _FIRST if pre and not post else _LAST if post and not pre else None
-        for what, split in _BATCH:
-            if wanted is None or what in wanted:
-                shape = [r.b, 1, r.s, r.s] if what == "attention_mask" else [r.b, r.s]
-                _event(out, **dict(ev, itemsize=4), phase="data", kind="tp", op="broadcast",
-                       site=f"get_batch_on_this_tp_rank:{what}", split=split, shape=shape)
+    for row in batch_rows(r.cfg, pre, post) if r.cfg.megatron_lm_loop and r.tp > 1 else ():
+        _event(out, **dict(ev, itemsize=4), phase="data", **row)
     fwd = dict(ev, phase="forward")
-    if mb == 0:  # Megatron-FSDP's first forward unshards every bucket (pp = 1)
-        groups = [([b.numel for b in g], g[0].expert) for g in chunk_groups(r.c, r.pp_rank, 0)]
-        for row in unshard_rows(r.cfg, groups, r.cp, r.item):
-            _event(out, **fwd, **row)
+    _fsdp(r, out, mb, "forward", "embedding")
     if pre and r.tp > 1:  # sp without learned positions: reduce-scattered to [s/tp]
         scatter = r.sp and r.cfg.model.position_embedding_type != "learned_absolute"
         _event(out, **fwd, kind="sp" if scatter else "tp",
@@ -115,7 +104,10 @@ def _forward(r: _Rank, out: list, mb: int, c: int) -> None:
                split="embedding rows, vocabulary range",
                shape=r.full if scatter else [r.b, r.local, r.full[2]])
     for i in layers:
+        _fsdp(r, out, mb, "forward", f"layers.{i}")
         _layer_forward(r, out, fwd, i)
+    for where in ("final_layernorm", "output_layer"):
+        _fsdp(r, out, mb, "forward", where)
     if post and r.tp > 1:
         if r.sp:
             _event(out, **fwd, kind="sp", op="all_gather", site="GPTModel.output.forward:input",
@@ -166,6 +158,7 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                op="reduce_scatter" if r.sp else "all_reduce", module="output",
                site="GPTModel.output.backward:input_grad", split="vocabulary", shape=r.full)
     for i in reversed(layers):
+        _fsdp(r, out, mb, "backward", f"layers.{i}")
         if r.cfg.recompute == "full":
             _layer_forward(r, out, dict(bwd, phase="forward", recompute=True), i)
         for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
@@ -189,6 +182,7 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                        op="reduce_scatter" if r.sp else "all_reduce",
                        module=f"layers.{i}.{col}", site="ColumnParallelLinear.backward:input_grad",
                        split=_COL, shape=r.full, **{"async": True})
+        _fsdp(r, out, mb, "backward", f"after layers.{i}")
     if pre and r.sp and r.cfg.model.position_embedding_type != "learned_absolute":
         _event(out, **bwd, kind="sp", op="all_gather", module="embedding.word_embeddings",
                site="VocabParallelEmbedding.backward:output_grad",
@@ -196,6 +190,12 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
     elif pre and r.sp:
         _event(out, **bwd, kind="sp", op="all_gather", site="Embedding.backward:input_grad",
                module="embedding", split="embeddings, sequence slice", shape=r.part)
+
+
+def _fsdp(r: _Rank, out: list, mb: int, phase: str, where: str) -> None:
+    """Megatron-FSDP's rows at one of its hook points (:mod:`.order_fsdp`)."""
+    for row in r.fsdp.rows(mb, phase, where) if r.fsdp is not None else ():
+        _event(out, rank=r.rank, microbatch=mb, phase=phase, **row)
 
 
 def _p2p(r: _Rank, out: list, entry: tuple) -> None:
@@ -240,8 +240,9 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
         _event(out, **one, **row)
     with_step = cfg.overlap_param_gather_with_optimizer_step  # chunk 0's, launched at once
     n = cfg.num_distributed_optimizer_instances
+    _fsdp(r, out, cfg.num_microbatches - 1, "optimizer", "optimizer")  # ZeRO-3's gathers
     for chunk, g in [(k, g) for k in range(r.v) for g in chunk_groups(c, r.pp_rank, k)] \
-            if zero else []:
+            if zero and (r.fsdp is None or not r.fsdp.zero3) else []:
         block = p.dp * p.cp // (p.ep if g[0].expert else 1) // n  # one (coalesced) all-gather
         if block > 1 and (not cfg.overlap_param_gather or (with_step and chunk == 0)):
             _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
@@ -282,10 +283,9 @@ def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,
         elif entry[0] == "B":
             _backward(r, out, entry[1], entry[2])
             done += 1
-            if fsdp and (cfg.data_parallel_sharding_strategy == "optim_grads"
-                         or entry[1] == cfg.num_microbatches - 1):  # ZeRO-2: every microbatch
+            if fsdp:  # Megatron-FSDP (pp = 1) reduces from its own hooks
                 synced = [0]
-                _buckets(r, out, 0, "backward")
+                _fsdp(r, out, entry[1], "backward", "end")
             g = done - 1 - r.pp_rank
             if schedule == "interleaved" and schedule_syncs and g >= 0 \
                     and backwards[g][0] == cfg.num_microbatches - 1 \

@@ -6,7 +6,27 @@ done"."""
 
 from __future__ import annotations
 
-__all__ = ["train_step_rows", "after_step_rows"]
+__all__ = ["train_step_rows", "after_step_rows", "batch_rows"]
+
+_BATCH = (("tokens", "the microbatch's tokens"), ("labels", "the microbatch's labels"),
+          ("loss_mask", "the microbatch's loss mask"),
+          ("position_ids", "the microbatch's position ids"),
+          ("attention_mask", "the microbatch's attention mask"))
+_FIRST = ("tokens", "position_ids", "attention_mask")
+_LAST = ("labels", "loss_mask", "attention_mask")
+
+
+def batch_rows(cfg, pre: bool, post: bool) -> list[dict]:
+    """Megatron-LM's ``get_batch_on_this_tp_rank`` (kind, op, site, split, shape): the
+    microbatch's tensors broadcast over tp from its rank 0, on a chunk that reads data (the first
+    stage the inputs, the last the targets, one alone all of them)."""
+    if not (pre or post):
+        return []
+    b, s = cfg.micro_batch_size, cfg.model.seq_length
+    wanted = _FIRST if pre and not post else _LAST if post and not pre else None
+    return [dict(kind="tp", op="broadcast", site=f"get_batch_on_this_tp_rank:{what}",
+                 split=split, shape=[b, 1, s, s] if what == "attention_mask" else [b, s])
+            for what, split in _BATCH if wanted is None or what in wanted]
 
 
 def train_step_rows(cfg, pp_rank: int) -> list[dict]:

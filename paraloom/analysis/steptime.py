@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from .costs import Options, collective_time, gemm_time, layer_time, node_lanes, spans_nodes
 from .flops import hardware_flops, model_flops
+from .fsdp_formulas import zero3_gather_events
 from .hardware import Hardware
 from .layout import bucket_size_of, chunk_params, layers_per_stage, params_per_rank
 from .moe_formulas import moe_layers_on_rank, moe_plan
@@ -204,8 +205,16 @@ def _dp_comm(c: CommConfig, hw: Hardware, o: Options, params: int, experts: int,
             reduce += collective_time("all_reduce", n, n_par * (c.dp_grad_bytes or c.grad_bytes),
                                       hw, inter, lanes)
     if c.megatron_fsdp:  # synchronous, once a backward completes every bucket: exposed,
-        # after every microbatch under ZeRO-2; the optimizer step waits for its gathers
-        return reduce * (c.num_microbatches if c.megatron_fsdp == "optim_grads" else 1), gather
+        # after every microbatch under ZeRO-2 and 3; the optimizer step waits for its gathers;
+        # ZeRO-3's gathers before each use are prefetched, hidden but for the first layer's
+        many = c.megatron_fsdp in ("optim_grads", "optim_grads_params")
+        if c.megatron_fsdp == "optim_grads_params" and c.dp > 1:
+            n = c.dp * c.cp
+            ahead = sum(e[3] for e in zero3_gather_events(c) if e[0] != "optimizer")
+            ahead = collective_time("all_gather", n, ahead * n, hw, spans_nodes(c.tp, n,
+                                    hw.gpus_per_node), node_lanes(c.tp, n, hw.gpus_per_node))
+            gather += max(ahead / max(1, c.layers), ahead - hw.overlap_efficiency * gemm / 3)
+        return reduce * (c.num_microbatches if many else 1), gather
     v, hide = c.v, hw.overlap_efficiency
     if v > 1:  # interleaved: a chunk's buckets go once its last backward is done (the gathers
         # as its first forward nears), under the other chunks' work of the last (first) group

@@ -9,11 +9,8 @@ __all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp", "fsdp_reduces_in_bf16"]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-LM's ``--data-parallel-sharding-strategy`` choices (its default: the last)."""
-BUILT = STRATEGIES[:3]
-"""The strategies ``paraloom train`` builds."""
-RECORD = ("paraloom record --megatron-on-cpu --nproc 2 --out fsdp -- "
-          "examples/megatron_gpt_step.py --use-megatron-fsdp")
-"""The command that records megatron-core's own Megatron-FSDP (every strategy)."""
+BUILT = STRATEGIES
+"""The strategies ``paraloom train`` builds (all of them)."""
 
 
 def fsdp_reduces_in_bf16(cfg) -> bool:
@@ -41,19 +38,23 @@ def check_megatron_fsdp(cfg) -> None:
                              f"--use-megatron-fsdp (it is Megatron-FSDP's setting; without it "
                              f"--distributed-optimizer is ZeRO-1)")
         return
-    if strategy not in BUILT:
-        raise ValueError(f"--use-megatron-fsdp with --data-parallel-sharding-strategy {strategy} "
-                         f"(ZeRO-3, Megatron-LM's default) is not built in paraloom train: give "
-                         f"--data-parallel-sharding-strategy {', '.join(BUILT)}; megatron-core's "
-                         f"own ZeRO-3 communication: {RECORD}")
-    taken = {"--num-distributed-optimizer-instances": cfg.num_distributed_optimizer_instances > 1,
-             "--overlap-param-gather": cfg.overlap_param_gather,
-             "--bucket-tail-splits": cfg.bucket_tail_splits > 0,
-             "--pp > 1": cfg.parallel.pp > 1,
-             "--num-experts": cfg.model.num_experts is not None}
-    given = [flag for flag, on in taken.items() if on]
-    if given:
-        raise ValueError(f"--use-megatron-fsdp with {', '.join(given)} is not built: Megatron-"
-                         f"FSDP gathers and reduces on its own terms (hybrid sharding, its own "
-                         f"parameter prefetch) and paraloom trains it without pipeline "
-                         f"parallelism or experts so far; drop {given[0]}")
+    zero3 = strategy == STRATEGIES[-1]
+    taken = {
+        "--num-distributed-optimizer-instances": (
+            cfg.num_distributed_optimizer_instances > 1, "Megatron-FSDP shards over all of dp x "
+            "cp (its hybrid sharding is another setting, not built)"),
+        "--overlap-param-gather": (cfg.overlap_param_gather, "Megatron-FSDP's own parameter "
+                                   "prefetch under this flag is not built"),
+        "--bucket-tail-splits": (cfg.bucket_tail_splits > 0, "paraloom's halving is for "
+                                 "Megatron's DDP buckets"),
+        f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "Megatron-FSDP with pipeline "
+                                    "parallelism is not built (pp must be 1)"),
+        "--num-experts": (cfg.model.num_experts is not None, "Megatron-FSDP with experts is not "
+                          "built"),
+        "--recompute full": (zero3 and cfg.recompute == "full", "ZeRO-3's gathers and lazy "
+                             "releases in the re-run forwards are not built (selective or none, "
+                             "or another strategy)")}
+    for flag, (given, why) in taken.items():
+        if given:
+            raise ValueError(f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "
+                             f"with {flag}: {why}")

@@ -19,9 +19,9 @@ def check_sharding(cfg) -> None:
             cfg.bucket_tail_splits, int) or not 0 <= cfg.bucket_tail_splits <= 8:
         raise ValueError(f"bucket_tail_splits (--bucket-tail-splits) must be an integer "
                          f"from 0 to 8, got {cfg.bucket_tail_splits!r}")
+    check_megatron_fsdp(cfg)  # first: under it the distributed optimizer's flags do not apply
     _check_instances(cfg)
     _check_param_gather(cfg)
-    check_megatron_fsdp(cfg)
     p = cfg.parallel
     if cfg.calculate_per_token_loss and cfg.model.num_experts and p.tp > 1 \
             and not p.sequence_parallel:

@@ -122,7 +122,7 @@ def gather_params(group: BucketGroup, *, phase: str, site: str, async_op: bool =
                   module: str | None = None):
     """All-gather the group's parameters from every rank's ``1/dp`` shard of each bucket (kind
     ``dp``, over the buckets' axis): the full flat buckets (one, or a list), or a Handle."""
-    shards = [b.param_data[slice(*b.shard(b.axis.rank, b.axis.size))] for b in group.buckets]
+    shards = [b.param_shard() for b in group.buckets]
     return _op("all_gather", shards, group.lead.axis, split=_PARAMS,
                **group.fields(phase=phase, site=site, module=module, async_op=async_op))
 

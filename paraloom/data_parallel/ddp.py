@@ -50,7 +50,7 @@ from torch import nn
 
 from ..mesh import ParallelMesh
 from ..tensor_parallel.weight_grad import hooks_fire_without_grad
-from .bucket_group import group_buckets
+from .bucket_group import gather_params, group_buckets, land_params
 from .grad_buffer import Bucket, GradBuffer, accumulate_grad, default_bucket_size
 
 __all__ = ["DistributedDataParallel"]
@@ -82,6 +82,7 @@ class DistributedDataParallel(nn.Module):
 
     param_gather = None  # a ParamGather (.param_gather) under --overlap-param-gather
     fsdp_layout = False  # Megatron-FSDP's buffer layout (.megatron_fsdp sets it)
+    units: dict | None = None  # with it, ZeRO-3: id(param) -> its FSDP unit
     param_gather_async = False  # the optimizer step's parameter all-gather, async then waited
 
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *, overlap_grad_reduce: bool = True,
@@ -115,7 +116,7 @@ class DistributedDataParallel(nn.Module):
             buf = GradBuffer(named, bucket_size=self.bucket_size, first_index=len(self.buckets),
                              shard_over=axis.size if use_distributed_optimizer else 1,
                              hold_params=use_distributed_optimizer, tail_splits=tail_splits,
-                             fsdp=self.fsdp_layout)
+                             fsdp=self.fsdp_layout, units=self.units)
             for bucket in buf.buckets:
                 bucket.axis, bucket.inter, bucket.expert = axis, inter, expert
             self.buffers_.append(buf)
@@ -251,6 +252,16 @@ class DistributedDataParallel(nn.Module):
             for bucket in self.buckets:
                 bucket.ready.update(id(p) for p in bucket.params if self._fold(p))
         return True
+
+    def start_param_sync(self) -> None:
+        """After the optimizer step: every bucket's parameters all-gathered from the updated
+        shards, in bucket order (Megatron's ``start_param_sync``; synchronous, or launched
+        asynchronously and waited at once with ``param_gather_async``)."""
+        wait = self.param_gather_async
+        for group in self.groups:
+            gathered = gather_params(group, phase="optimizer", async_op=wait,
+                                     site="DistributedOptimizer.step:param_shards")
+            land_params(group, gathered.wait() if wait else gathered)
 
     def scale_gradients(self, scale: float) -> None:
         """Every ``main_grad`` times ``scale`` (Megatron's ``scale_gradients``: clipping, the

@@ -5,9 +5,12 @@ groups and ``build_data_parallel_buffer_index``) lays buffers out differently fr
 ``DistributedDataParallel`` (:func:`paraloom.data_parallel.grad_buffer.bucket_layout`), and the
 sizes it communicates follow from that layout:
 
-* buckets in *registration* (forward) order; a bucket closes once it holds at least
-  ``bucket_size`` elements (``None``, Megatron-LM's default ``--ddp-bucket-size``: no limit);
-  under a sharding strategy a parameter marked ``shared_embedding`` gets a bucket of its own;
+* parameters grouped by FSDP unit (under ``optim_grads_params`` each transformer layer is one;
+  the rest of the model is one group, whatever its place), groups in the order of their first
+  parameter, each in *registration* (forward) order; a unit is one bucket; outside the units a
+  bucket closes once it holds at least ``bucket_size`` elements (``None``, Megatron-LM's default
+  ``--ddp-bucket-size``: no limit), and under a sharding strategy a parameter marked
+  ``shared_embedding`` gets a bucket of its own;
 * inside a bucket the parameters are ordered by their row size (the product of every dimension
   but the first; 1 for vectors), largest first, and the bucket has a *chunk size*: the first
   one's row size, widened to the least common multiple with the row size of any later parameter
@@ -29,12 +32,13 @@ import math
 __all__ = ["fsdp_layout"]
 
 
-def fsdp_layout(params: list[tuple[int, int, bool]], bucket_size: int | None, *,
+def fsdp_layout(params: list[tuple], bucket_size: int | None, *,
                 shard_over: int = 1, sharded: bool = False
                 ) -> list[tuple[int, int, list[tuple[int, int, int]]]]:
-    """Cut ``params``, given in registration order as ``(numel, row, shared_embedding)``, into
-    Megatron-FSDP's buckets: ``(start, end, members)`` per bucket, buffer offsets (``end``
-    padded), ``members`` the ``(index, start, end)`` of each parameter in buffer order.
+    """Cut ``params``, given in registration order as ``(numel, row, shared_embedding)`` or
+    ``(numel, row, shared_embedding, unit)`` (``unit``: its FSDP unit's number, ``None``
+    outside), into Megatron-FSDP's buckets: ``(start, end, members)`` per bucket, buffer offsets
+    (``end`` padded), ``members`` the ``(index, start, end)`` of each parameter in buffer order.
 
     ``sharded``: the bucket is sharded over ``shard_over`` ranks (padded to ``shard_over x
     chunk``; a shared embedding alone). Pure: the analysis replays it.
@@ -54,24 +58,30 @@ def fsdp_layout(params: list[tuple[int, int, bool]], bucket_size: int | None, *,
 
 
 def _buckets(params, bucket_size: int | None, sharded: bool) -> list[list[int]]:
-    """Indices of each bucket, registration order kept."""
+    """Indices of each bucket: the groups (by unit) in order of their first parameter,
+    registration order kept inside."""
+    groups: dict = {}
+    for i, param in enumerate(params):
+        groups.setdefault(param[3] if len(param) > 3 else None, []).append(i)
     buckets: list[list[int]] = []
-    current: list[int] = []
-    held = 0
-    for i, (numel, _, shared) in enumerate(params):
-        if sharded and shared:  # its own bucket: first and last stage shard it alike
-            if current:
+    for unit, members in groups.items():
+        current: list[int] = []
+        held = 0
+        for i in members:
+            numel, _, shared = params[i][:3]
+            if sharded and shared:  # its own bucket: first and last stage shard it alike
+                if current:
+                    buckets.append(current)
+                buckets.append([i])
+                current, held = [], 0
+                continue
+            current.append(i)
+            held += numel
+            if unit is None and bucket_size is not None and held >= bucket_size:
                 buckets.append(current)
-            buckets.append([i])
-            current, held = [], 0
-            continue
-        current.append(i)
-        held += numel
-        if bucket_size is not None and held >= bucket_size:
+                current, held = [], 0
+        if current:
             buckets.append(current)
-            current, held = [], 0
-    if current:
-        buckets.append(current)
     return buckets
 
 

@@ -162,6 +162,11 @@ class Bucket:
     shard is then all-reduced (size 1 otherwise)."""
     expert: bool = False
     """Whether the bucket holds expert parameters (reduced over edp)."""
+    full: torch.Tensor | None = None
+    """Megatron-FSDP's ZeRO-3: the bucket's own parameter storage (the parameters are views),
+    released between uses (:mod:`.megatron_fsdp_unshard`)."""
+    kept: torch.Tensor | None = None
+    """ZeRO-3: this rank's ``1/dp`` piece of the parameters, kept while ``full`` is released."""
 
     @property
     def numel(self) -> int:
@@ -175,8 +180,17 @@ class Bucket:
     @property
     def param_data(self) -> torch.Tensor | None:
         """The bucket's parameter values (a view), when the buffer holds them."""
+        if self.full is not None:
+            return self.full
         data = self.buffer.param_data
         return None if data is None else data[self.start:self.end]
+
+    def param_shard(self) -> torch.Tensor:
+        """This rank's ``1/dp`` piece of the parameters: what the optimizer updates and the
+        all-gathers send."""
+        if self.kept is not None:
+            return self.kept
+        return self.param_data[slice(*self.shard(self.axis.rank, self.axis.size))]
 
     def shard(self, dp_rank: int, dp: int) -> tuple[int, int]:
         """Bucket-relative ``[lo, hi)`` that data-parallel rank ``dp_rank`` owns after a
@@ -205,11 +219,14 @@ class GradBuffer:
         tail_splits: paraloom's halving of the last buckets (:func:`bucket_layout`).
         fsdp: Megatron-FSDP's layout instead (:func:`~.fsdp_layout.fsdp_layout`: registration
             order, ordered by row size inside a bucket, padded to ``shard_over x chunk``).
+        units: with ``fsdp``, ``id(param) -> `` its FSDP unit's number (ZeRO-3): buckets by unit,
+            and each bucket's parameters in storage of their own (``Bucket.full``).
     """
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], *,
                  bucket_size: int | None, first_index: int = 0, shard_over: int = 1,
-                 hold_params: bool = False, tail_splits: int = 0, fsdp: bool = False) -> None:
+                 hold_params: bool = False, tail_splits: int = 0, fsdp: bool = False,
+                 units: dict | None = None) -> None:
         if bucket_size is not None and (isinstance(bucket_size, bool)
                                         or not isinstance(bucket_size, int) or bucket_size < 1):
             raise ValueError(f"bucket_size must be a positive number of elements or None, got "
@@ -226,8 +243,9 @@ class GradBuffer:
         if fsdp:
             order = list(named_params)
             layout = fsdp_layout([(p.numel(), p[0].numel() if p.dim() > 1 else 1,
-                                   getattr(p, "shared_embedding", False)) for _, p in order],
-                                 bucket_size, shard_over=shard_over, sharded=hold_params)
+                                   getattr(p, "shared_embedding", False), (units or {}).get(id(p)))
+                                  for _, p in order], bucket_size, shard_over=shard_over,
+                                 sharded=hold_params)
         else:
             order = list(reversed(named_params))  # backward order: last layer first
             layout = bucket_layout([(p.numel(), getattr(p, "shared_embedding", False))
@@ -240,17 +258,21 @@ class GradBuffer:
         self.numel = layout[-1][1]
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=device)
         self.param_data = torch.zeros(self.numel, dtype=self.dtype, device=device) \
-            if hold_params else None
+            if hold_params and units is None else None
         self.buckets: list[Bucket] = []
         for k, (lo, hi, members) in enumerate(layout):
             names = [order[i][0] for i, _, _ in members]
             params = [order[i][1] for i, _, _ in members]
             self.buckets.append(Bucket(first_index + k, self, lo, hi, params, names))
+            if hold_params and units is not None:  # ZeRO-3: storage of its own
+                self.buckets[-1].full = torch.zeros(hi - lo, dtype=self.dtype, device=device)
+        of = {id(p): b for b in self.buckets for p in b.params}
         for _, param in named_params:
             lo, hi = self.offsets[id(param)]
             param.main_grad = self.grad[lo:hi].view(param.shape)
-            if self.param_data is not None:
-                view = self.param_data[lo:hi].view(param.shape)
+            if hold_params:
+                bucket = of[id(param)]
+                view = bucket.param_data[lo - bucket.start:hi - bucket.start].view(param.shape)
                 view.copy_(param.data)
                 param.data = view  # the all-gather of updated shards then lands in the params
 

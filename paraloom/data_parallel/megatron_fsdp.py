@@ -1,31 +1,29 @@
-"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``): strategies ``no_shard``, ``optim``
-and ``optim_grads``.
+"""Megatron-FSDP (megatron-core's ``FullyShardedDataParallel``): its four sharding strategies.
 
 Megatron-LM's ``--use-megatron-fsdp --data-parallel-sharding-strategy S`` wraps each model chunk
 in Megatron-FSDP instead of its ``DistributedDataParallel``. What each strategy communicates, as
 megatron-core 0.19.2 does on CPU under ``paraloom record --megatron-on-cpu``
-(``tests/test_megatron_fsdp.py``), over ``dp x cp`` (expert buckets over the expert-data-parallel
-group):
+(``tests/test_megatron_fsdp.py``), over ``dp x cp``:
 
-* ``no_shard``: one all-reduce per bucket when the last microbatch's backward ends; the optimizer
-  is not sharded (its gradient norm over the model-parallel group, as without data parallelism).
-* ``optim`` (ZeRO-1): one reduce-scatter per bucket when the last microbatch's backward ends;
-  each rank updates its ``1/dp`` piece, and the optimizer step all-gathers every bucket's
-  parameters (launched asynchronously, waited at once).
-* ``optim_grads`` (ZeRO-2): the reduce-scatter after *every* microbatch's backward, each rank
-  adding the piece it owns into its sharded gradient; the same optimizer step.
+* ``no_shard``: one all-reduce per bucket when the last microbatch's backward completes it; the
+  optimizer is not sharded (its gradient norm over the model-parallel group).
+* ``optim`` (ZeRO-1): one reduce-scatter per bucket in the last microbatch's backward; each rank
+  updates its ``1/dp`` piece, and the optimizer step all-gathers every bucket's parameters
+  (launched asynchronously, waited at once).
+* ``optim_grads`` (ZeRO-2): the reduce-scatter in *every* microbatch's backward, each rank adding
+  the piece it owns into its sharded gradient; the same optimizer step.
+* ``optim_grads_params`` (ZeRO-3, Megatron-LM's default): besides, each transformer layer is a
+  unit whose parameters are gathered before use and released after (:mod:`.megatron_fsdp_unshard`).
 
-Under both sharded strategies the first forward of the process all-gathers every bucket's
-parameters (asynchronously) before it starts (Megatron-FSDP unshards the model from its
+Under ``optim`` and ``optim_grads`` the first training forward of the process all-gathers every
+bucket's parameters (asynchronously) before it starts (Megatron-FSDP unshards the model from its
 optimizer's shards). The reductions are synchronous (Megatron-FSDP issues them on a side
 stream, so the record shows ``async`` false), each bucket as soon as every parameter in it got
 its gradient (in the order they complete); contributions are scaled by ``1/dp`` before the sum
-(its path without ``gradient_reduce_div_fusion``). The buffers have Megatron-FSDP's layout
-(:mod:`.fsdp_layout`): the bucket sizes on the record are its padded sizes.
-
-``optim_grads_params`` (ZeRO-3: parameters gathered per transformer layer in forward and again
-in backward, released after use) is not built here: ``paraloom record --megatron-on-cpu`` shows
-megatron-core's own.
+(its path without ``gradient_reduce_div_fusion``); in bf16 they are bf16 unless
+``--megatron-fsdp-main-grads-dtype fp32`` (paraloom sums in fp32 and reduces a bf16 copy). The
+buffers have Megatron-FSDP's layout (:mod:`.fsdp_layout`): the bucket sizes on the record are its
+padded sizes.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from ..config.megatron_fsdp_checks import BUILT
 from ..mesh import ParallelMesh
 from .bucket_group import gather_params, land_params
 from .ddp import DistributedDataParallel
+from .megatron_fsdp_unshard import Unshard
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -65,15 +64,21 @@ class FullyShardedDataParallel(DistributedDataParallel):
             raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not built; "
                              f"valid: {', '.join(BUILT)}")
         self.strategy = strategy
+        zero3 = strategy == "optim_grads_params"
+        layers = list(getattr(module, "layers", {}).values()) if zero3 else []
+        if layers:  # the transformer layers are the FSDP units
+            self.units = {id(p): k for k, layer in enumerate(layers) for p in layer.parameters()}
         super().__init__(module, mesh, overlap_grad_reduce=True, bucket_size=bucket_size,
                          grad_reduce_in_fp32=grad_reduce_in_fp32, average=average,
                          use_distributed_optimizer=strategy != "no_shard")
         self.sharded = strategy != "no_shard"
-        self.every_microbatch = strategy == "optim_grads"
+        self.every_microbatch = strategy in ("optim_grads", "optim_grads_params")
+        self.unshard = Unshard(self, module, layers) if zero3 else None
         self._owned: dict[int, torch.Tensor] = {}  # bucket index -> its summed 1/dp piece
         self._reduced = False  # this step's last backward completed (and reduced) every bucket
         self._done: set[int] = set()  # the bucket groups this backward reduced so far
-        self._first = module.register_forward_pre_hook(self._unshard) if self.sharded else None
+        self._first = module.register_forward_pre_hook(self._unshard) \
+            if self.sharded and not zero3 else None
 
     def _bucket_size(self, given: int | None, disable_bucketing: bool) -> int | None:
         return given  # Megatron-FSDP: no default limit
@@ -119,6 +124,18 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if len(self._done) == len(self.groups):  # this backward reduced every bucket
             self._done.clear()
             self._reduced = True
+
+    def start_param_sync(self) -> None:
+        """After the optimizer step; under ZeRO-3 the units released, then all gathered."""
+        if self.unshard is None:
+            super().start_param_sync()
+        else:
+            self.unshard.after_step()
+
+    def after_load(self) -> None:
+        """A checkpoint was loaded into the parameters: ZeRO-3 keeps its pieces anew."""
+        if self.unshard is not None:
+            self.unshard.refresh()
 
     def start_grad_sync(self, *_unused) -> None:
         """Nothing: Megatron-FSDP reduces from its own backward hooks."""

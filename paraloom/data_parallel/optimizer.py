@@ -32,7 +32,6 @@ import math
 
 import torch
 
-from .bucket_group import gather_params, land_params
 from .ddp import DistributedDataParallel
 
 __all__ = ["adam_update_", "adam_step_", "MainParamsOptimizer", "DistributedOptimizer",
@@ -207,7 +206,7 @@ class DistributedOptimizer(_AdamBase):
         runs = []
         for bucket in ddp.buckets:  # expert buckets are sharded over mesh.edp (bucket.axis)
             lo, hi = bucket.shard(bucket.axis.rank, bucket.axis.size)
-            values = bucket.param_data[lo:hi]
+            values = bucket.param_shard()  # this rank's piece (ZeRO-3: kept apart)
             copy = values.dtype != torch.float32
             master = values.float() if copy else values  # fp32 params: update in place
             shard = (bucket, lo, hi, master, torch.zeros_like(master), torch.zeros_like(master),
@@ -248,15 +247,11 @@ class DistributedOptimizer(_AdamBase):
         """Update this rank's shards, then all-gather every bucket's parameters (under
         ``--overlap-param-gather`` the next forward gathers them: :mod:`.param_gather`)."""
         self._update()
-        for bucket, lo, hi, master, _, _, copy in self.shards:
-            shard = bucket.param_data[lo:hi]
+        for bucket, _, _, master, _, _, copy in self.shards:
+            shard = bucket.param_shard()
             if copy:
                 shard.copy_(master)
         if self.ddp.param_gather is not None:  # the next forward gathers them, or (the first
             self.ddp.param_gather.after_step()  # chunk with_optimizer_step) it starts now
             return
-        wait = self.ddp.param_gather_async  # Megatron-FSDP: launched async, waited at once
-        for group in self.ddp.groups:  # Megatron's start_param_sync: in bucket order
-            gathered = gather_params(group, phase="optimizer", async_op=wait,
-                                     site="DistributedOptimizer.step:param_shards")
-            land_params(group, gathered.wait() if wait else gathered)
+        self.ddp.start_param_sync()

@@ -62,6 +62,8 @@ def state_entries(run, *, for_save: bool):
     def finish(meta: dict) -> None:
         for fn in finishers:
             fn()
+        for ddp in run.ddps:  # Megatron-FSDP's ZeRO-3 keeps its pieces apart
+            getattr(ddp, "after_load", lambda: None)()
         for opt in run.optimizers:
             opt.step_count = int(meta["optimizer_steps"])
     return entries, finish
