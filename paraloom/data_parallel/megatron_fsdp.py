@@ -50,6 +50,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
         data_parallel_sharding_strategy: one of :data:`BUILT` (see the module's docstring).
         bucket_size: elements per bucket (Megatron-LM's ``--ddp-bucket-size``); ``None``, its
             default, one bucket per buffer (a shared embedding apart under sharding).
+        units: under ZeRO-3 the FSDP units (Megatron's ``fsdp_unit_modules``: its transformer
+            layers), in forward order; default ``module.layers``' modules.
     """
 
     fsdp_layout = True
@@ -58,14 +60,15 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *,
                  data_parallel_sharding_strategy: str = "optim_grads",
                  bucket_size: int | None = None, average: bool = True,
-                 grad_reduce_in_fp32: bool = True) -> None:
+                 grad_reduce_in_fp32: bool = True, units: list[nn.Module] | None = None) -> None:
         strategy = data_parallel_sharding_strategy
         if strategy not in BUILT:
             raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not built; "
                              f"valid: {', '.join(BUILT)}")
         self.strategy = strategy
         zero3 = strategy == "optim_grads_params"
-        layers = list(getattr(module, "layers", {}).values()) if zero3 else []
+        layers = [] if not zero3 else list(units) if units is not None else \
+            list(getattr(module, "layers", {}).values())
         if layers:  # the transformer layers are the FSDP units
             self.units = {id(p): k for k, layer in enumerate(layers) for p in layer.parameters()}
         super().__init__(module, mesh, overlap_grad_reduce=True, bucket_size=bucket_size,
