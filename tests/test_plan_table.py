@@ -84,7 +84,7 @@ LAYOUTS = {
         "--moe-token-dispatcher-type", "alltoall", "--moe-expert-capacity-factor", "1.0",
         "--moe-pad-expert-input-to-capacity"],
     # Megatron-FSDP: ZeRO-2's reduce-scatter after every microbatch, the first forward's
-    # unsharding gathers, its own layout's bucket sizes; no_shard's all-reduce in backward
+    # unsharding gathers, its own layout's bucket sizes
     "megatron-fsdp optim_grads, tp with sp": [
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads"],
@@ -93,9 +93,6 @@ LAYOUTS = {
     "megatron-fsdp optim_grads_params, tp with sp": [
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads_params"],
-    "megatron-fsdp no_shard": [
-        "--tp", "1", "--pp", "1", "--dp", "2", "--use-megatron-fsdp",
-        "--data-parallel-sharding-strategy", "no_shard"],
     # each bucket reduce-scattered in a block of 2 dp ranks, its shard all-reduced across
     "dp with two distributed-optimizer instances": [
         "--tp", "1", "--pp", "1", "--dp", "4", "--distributed-optimizer", "--bucket-size", "700",
