@@ -146,8 +146,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def finish_grad_sync(self) -> None:
         """After the last microbatch: the owned pieces (``optim_grads``) back in the buffer.
 
-        Raises ``RuntimeError`` naming the parameters that got no gradient (then nothing was
-        reduced on any rank, so nothing hangs)."""
+        Raises ``RuntimeError`` naming the parameters that got no gradient; the buckets
+        holding them were reduced on no rank (every rank runs the same graph), so nothing
+        hangs."""
         if not self._finish_begins():
             return
         if self.hookless:  # nothing to reduce with: complete once every gradient came
