@@ -270,3 +270,25 @@ def test_plan_counts_what_megatron_fsdp_holds_and_waits_for():
     assert one > 0 and exposed("optim_grads", 32) - exposed("optim_grads", 16) == \
         pytest.approx(4 * one)
     assert exposed("optim", 32) == pytest.approx(exposed("optim", 16))
+
+
+def test_plan_search_tries_megatron_fsdp(capsys):
+    """``plan --search`` ranks the fastest distributed-optimizer layouts again under each
+    sharding strategy paraloom trains (pp 1, no experts), the zero column naming the stage."""
+    from paraloom.analysis.hardware import hardware_from
+    from paraloom.analysis.search import search
+
+    fits, _ = search(8, hardware_from("a100-80gb"), layers=4, hidden=512, heads=8, seq_len=1024,
+                     global_batch=32)
+    fsdp = [x for x in fits if x.fsdp]
+    assert {x.fsdp for x in fsdp} == {"optim", "optim_grads", "optim_grads_params"}
+    assert all(x.pp == 1 and x.distributed_optimizer for x in fsdp)
+    def key(x):
+        return x.tp, x.cp, x.cp_comm_type, x.dp, x.micro_batch, x.sequence_parallel, x.recompute
+    plain = {key(x): x for x in fits if x.distributed_optimizer and not x.fsdp
+             and x.instances == 1}
+    for x in fsdp:  # ZeRO-2/3 hold more gradient memory than ZeRO-1 here, never less
+        assert x.memory_bytes >= plain[key(x)].memory_bytes
+    assert main(["plan", "--search", "--gpus", "8", "--layers", "4", "--hidden", "512",
+                 "--heads", "8", "--seq-len", "1024", "--global-batch-size", "32"]) == 0
+    assert "fsdp3" in capsys.readouterr().out

@@ -22,23 +22,26 @@ so a 1024-GPU search (about 25 000 candidates with cp) takes seconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..config.model import padded_vocab_rows
 from ..utils import divisors
 from .costs import Options, spans_nodes
 from .hardware import Hardware
-from .memory_formulas import activation_bytes_per_layer, memory_per_gpu
 from .plan import GPT2_VOCAB
+from .search_variants import (
+    FIT_FRACTION,
+    memory_fit,
+    transient_bytes,
+    with_instances,
+    with_megatron_fsdp,
+)
 from .spec import Architecture, CommConfig, MoECommConfig
 from .steptime import step_time
 
 __all__ = ["Candidate", "cp_sizes", "transient_bytes", "memory_fit", "layouts", "search",
            "explain", "no_valid_layout", "FIT_FRACTION"]
 
-FIT_FRACTION = 0.9
-"""The share of a GPU's memory a layout may plan to use (the rest: CUDA context, allocator
-slack, the logits' transients)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,8 @@ class Candidate:
     cp_a2a: int = 1
     """``a2a+p2p``: the all-to-all level ``A`` (``--hierarchical-context-parallel-sizes A
     cp/A``)."""
+    fsdp: str = ""
+    """Megatron-FSDP's sharding strategy (empty: Megatron's DDP)."""
 
 
 def cp_sizes(gpus: int, seq_len: int, max_cp: int = 32) -> tuple[int, ...]:
@@ -83,53 +88,6 @@ def hierarchical_inner(cp: int, tp: int, heads: int, groups: int, gpus_per_node:
     fits = [a for a in range(2, cp // 2 + 1) if cp % a == 0 and (heads // tp) % a == 0
             and (groups // tp) % a == 0 and tp * a <= gpus_per_node]
     return max(fits, default=None)
-
-
-def instance_counts(dp_cp: int, edp: int, tp: int, gpus_per_node: int) -> tuple[int, ...]:
-    """The distributed-optimizer instance counts worth trying: 1, and, when the dp x cp ranks
-    span nodes, the fewest instances whose block of them fits in one node (Megatron's partial
-    distributed optimizer: reduce-scatter inside the node, the shard all-reduced across)."""
-    for n in range(2, dp_cp + 1):
-        if spans_nodes(tp, dp_cp, gpus_per_node) and dp_cp % n == 0 and edp % n == 0 \
-                and not spans_nodes(tp, dp_cp // n, gpus_per_node):
-            return (1, n)
-    return (1,)
-
-
-def transient_bytes(c: CommConfig) -> float:
-    """Bytes one layer needs on top of what ``memory_per_gpu`` keeps for backward: under full
-    recomputation the re-run layer's whole activations, under selective the re-run attention
-    scores (written-out attention), each for ``s/cp`` tokens (the cp ring computes ``s/cp``
-    queries against ``s/cp`` keys at a time). This is what makes a long sequence need cp."""
-    if c.recompute == "none":
-        return 0.0
-    s = c.seq_len // c.cp
-    kw = dict(sequence_parallel=c.sp, attention=c.arch.attention)
-    full = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp, **kw)
-    kept = activation_bytes_per_layer(s, c.micro_batch, c.hidden, c.heads, c.tp,
-                                      recompute=c.recompute, **kw)
-    return (full - kept) * c.dtype_bytes / 2
-
-
-def memory_fit(c: CommConfig, hw: Hardware, fit_fraction: float = FIT_FRACTION) -> dict:
-    """Whether ``c`` fits ``hw``: ``need_bytes`` (the busiest stage's memory plus the layer
-    being recomputed), ``budget_bytes`` (``fit_fraction`` of the GPU's memory), ``fits`` and,
-    when it does not, ``advice``: the settings that would cut memory, most effective first."""
-    need = memory_per_gpu(c)["total"] + transient_bytes(c)
-    budget = fit_fraction * hw.hbm_bytes
-    advice = []
-    if need > budget:
-        if not c.distributed_optimizer and c.dp > 1:
-            advice.append("--distributed-optimizer (optimizer state sharded over dp)")
-        if c.recompute != "full":
-            advice.append("--recompute full" if c.recompute == "selective"
-                          else "--recompute selective or full")
-        if not c.sp and c.tp > 1:
-            advice.append("--sequence-parallel")
-        advice.append("a larger --tp or --pp (fewer layers and weights per GPU)")
-        advice.append("paraloom plan --search --gpus N (every layout that fits)")
-    return {"need_bytes": need, "budget_bytes": budget, "fits": need <= budget,
-            "advice": advice}
 
 
 def layouts(gpus: int, *, layers: int, hidden: int, heads: int, seq_len: int,
@@ -193,7 +151,7 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
     rank; ``a2a+p2p``: at the level :func:`hierarchical_inner` picks); with ``num_experts``
     every ep that divides both dp and the experts is tried too, with each token dispatcher of
     ``dispatchers``; the fastest distributed-optimizer layouts with several optimizer instances
-    too (:func:`_with_instances`)."""
+    too (:mod:`.search_variants`)."""
     o, arch = options or Options(), arch or Architecture()
     fits, too_big, zeros = [], 0, []
     for tp, cp, pp, dp, v, b, sp, rc, zero in layouts(
@@ -232,33 +190,10 @@ def search(gpus: int, hw: Hardware, *, layers: int, hidden: int, heads: int, seq
                                   ep, cp_comm_type, way, cp_a2a=c.cp_a2a))
             if zero:
                 zeros.append((fits[-1], c))
-    too_big += _with_instances(fits, zeros, hw, o, fit_fraction)
+    too_big += with_instances(fits, zeros, hw, o, fit_fraction)
+    too_big += with_megatron_fsdp(fits, zeros, hw, o, fit_fraction)
     fits.sort(key=lambda x: (x.step_time_s, x.memory_bytes))
     return fits, too_big
-
-
-INSTANCE_TRIES = 64
-"""How many of the fastest distributed-optimizer layouts the search also tries with several
-optimizer instances (a change of the data-parallel reduction only: the rest ranks the same)."""
-
-
-def _with_instances(fits: list, zeros: list, hw: Hardware, o: Options,
-                    fit_fraction: float) -> int:
-    """Add to ``fits`` the fastest distributed-optimizer layouts again with each instance count
-    of :func:`instance_counts` above 1; returns how many of those did not fit."""
-    too_big = 0
-    for x, c in sorted(zeros, key=lambda xc: xc[0].step_time_s)[:INSTANCE_TRIES]:
-        edp = c.dp * c.cp // (c.moe.ep if c.moe is not None else 1)
-        for n in instance_counts(c.dp * c.cp, edp, c.tp, hw.gpus_per_node)[1:]:
-            more = replace(c, instances=n)
-            mem = memory_fit(more, hw, fit_fraction)["need_bytes"]
-            if mem > fit_fraction * hw.hbm_bytes:
-                too_big += 1
-                continue
-            r = step_time(more, hw, o)
-            fits.append(replace(x, step_time_s=r["step_time_s"], memory_bytes=mem,
-                                prediction=r, instances=n))
-    return too_big
 
 
 _PART = {"recompute": "recomputation", "tp_comm": "exposed tp/sp communication",

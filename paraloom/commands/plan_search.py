@@ -30,7 +30,8 @@ __all__ = ["main"]
 _SEARCHED = tuple(f for path in ("parallel.tp", "parallel.pp", "parallel.dp", "parallel.cp",
                                   "parallel.ep", "parallel.vpp", "parallel.sequence_parallel",
                                   "micro_batch_size", "recompute", "distributed_optimizer",
-                                  "num_distributed_optimizer_instances")
+                                  "num_distributed_optimizer_instances", "use_megatron_fsdp",
+                                  "data_parallel_sharding_strategy")
                   for f in TRAIN_FLAGS[path].flags) + (
     "--num-layers-per-virtual-stage", "--num-layers-per-virtual-pipeline-stage", "--nprocs",
     "--nproc", "--nproc-per-node")
@@ -45,7 +46,11 @@ _EP_SHORT = {"allgather": "ag", "alltoall": "a2a"}
 
 
 def _zero(x: Candidate) -> str:
-    """The zero column: off, on, or on/N with N distributed-optimizer instances."""
+    """The zero column: off, on, on/N with N distributed-optimizer instances, or Megatron-FSDP's
+    ZeRO stage (``fsdp1``: ``optim``, ``fsdp2``: ``optim_grads``, ``fsdp3``:
+    ``optim_grads_params``)."""
+    if x.fsdp:
+        return f"fsdp{('optim', 'optim_grads', 'optim_grads_params').index(x.fsdp) + 1}"
     if not x.distributed_optimizer:
         return "off"
     return "on" if x.instances == 1 else f"on/{x.instances}"
