@@ -72,23 +72,34 @@ INSTANCE_TRIES = 64
 optimizer instances (a change of the data-parallel reduction only: the rest ranks the same)."""
 
 
-def with_instances(fits: list, zeros: list, hw: Hardware, o: Options,
-                    fit_fraction: float) -> int:
-    """Add to ``fits`` the fastest distributed-optimizer layouts again with each instance count
-    of :func:`instance_counts` above 1; returns how many of those did not fit."""
+def _variants(fits: list, zeros: list, hw: Hardware, o: Options, fit_fraction: float,
+              changes) -> int:
+    """Add to ``fits`` the fastest distributed-optimizer layouts again under each
+    ``(config changes, candidate changes)`` that ``changes(config)`` yields; returns how many of
+    those did not fit."""
     too_big = 0
     for x, c in sorted(zeros, key=lambda xc: xc[0].step_time_s)[:INSTANCE_TRIES]:
-        edp = c.dp * c.cp // (c.moe.ep if c.moe is not None else 1)
-        for n in instance_counts(c.dp * c.cp, edp, c.tp, hw.gpus_per_node)[1:]:
-            more = replace(c, instances=n)
+        for config, candidate in changes(c):
+            more = replace(c, **config)
             mem = memory_fit(more, hw, fit_fraction)["need_bytes"]
             if mem > fit_fraction * hw.hbm_bytes:
                 too_big += 1
                 continue
             r = step_time(more, hw, o)
             fits.append(replace(x, step_time_s=r["step_time_s"], memory_bytes=mem,
-                                prediction=r, instances=n))
+                                prediction=r, **candidate))
     return too_big
+
+
+def with_instances(fits: list, zeros: list, hw: Hardware, o: Options,
+                   fit_fraction: float) -> int:
+    """Add to ``fits`` the fastest distributed-optimizer layouts again with each instance count
+    of :func:`instance_counts` above 1; returns how many of those did not fit."""
+    def changes(c):
+        edp = c.dp * c.cp // (c.moe.ep if c.moe is not None else 1)
+        return [({"instances": n}, {"instances": n})
+                for n in instance_counts(c.dp * c.cp, edp, c.tp, hw.gpus_per_node)[1:]]
+    return _variants(fits, zeros, hw, o, fit_fraction, changes)
 
 
 FSDP_STRATEGIES = ("optim", "optim_grads", "optim_grads_params")
@@ -100,19 +111,10 @@ def with_megatron_fsdp(fits: list, zeros: list, hw: Hardware, o: Options,
     """Add to ``fits`` the fastest distributed-optimizer layouts without pipeline parallelism
     or experts again under each of :data:`FSDP_STRATEGIES` (ZeRO-3 not with full
     recomputation: what ``paraloom train`` builds); returns how many of those did not fit."""
-    too_big = 0
-    for x, c in sorted(zeros, key=lambda xc: xc[0].step_time_s)[:INSTANCE_TRIES]:
+    def changes(c):
         if c.pp > 1 or c.moe is not None:
-            continue
-        for strategy in FSDP_STRATEGIES:
-            if strategy == "optim_grads_params" and c.recompute == "full":
-                continue
-            more = replace(c, megatron_fsdp=strategy, buckets=None, bucket_size=None)
-            mem = memory_fit(more, hw, fit_fraction)["need_bytes"]
-            if mem > fit_fraction * hw.hbm_bytes:
-                too_big += 1
-                continue
-            r = step_time(more, hw, o)
-            fits.append(replace(x, step_time_s=r["step_time_s"], memory_bytes=mem,
-                                prediction=r, fsdp=strategy))
-    return too_big
+            return []
+        return [({"megatron_fsdp": s, "buckets": None, "bucket_size": None}, {"fsdp": s})
+                for s in FSDP_STRATEGIES
+                if not (s == "optim_grads_params" and c.recompute == "full")]
+    return _variants(fits, zeros, hw, o, fit_fraction, changes)
