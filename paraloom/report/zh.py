@@ -96,7 +96,7 @@ _COMPUTE = (
 TAGS = {
     "input": "输入", "input (re-gather)": "输入（重新汇集）", "input_grad": "输入梯度",
     "output": "输出", "output_grad": "输出梯度", "bucket_grads": "梯度桶",
-    "unshard": "聚合完整参数",
+    "unshard": "聚合完整参数", "param_unshard": "聚合完整参数",
     "embedding_grads": "词嵌入梯度", "vote": "投票", "squared_norm": "范数平方",
     "update_successful": "更新是否成功",
     "grad_norm": "梯度范数", "loss": "损失", "learning_rate": "学习率", "flag": "标志",
