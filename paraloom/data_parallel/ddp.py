@@ -257,11 +257,15 @@ class DistributedDataParallel(nn.Module):
         """After the optimizer step: every bucket's parameters all-gathered from the updated
         shards, in bucket order (Megatron's ``start_param_sync``; synchronous, or launched
         asynchronously and waited at once with ``param_gather_async``)."""
-        wait = self.param_gather_async
+        self.gather_all_params("optimizer", "DistributedOptimizer.step:param_shards",
+                               self.param_gather_async)
+
+    def gather_all_params(self, phase: str, site: str, async_op: bool) -> None:
+        """Every bucket group's parameters all-gathered from the shards, in order (each waited
+        before the next is launched) and landed in the parameters."""
         for group in self.groups:
-            gathered = gather_params(group, phase="optimizer", async_op=wait,
-                                     site="DistributedOptimizer.step:param_shards")
-            land_params(group, gathered.wait() if wait else gathered)
+            gathered = gather_params(group, phase=phase, async_op=async_op, site=site)
+            land_params(group, gathered.wait() if async_op else gathered)
 
     def scale_gradients(self, scale: float) -> None:
         """Every ``main_grad`` times ``scale`` (Megatron's ``scale_gradients``: clipping, the

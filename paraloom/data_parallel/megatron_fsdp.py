@@ -33,7 +33,6 @@ from torch import nn
 
 from ..config.megatron_fsdp_checks import BUILT
 from ..mesh import ParallelMesh
-from .bucket_group import gather_params, land_params
 from .ddp import DistributedDataParallel
 from .megatron_fsdp_unshard import Unshard
 
@@ -94,9 +93,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
         if not torch.is_grad_enabled():
             return
         self._first.remove()
-        for group in self.groups:
-            handle = gather_params(group, phase="forward", site=_FIRST, async_op=True)
-            land_params(group, handle.wait())
+        self.gather_all_params("forward", _FIRST, async_op=True)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._fold(param) or not (self._sync or self.every_microbatch):

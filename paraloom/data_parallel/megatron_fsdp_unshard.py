@@ -69,8 +69,7 @@ class Unshard(UnshardPlan):
                          {id(u): sorted({of[id(p)] for p in u.parameters()}) for u in units})
         self.modules = list(module.modules())
         for bucket in self.buckets:
-            bucket.kept = bucket.full[slice(*bucket.shard(bucket.axis.rank,
-                                                          bucket.axis.size))].clone()
+            bucket.kept = _piece(bucket).clone()
         inside = {id(m) for u in units for m in u.modules() if m is not u}
         for m in self.modules:
             if id(m) in inside:
@@ -143,5 +142,9 @@ class Unshard(UnshardPlan):
     def refresh(self) -> None:
         """After a checkpoint loaded into the parameters (all held): the kept pieces again."""
         for bucket in self.buckets:
-            bucket.kept.copy_(bucket.full[slice(*bucket.shard(bucket.axis.rank,
-                                                              bucket.axis.size))])
+            bucket.kept.copy_(_piece(bucket))
+
+
+def _piece(bucket) -> torch.Tensor:
+    """This rank's ``1/dp`` piece of a bucket's gathered parameters."""
+    return bucket.full[slice(*bucket.shard(bucket.axis.rank, bucket.axis.size))]
