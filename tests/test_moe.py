@@ -90,6 +90,8 @@ def _reference(layer, x, proj, cfg):
     s, b, h = x.shape
     tokens = x.reshape(-1, h)
     logits = tokens @ layer.router.weight.t()
+    if layer.router.bias is not None:  # Megatron's router bias under add_bias_linear
+        logits = logits + layer.router.bias
     n, e, k = tokens.shape[0], cfg.num_experts, cfg.moe_router_topk
     top, idx = torch.topk(logits, k, -1)
     w = torch.softmax(top, -1)

@@ -80,6 +80,8 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
     t, h, f, m = c.tp, c.hidden, c.f, c.moe
     fc1, bias = c.arch.fc1(f), c.arch.add_bias_linear
     out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp)]
+    if bias:  # Megatron's router takes a bias under add_bias_linear too
+        out.append(Param(prefix + "router.bias", m.num_experts, sp=c.sp))
     local = range(m.num_experts // m.ep)
     parts = [[("fc1", g), ("fc2", g)] for g in local]
     if m.grouped_gemm:
@@ -264,7 +266,7 @@ def dispatcher_traffic(c) -> tuple[int, int]:
 def moe_plan(c, pp_rank: int) -> dict:
     """What MoE adds to ``paraloom plan`` for one pipeline rank (estimates for balanced routing):
 
-    * ``params``: router ``E h`` plus ``E / ep`` tp-split experts (and the shared expert) instead
+    * ``params``: router ``E h`` (``E (h + 1)`` with biases) plus ``E / ep`` tp-split experts (and the shared expert) instead
       of one dense MLP, per MoE layer;
     * ``activation_bytes``: per microbatch in flight, the ``k - 1`` extra copies of each token's
       MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``; SwiGLU: fc1's ``2 f / t``,
@@ -277,10 +279,11 @@ def moe_plan(c, pp_rank: int) -> dict:
     m, t, h, f = c.moe, c.tp, c.hidden, c.f
     layers = moe_layers_on_rank(c, pp_rank)
     expert = dense = expert_mlp_params(c.arch, h, f, t)  # an expert is the dense MLP's shape
-    params = layers * (m.num_experts * h + m.num_experts // m.ep * expert - dense
+    router = m.num_experts * (h + c.arch.add_bias_linear)  # its weight and bias
+    params = layers * (router + m.num_experts // m.ep * expert - dense
                        + shared_expert_params(c, t))
     all_layers = sum(1 for i in range(c.layers) if m.is_moe_layer(i))
-    total = all_layers * (m.num_experts * h + shared_expert_params(c, 1)
+    total = all_layers * (router + shared_expert_params(c, 1)
                           + (m.num_experts - 1) * expert_mlp_params(c.arch, h, f))
     n_tok = c.seq_len * c.micro_batch  # activations: plan applies the cp factor itself
     def mlp_act(width: float) -> float:  # input h; fc1 and GeLU (SwiGLU: fc1 2f, silu, product)

@@ -49,8 +49,6 @@ def check_megatron_fsdp(cfg) -> None:
                                  "Megatron's DDP buckets"),
         f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "Megatron-FSDP with pipeline "
                                     "parallelism is not built (pp must be 1)"),
-        "--num-experts": (cfg.model.num_experts is not None, "Megatron-FSDP with experts is not "
-                          "built"),
         "--recompute full": (zero3 and cfg.recompute == "full", "ZeRO-3's gathers and lazy "
                              "releases in the re-run forwards are not built (selective or none, "
                              "or another strategy)")}

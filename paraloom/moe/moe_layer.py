@@ -90,7 +90,8 @@ class MoELayer(nn.Module):
         self.cp = getattr(mesh, "cp", None)  # None: a mesh without cp (tests' stand-ins)
         e, dtype = cfg.num_experts, opt.params_dtype
         self.router = TopKRouter(cfg.hidden_size, e, init, f"{name}.router", dtype=dtype,
-                                 sequence_parallel=opt.sequence_parallel)
+                                 sequence_parallel=opt.sequence_parallel,
+                                 bias=cfg.add_bias_linear)
         self.local_ids = local_expert_ids(e, mesh.ep.size, mesh.ep.rank)
         experts = GroupedExperts if cfg.moe_grouped_gemm else nn.ModuleDict
         self.experts = experts({

@@ -32,20 +32,26 @@ __all__ = ["TopKRouter", "topk_routing", "switch_load_balancing_loss", "z_loss",
 
 
 class TopKRouter(nn.Module):
-    """``[n, h] -> [n, E]`` fp32 logits; the weight is replicated over tp (a gate per expert).
+    """``[n, h] -> [n, E]`` fp32 logits; the weight (and with ``bias`` an ``[E]`` bias, as
+    Megatron's router under ``add_bias_linear``, initialised like the weight) is replicated over
+    tp (a gate per expert).
 
-    ``sequence_parallel``: the rank sees only its slice of the tokens, so the weight's gradient
-    is partial and summed over tp when gradients are finalised (Megatron's attribute)."""
+    ``sequence_parallel``: the rank sees only its slice of the tokens, so the gradients are
+    partial and summed over tp when gradients are finalised (Megatron's attribute)."""
 
     def __init__(self, hidden: int, num_experts: int, init, name: str, *, dtype,
-                 sequence_parallel: bool) -> None:
+                 sequence_parallel: bool, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(init(f"{name}.weight", (num_experts, hidden), None,
                                         dtype=dtype))
-        self.weight.sequence_parallel = sequence_parallel
+        self.bias = nn.Parameter(init(f"{name}.bias", (num_experts,), None, dtype=dtype)) \
+            if bias else None
+        for param in self.parameters():
+            param.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [n, h]
-        return x.float() @ self.weight.float().t()          # [n, E]
+        logits = x.float() @ self.weight.float().t()        # [n, E]
+        return logits if self.bias is None else logits + self.bias.float()
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, factor: float) -> int:
