@@ -11,8 +11,11 @@ number; and the steady step (2) holds each strategy's pattern: ``no_shard`` one 
 all-reduce; ``optim`` (ZeRO-1) one reduce-scatter after the last microbatch and the parameter
 all-gather in the optimizer step; ``optim_grads`` (ZeRO-2) a reduce-scatter after every
 microbatch; ``optim_grads_params`` (ZeRO-3) besides, parameter all-gathers in forward and again
-in backward. ``paraloom train --use-megatron-fsdp`` with the three strategies it builds diffs equal
-against these records, step 1 and 2.
+in backward. ``paraloom train --use-megatron-fsdp`` with the strategies it builds diffs equal
+against these records, step 1 and 2. With experts (ZeRO-3 at dp4 x ep2, the aux loss on) each
+layer's dense and expert buckets (these over edp) are gathered in Megatron-FSDP's group order
+and one optimizer reduces the gradient norm; ``paraloom train`` diffs equal but for its MoE
+statistics' all-reduce (``tests/test_megatron_moe.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "megatron_gpt_step.py"
 MODEL = ["--layers", "2", "--microbatches", "2", "--steps", "2"]
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+EXPERTS = ["--ep", "2", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01"]
 STEP = re.compile(r"step (\d): loss (\S+)\s+grad_norm (\S+)")
 
 
@@ -42,11 +46,12 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("megatron_fsdp")
     flags = {"baseline": ["--distributed-optimizer"],
              **{s: ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", s]
-                for s in STRATEGIES}}
+                for s in STRATEGIES},
+             "experts": ["--use-megatron-fsdp", *EXPERTS]}
     out, names = {}, list(flags)
     for i in range(0, len(names), 2):
-        procs = {n: start_record(tmp / n, EXAMPLE, [*MODEL, *flags[n]], nproc=2, timeout=200)
-                 for n in names[i:i + 2]}
+        procs = {n: start_record(tmp / n, EXAMPLE, [*MODEL, *flags[n]], timeout=200,
+                                 nproc=4 if n == "experts" else 2) for n in names[i:i + 2]}
         for name, proc in procs.items():
             code, text = finish(proc, 300)
             assert code == 0, f"{name}: {text[-3000:]}"
@@ -121,6 +126,35 @@ def test_paraloom_train_communicates_as_megatron_fsdp(runs, strategy, tmp_path, 
         assert code == 0 and text.count(": equal (") == 2, f"{strategy} step {step}:\n{text}"
     scatter = "all_reduce" if strategy == "no_shard" else "reduce_scatter"  # not vacuous
     assert (scatter, "backward") in _dp(runs[strategy][0], 2)
+
+
+def test_paraloom_train_communicates_as_megatron_fsdp_with_experts(runs, tmp_path, capsys):
+    """ZeRO-3 with experts at dp4 x ep2: every event of steps 1 and 2 agrees (op, kind, group,
+    phase, async, dtype, bytes, shape), but paraloom's MoE statistics' all-reduce, the last of
+    each step on every rank; the experts' buckets are gathered and reduce-scattered over their
+    own 2 ranks (edp), one gradient norm for dense and expert parameters."""
+    megatron, ours = runs["experts"][0], tmp_path / "experts"
+    assert main(["train", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32",
+                 "--micro-batch-size", "2", "--global-batch-size", "16", "--tp", "1", "--pp",
+                 "1", "--dp", "4", *EXPERTS, "--steps", "2", "--ledger-steps", "2",
+                 "--save-every", "0", "--no-overlap-p2p-communication", "--no-megatron-lm-loop",
+                 "--timeout", "120", "--use-megatron-fsdp", "--out", str(ours)]) == 0
+    for step in ("1", "2"):
+        capsys.readouterr()
+        assert main(["diff", str(megatron), str(ours), "--step", step, "--ignore-names"]) == 1
+        text = capsys.readouterr().out
+        counts = re.findall(r"rank \d: different \((\d+) vs (\d+) communications: (\d+) equal, "
+                            r"0 changed, 0 only in A, 1 only in B\)", text)
+        assert len(counts) == 4 and all(int(b) == int(a) + 1 == int(eq) + 1
+                                        for a, b, eq in counts), text
+        assert len(re.findall(r"\|\s+\d+\s+optimizer\s+world\s+all_reduce", text)) == 4, text
+    expert = {(e["op"], e["phase"]) for e in load_events(megatron) if e["rank"] == 0
+              and e["step"] == 2 and e["kind"] == "edp" and len(e["group"]) == 2}
+    assert expert == {("all_gather", "forward"), ("all_gather", "backward"),
+                      ("reduce_scatter", "backward"), ("all_gather", "optimizer")}, expert
+    norms = [e for e in load_events(megatron) if e["rank"] == 0 and e["step"] == 2
+             and e["kind"] == "distopt" and e["dtype"] == "float32"]
+    assert len(norms) == 1, norms
 
 
 def test_fsdp_patches_are_documented_and_named_when_they_miss():

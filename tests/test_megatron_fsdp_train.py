@@ -7,7 +7,9 @@ One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the 
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
 ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients);
-ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with selective recomputation and dp 2 in bf16.
+ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with selective recomputation and dp 2 in bf16;
+with experts (against Megatron's DDP with them) ZeRO-3 at dp 4 x ep 2 and ZeRO-2 at
+tp 2 x dp 2 x ep 2 with sp.
 Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
 against the distributed optimizer exactly as Megatron-FSDP communicates, and checkpoints
 reshard both ways. The layout is megatron-core's own (``build_data_parallel_buffer_index``,
@@ -35,6 +37,7 @@ SMALL = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
          "--ledger-steps", "4", "--timeout", "120"]
 FSDP = ["--use-megatron-fsdp", "--data-parallel-sharding-strategy"]
 DP4 = ["--tp", "1", "--pp", "1", "--dp", "4"]
+MOE = ["--ep", "2", "--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--disable-bias-linear"]
 LAYOUTS = {
     "reference": [*DP4, "--distributed-optimizer", "--save-every", "2"],
     "dp4-optim_grads": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
@@ -53,6 +56,11 @@ LAYOUTS = {
                                    "optim_grads_params", "--recompute", "selective"],
     "bf16-dp2-optim_grads_params": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16",
                                     *FSDP, "optim_grads_params"],
+    # experts (aux loss on): the reference is Megatron's DDP + distributed optimizer with them
+    "moe-reference": [*DP4, *MOE, "--distributed-optimizer"],
+    "moe-dp4-ep2-optim_grads_params": [*DP4, *MOE, "--use-megatron-fsdp"],
+    "moe-tp2-dp2-ep2-sp-optim_grads": ["--tp", "2", "--pp", "1", "--dp", "2", *MOE,
+                                       "--sequence-parallel", *FSDP, "optim_grads"],
 }
 BF16_RTOL = 2e-3
 """bf16 against bf16: the same rounding of every product, the sums over microbatches and ranks
@@ -76,7 +84,8 @@ def _comms(folder: Path, step: int) -> list[dict]:
 @pytest.mark.parametrize("name", [n for n in LAYOUTS if "reference" not in n])
 def test_every_layout_trains_the_same_model(runs, name):
     bf16 = name.startswith("bf16")  # (tp2-dp2 with sp: global batch 8, as the reference's)
-    want = runs["bf16-reference" if bf16 else "reference"]
+    want = runs["bf16-reference" if bf16 else "moe-reference" if name.startswith("moe")
+                else "reference"]
     assert_same_metrics(read_metrics(runs[name] / "metrics.jsonl"),
                         read_metrics(want / "metrics.jsonl"), rtol=BF16_RTOL if bf16 else 1e-5)
 
@@ -227,11 +236,10 @@ def test_refused_before_any_rank_starts(capsys, no_ranks):
             (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
             ([*FSDP, "optim", "--overlap-param-gather", "--distributed-optimizer"],
              "optim with --overlap-param-gather: Megatron-FSDP's own parameter prefetch"),
-            ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "with --pp 2: Megatron-FSDP with "
-                                                               "pipeline parallelism is not "
-                                                               "built"),
-            ([*FSDP, "optim", "--num-experts", "4"], "with --num-experts: Megatron-FSDP with "
-                                                     "experts is not built")):
+            ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "with --pp 2: megatron-core "
+                                                               "0.19.2's Megatron-FSDP lays"),
+            ([*FSDP, "no_shard", "--num-experts", "4", "--ep", "2"],
+             "no_shard with --ep 2: megatron-core 0.19.2 reduces no_shard's gradient norm")):
         capsys.readouterr()
         assert main([*base, *extra]) == 2, extra
         err = capsys.readouterr().err

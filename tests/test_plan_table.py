@@ -93,6 +93,11 @@ LAYOUTS = {
     "megatron-fsdp optim_grads_params, tp with sp": [
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads_params"],
+    # ZeRO-3 with experts: each layer's dense and expert buckets (the latter over edp) in
+    # Megatron-FSDP's group order, one optimizer's gradient norm
+    "megatron-fsdp optim_grads_params, experts over edp": [
+        "--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--num-experts", "4",
+        "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
     # each bucket reduce-scattered in a block of 2 dp ranks, its shard all-reduced across
     "dp with two distributed-optimizer instances": [
         "--tp", "1", "--pp", "1", "--dp", "4", "--distributed-optimizer", "--bucket-size", "700",

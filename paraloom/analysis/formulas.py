@@ -167,7 +167,8 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
       grads, one over the embedding group of the tied word embedding,
     * the optimizer's gradient norm: one fp32 ``[1]`` over its grad-stats group (``mp`` = tp x
       pp; ``distopt`` = every rank with the distributed optimizer; MoE: a second over the
-      experts' group), in the first step once more (an int32 flag per group),
+      experts' group, except under Megatron-FSDP, whose one optimizer holds them), in the
+      first step once more (an int32 flag per group),
     * Megatron-LM's ``train_step``: the update flag and the norm agreed over ``mp`` (two
       ``[1]``), and on the last stage the loss ``[sum, tokens]`` over dp (x cp),
     * with MoE, paraloom's statistics over every rank (float64)."""
@@ -181,7 +182,8 @@ def _grad_sync(c: CommConfig, r: int, add) -> None:
     mp, world = c.tp * c.pp, c.tp * c.pp * c.dp
     instance = world // c.instances  # the distributed optimizer's grad-stats group
     groups = [("distopt", instance)] if c.distributed_optimizer else [("mp", mp)]
-    if c.moe is not None:  # Megatron's expert optimizer: tp x ep x pp (distributed: the world)
+    if c.moe is not None and not c.megatron_fsdp:  # Megatron's expert optimizer: tp x ep x pp
+        # (distributed: the world); Megatron-FSDP's one optimizer holds the experts too
         groups.append(("distopt", instance) if c.distributed_optimizer
                       else ("tp_ep_pp", mp * c.moe.ep))
     chained = 2 if c.param_gather_with_optimizer_step else 1  # Megatron's dense optimizers

@@ -5,7 +5,7 @@ replayed over the chunk's buckets (:func:`~.layout.chunk_groups`)."""
 from __future__ import annotations
 
 from ..data_parallel.fsdp_unshard_plan import zero3_gathers
-from .layout import chunk_groups
+from .layout import chunk_groups, chunk_params
 from .spec import CommConfig
 
 __all__ = ["zero3_gather_events"]
@@ -21,7 +21,7 @@ def zero3_gather_events(c: CommConfig, r: int = 0) -> list[tuple[str, str, list[
     step on pipeline rank ``r`` (pp = 1), in order: a ``1/dp`` piece of one bucket each.
     ``where``: the module whose hook gathers (``layers.i``, ``embedding``, ...) or
     ``optimizer``."""
-    buckets = [g[0] for g in chunk_groups(c, r, 0)]
+    buckets = _megatron_order(c, r, [g[0] for g in chunk_groups(c, r, 0)])
     units: dict[int, list[int]] = {}
     rest: dict[str, list[int]] = {}
     for b, bucket in enumerate(buckets):
@@ -35,6 +35,23 @@ def zero3_gather_events(c: CommConfig, r: int = 0) -> list[tuple[str, str, list[
     rest = {m: sorted(set(ids)) for m, ids in rest.items()}
     sizes = [b.numel for b in buckets]
     dp = c.dp * c.cp
-    return [(phase, where, [sizes[b] // dp], sizes[b] // dp * c.dtype_bytes, mb)
+    over = [dp // c.moe.ep if b.expert else dp for b in buckets]  # experts: over edp
+    return [(phase, where, [sizes[b] // over[b]], sizes[b] // over[b] * c.dtype_bytes, mb)
             for phase, b, where, mb in zero3_gathers(sizes, layers, rest, c.num_microbatches,
-                                                     c.first_step)]
+                                                     c.first_step) if over[b] > 1]
+
+
+def _megatron_order(c: CommConfig, r: int, buckets: list) -> list:
+    """Megatron-FSDP's bucket order: its parameter groups (dense or expert, by layer) in the
+    order of their first parameter, each group's buckets in turn (the runtime's
+    ``megatron_fsdp_unshard._megatron_order``)."""
+    index = {p.name: i for i, p in enumerate(chunk_params(c, r, 0))}
+
+    def group(bucket):
+        name = bucket.names[0]
+        return bucket.expert, int(name.split(".")[1]) if name.startswith("layers.") else None
+    first: dict = {}
+    for bucket in buckets:
+        at = min(index[n] for n in bucket.names)
+        first[group(bucket)] = min(first.get(group(bucket), at), at)
+    return sorted(buckets, key=lambda b: (first[group(b)], min(index[n] for n in b.names)))

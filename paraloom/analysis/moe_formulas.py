@@ -79,7 +79,7 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
     fc2."""
     t, h, f, m = c.tp, c.hidden, c.f, c.moe
     fc1, bias = c.arch.fc1(f), c.arch.add_bias_linear
-    out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp)]
+    out = [Param(prefix + "router.weight", m.num_experts * h, sp=c.sp, row=h)]
     if bias:  # Megatron's router takes a bias under add_bias_linear too
         out.append(Param(prefix + "router.bias", m.num_experts, sp=c.sp))
     local = range(m.num_experts // m.ep)
@@ -89,15 +89,15 @@ def moe_layer_params(c, prefix: str) -> list[Param]:
     for fc, g in (part for group in parts for part in group):
         e = f"{prefix}experts.{g}.{fc}."
         rows, cols = (fc1 // t, h) if fc == "fc1" else (h, f // t)
-        out.append(Param(e + "weight", rows * cols, expert=True))
+        out.append(Param(e + "weight", rows * cols, expert=True, row=cols))
         if bias:
             out.append(Param(e + "bias", rows, sp=fc == "fc2" and t > 1, expert=True))
     if m.shared_ffn:  # the shared expert: its gate (a direct parameter) first, then fc1, fc2
         e, sf = prefix + "shared_experts.", m.shared_ffn
         if m.shared_gate:
-            out.append(Param(e + "gate_weight", h, sp=c.sp))
-        out += [Param(e + "fc1.weight", c.arch.fc1(sf) // t * h),
-                Param(e + "fc2.weight", h * (sf // t))]
+            out.append(Param(e + "gate_weight", h, sp=c.sp, row=h))
+        out += [Param(e + "fc1.weight", c.arch.fc1(sf) // t * h, row=h),
+                Param(e + "fc2.weight", h * (sf // t), row=sf // t)]
     return out
 
 
@@ -266,8 +266,8 @@ def dispatcher_traffic(c) -> tuple[int, int]:
 def moe_plan(c, pp_rank: int) -> dict:
     """What MoE adds to ``paraloom plan`` for one pipeline rank (estimates for balanced routing):
 
-    * ``params``: router ``E h`` (``E (h + 1)`` with biases) plus ``E / ep`` tp-split experts (and the shared expert) instead
-      of one dense MLP, per MoE layer;
+    * ``params``: router ``E h`` (``E (h + 1)`` with biases) plus ``E / ep`` tp-split experts
+      (and the shared expert) instead of one dense MLP, per MoE layer;
     * ``activation_bytes``: per microbatch in flight, the ``k - 1`` extra copies of each token's
       MLP activations (input ``h``, fc1 and GeLU outputs ``2 f / t``; SwiGLU: fc1's ``2 f / t``,
       silu's and the product's ``f / t`` each; 16-bit units) and the combine's ``k h`` rows,

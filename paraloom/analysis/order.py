@@ -163,7 +163,8 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
             _layer_forward(r, out, dict(bwd, phase="forward", recompute=True), i)
         for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
             if col == "mlp.fc1" and r.moe(i):
-                moe_backward(r, i, lambda **f: _event(out, **{**bwd, **f}))
+                moe_backward(r, i, lambda **f: _event(out, **{**bwd, **f}),
+                             lambda i=i: _fsdp(r, out, mb, "backward", f"experts layers.{i}"))
                 continue
             if r.sp:
                 _event(out, **bwd, kind="sp", op="all_gather", module=f"layers.{i}.{row}",
@@ -257,8 +258,7 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
                split="MoE aux/z losses, drops, tokens/expert")
 
 
-def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *,
-                    overlap_p2p: bool) -> list[dict]:
+def step_one_events(cfg: TrainConfig, c: CommConfig, rank: int, *, overlap_p2p: bool) -> list[dict]:
     """Rank ``rank``'s communication events of step 1, in launch order (ledger fields:
     ``paraloom.report.table`` renders them). ``c``: the run's view; ``overlap_p2p``: the
     overlapped p2p plan (gloo) or blocking batches."""

@@ -72,7 +72,8 @@ def gather_site(with_step: bool, fsdp: bool = False) -> dict:
 def grad_norm_rows(cfg) -> list[dict]:
     """The gradient norm's all-reduces (kind, op, site, split): each optimizer's squared norm
     over its grad-stats group (the model-parallel ranks, the experts' tp x ep x pp ranks; under
-    the distributed optimizer both the instance's ranks), then, on the first step, Megatron
+    the distributed optimizer both the instance's ranks; Megatron-FSDP's one optimizer holds
+    the experts too), then, on the first step, Megatron
     0.19's has-grad-norm-group flag per optimizer of the chain (the dense one per optimizer:
     two under ``--overlap-param-gather-with-optimizer-step``), and with
     ``--log-num-zeros-in-grad`` the zero count (int64; once when the groups are shared, under
@@ -81,7 +82,7 @@ def grad_norm_rows(cfg) -> list[dict]:
     dense = ("distopt", p.tp * p.pp * p.dp * p.cp // n) if cfg.distributed_optimizer else \
         ("mp", p.tp * p.pp)
     groups = [dense]
-    if cfg.model.num_experts is not None:
+    if cfg.model.num_experts is not None and not cfg.use_megatron_fsdp:  # FSDP: one optimizer
         groups.append(dense if cfg.distributed_optimizer else ("tp_ep_pp", p.tp * p.ep * p.pp))
     flags = [dense] * (2 if cfg.overlap_param_gather_with_optimizer_step else 1) + groups[1:]
     norm = dict(op="all_reduce", site="get_grad_norm_fp32:squared_norm",

@@ -47,20 +47,32 @@ class FsdpRows:
     def rows(self, mb: int, phase: str, where: str) -> list[dict]:
         """The rows at hook point ``where`` of microbatch ``mb`` (``phase`` as the ledger's)."""
         cfg, last = self.cfg, mb == self.cfg.num_microbatches - 1
+        dense = [g for g in self.groups if not g[1]]
+        reduce = last or cfg.data_parallel_sharding_strategy in ("optim_grads",  # ZeRO-2, 3:
+                                                                 "optim_grads_params")  # each
+        if where.startswith("experts layers."):  # an expert bucket completes with its lowest
+            layer = int(where.split(".")[1])    # layer's experts' backward
+            return self._reductions([g for g in self.groups if g[1]
+                                     and _lowest_layer(g[2]) == layer]) if reduce else []
         if self.zero3:
             if where.startswith("after layers."):
                 unit = where.removeprefix("after ")
-                return self._reductions([g for g in self.groups
-                                         if g[2][0].startswith(unit + ".")])
+                return self._reductions([g for g in dense if g[2][0].startswith(unit + ".")])
             if where == "end":
-                return self._reductions([g for g in self.groups
+                return self._reductions([g for g in dense
                                          if not g[2][0].startswith("layers.")])
             return self.gathers.get((mb, phase, where), [])
         if where == "embedding" and mb == 0:
             return unshard_rows(cfg, [g[:2] for g in self.groups], self.cp, self.item)
-        if where == "end" and (last or cfg.data_parallel_sharding_strategy == "optim_grads"):
-            return self._reductions(self.groups)
+        if where == "end" and reduce:
+            return self._reductions(dense)
         return []
 
     def _reductions(self, groups: list) -> list[dict]:
         return bucket_rows(self.cfg, [g[:2] for g in groups], self.cp, "backward")
+
+
+def _lowest_layer(names: tuple) -> int:
+    """The lowest transformer layer a bucket's parameters belong to (the last its backward
+    reaches)."""
+    return min(int(n.split(".")[1]) for n in names if n.startswith("layers."))

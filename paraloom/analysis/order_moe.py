@@ -136,10 +136,11 @@ def moe_forward(r, i: int, emit) -> None:
              shape=r.full)
 
 
-def moe_backward(r, i: int, emit) -> None:
+def moe_backward(r, i: int, emit, after_experts=lambda: None) -> None:
     """Layer ``i``'s MoE backward (the dispatcher's exchanges reversed, then the shared
     expert's; overlapped, the shared output's gather first and its input's reduce-scatter
-    last)."""
+    last); ``after_experts`` is called where the experts' own backward runs (between the
+    unpermutation's exchanges and the permutation's)."""
     m, z = r.cfg.model, _sizes(r)
     overlap = m.moe_shared_expert_overlap and m.moe_shared_expert_intermediate_size is not None
     mod = f"layers.{i}.mlp"
@@ -152,20 +153,23 @@ def moe_backward(r, i: int, emit) -> None:
             emit(kind="ep", op="all_gather", site=f"{_AG}.token_unpermutation.backward:"
                  "tokens_grad", module=mod, shape=[z["n"], z["h"]], itemsize=4,
                  split="expert outputs summed, each rank's tokens (fp32)")
+            after_experts()
             emit(kind="ep", op="reduce_scatter", site=f"{back}:tokens_grad", module=mod,
                  split="tokens [tokens, h] of every rank", shape=[g * z["n"], z["h"]])
             emit(kind="ep", op="reduce_scatter", site=f"{back}:probs_grad", module=mod,
                  itemsize=4, split="routing probabilities [tokens, E] of every rank",
                  shape=[g * z["n"], z["e"]])
+        else:
+            after_experts()
     else:
-        _alltoall_backward(r, z, mod, emit, overlap)
+        _alltoall_backward(r, z, mod, emit, overlap, after_experts)
     _shared(r, i, emit, True, overlap)
     if overlap and r.tp > 1:
         emit(kind="sp", op="reduce_scatter", module=mod, split=_SHARED_IN, shape=r.full,
              site="SharedExpertMLP.pre_forward_comm.backward:input_grad")
 
 
-def _alltoall_backward(r, z: dict, mod: str, emit, overlap: bool) -> None:
+def _alltoall_backward(r, z: dict, mod: str, emit, overlap: bool, after_experts) -> None:
     rows, back = z["rows"], f"{_A2A}.token_permutation.backward"
     a2a = dict(kind="ep", op="all_to_all", module=mod, **{"async": overlap}, **_splits(z))
     if z["ep"] > 1:
@@ -174,6 +178,8 @@ def _alltoall_backward(r, z: dict, mod: str, emit, overlap: bool) -> None:
     if r.tp > 1:
         emit(kind="ep", op="all_gather", site=f"{_A2A}.token_unpermutation.backward:"
              "tokens_tp_grad", module=mod, split=_TEXT["out_tp"], shape=[rows, z["h"]])
+    after_experts()
+    if r.tp > 1:
         emit(kind="ep", op="reduce_scatter", site=f"{back}:probs_tp_grad", module=mod,
              split=_TEXT["probs_tp"], shape=[r.tp * rows], itemsize=4)
         emit(kind="ep", op="reduce_scatter", site=f"{back}:tokens_tp_grad", module=mod,

@@ -47,8 +47,13 @@ def check_megatron_fsdp(cfg) -> None:
                                    "prefetch under this flag is not built"),
         "--bucket-tail-splits": (cfg.bucket_tail_splits > 0, "paraloom's halving is for "
                                  "Megatron's DDP buckets"),
-        f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "Megatron-FSDP with pipeline "
-                                    "parallelism is not built (pp must be 1)"),
+        f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "megatron-core 0.19.2's Megatron-FSDP "
+                                    "lays its device mesh over every rank as dp x cp x tp, so "
+                                    "it cannot wrap a pipeline stage (pp must be 1)"),
+        f"--ep {cfg.parallel.ep}": (strategy == "no_shard" and cfg.parallel.ep > 1,
+                                    "megatron-core 0.19.2 reduces no_shard's gradient norm over "
+                                    "the model-parallel group (tp x pp), which leaves out the "
+                                    "other ep ranks' experts (ep 1, or a sharding strategy)"),
         "--recompute full": (zero3 and cfg.recompute == "full", "ZeRO-3's gathers and lazy "
                              "releases in the re-run forwards are not built (selective or none, "
                              "or another strategy)")}

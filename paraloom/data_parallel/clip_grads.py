@@ -46,11 +46,12 @@ class GradNorm:
     """The stretches of main grads this rank counts in the global norm (fixed for a run)."""
 
     def __init__(self, ddps: list[DistributedDataParallel], mesh: ParallelMesh, *,
-                 sharded: bool, dense_optimizers: int = 1) -> None:
+                 sharded: bool, dense_optimizers: int = 1, one_optimizer: bool = False) -> None:
         """``sharded``: each dp rank owns a shard of every bucket (the distributed optimizer).
         ``dense_optimizers``: how many optimizers Megatron chains for the dense parameters (two
         under ``--overlap-param-gather-with-optimizer-step``: chunk 0's and the rest's); each
-        makes the first step's agreement of its own."""
+        makes the first step's agreement of its own. ``one_optimizer``: dense and expert
+        parameters in one optimizer (Megatron-FSDP's), so one norm over the dense group."""
         self.ddps, self.mesh, self.sharded = ddps, mesh, sharded
         self.pieces: list[tuple] = []  # (bucket, lo, hi), in buffer order
         self.expert_pieces: list[tuple] = []
@@ -64,6 +65,9 @@ class GradNorm:
                     if counts_once(param, mesh):
                         _, a, b = ddp.param_range(param)
                         self._add(into, bucket, max(a, lo), min(b, hi))
+        if one_optimizer:  # the experts' stretches summed over the dense group with the rest
+            self.pieces, self.expert_pieces = self.pieces + self.expert_pieces, []
+            self.expert = False
         # the grad-stats groups of Megatron's dense and expert optimizers, with their kinds
         if sharded:
             self.groups = [(ddps[0].distopt, "distopt")] * (2 if self.expert else 1)

@@ -63,7 +63,7 @@ class Unshard(UnshardPlan):
     :class:`UnshardPlan`'s rules to the buckets' storage."""
 
     def __init__(self, ddp, module: nn.Module, units: list[nn.Module]) -> None:
-        self.buckets = ddp.buckets
+        self.buckets = _megatron_order(ddp.buckets, module, units)
         of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         super().__init__([b.numel for b in self.buckets],
                          {id(u): sorted({of[id(p)] for p in u.parameters()}) for u in units})
@@ -143,6 +143,23 @@ class Unshard(UnshardPlan):
         """After a checkpoint loaded into the parameters (all held): the kept pieces again."""
         for bucket in self.buckets:
             bucket.kept.copy_(_piece(bucket))
+
+
+def _megatron_order(buckets: list, module: nn.Module, units: list[nn.Module]) -> list:
+    """The buckets in Megatron-FSDP's order: its parameter groups (dense or expert, by unit) in
+    the order of their first parameter, each group's buckets in turn (paraloom's buffers hold
+    the dense buckets, then the experts')."""
+    index = {id(p): i for i, p in enumerate(module.parameters())}
+    unit_of = {id(p): u for u, unit in enumerate(units) for p in unit.parameters()}
+
+    def group(bucket):
+        return bucket.expert, unit_of.get(id(bucket.params[0]))
+    first: dict = {}
+    for bucket in buckets:
+        at = min(index[id(p)] for p in bucket.params)
+        first[group(bucket)] = min(first.get(group(bucket), at), at)
+    return sorted(buckets, key=lambda b: (first[group(b)],
+                                          min(index[id(p)] for p in b.params)))
 
 
 def _piece(bucket) -> torch.Tensor:

@@ -112,7 +112,8 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
                           weight_decay=o.weight_decay, no_weight_decay_cond=no_weight_decay_cond)
                   for d in ddps]
     return Run(cfg, mesh, corpus, chunks, ddps, optimizers, device,
-               GradNorm(ddps, mesh, sharded=zero, dense_optimizers=2 if with_step else 1))
+               GradNorm(ddps, mesh, sharded=zero, dense_optimizers=2 if with_step else 1,
+                        one_optimizer=cfg.use_megatron_fsdp))
 
 
 def _data_parallel(cfg: TrainConfig, mesh: ParallelMesh, chunk, c: int):
