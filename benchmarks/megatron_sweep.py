@@ -146,6 +146,9 @@ LAYOUTS = {
     "fsdp-zero3-tp2-dp2-bf16": _layout(tp=2, dp=2, fsdp="optim_grads_params", bf16=True),
     "fsdp-zero3-dp2-layers6-m3": _layout(dp=2, layers=6, microbatches=3,
                                          fsdp="optim_grads_params"),
+    # Megatron-FSDP's own --overlap-param-gather (no communication changes)
+    "fsdp-optim-dp2-small-buckets-opg": _layout(dp=2, fsdp="optim", bucket=3000, opg=True),
+    "fsdp-zero3-tp2-dp2-opg": _layout(tp=2, dp=2, fsdp="optim_grads_params", opg=True),
 }
 
 

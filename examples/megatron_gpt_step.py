@@ -252,13 +252,16 @@ def main(argv=None) -> None:
     install_hooks(cfg, model, args)
     step_fn = get_forward_backward_func()
     iterators = [batches(args) for _ in model]
-    hooks = False  # Megatron-LM's train(): the pre-hooks (and with interleaving the schedule's
-    if args.overlap_param_gather:  # param_sync_func) off until a step has succeeded
+    # Megatron-LM's train(): the pre-hooks (and with interleaving the schedule's param_sync_func)
+    # off until a step has succeeded; Megatron-FSDP's own hooks are left alone
+    opg = args.overlap_param_gather and not args.use_megatron_fsdp
+    hooks = False
+    if opg:
         for chunk in model:
             chunk.disable_forward_pre_hook(param_sync=False)
     for step in range(args.steps):
         loss, norm, ok = train_step(step_fn, iterators, model, optimizer, args)
-        if args.overlap_param_gather and ok and not hooks:
+        if opg and ok and not hooks:
             for chunk in model:
                 chunk.enable_forward_pre_hook()
             if args.vpp and args.align_param_gather:  # the schedule launches the gathers

@@ -42,6 +42,9 @@ LAYOUTS = {
     "reference": [*DP4, "--distributed-optimizer", "--save-every", "2"],
     "dp4-optim_grads": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
                         "--save-every", "2"],
+    # Megatron-FSDP's own --overlap-param-gather: no communication changes (megatron-core)
+    "dp4-optim_grads-opg": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
+                            "--overlap-param-gather", "--save-every", "2"],
     "tp2-dp2-sp-recompute-optim": ["--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel",
                                    "--recompute", "full", *FSDP, "optim"],
     "cp2-dp2-no_shard": ["--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", *FSDP, "no_shard"],
@@ -101,6 +104,20 @@ def _dp(folder: Path, step: int, rank: int = 0) -> list[tuple]:
     return [(e["op"], e["phase"], bool(e.get("async")), e["bytes"])
             for e in _comms(folder, step) if e["rank"] == rank and e["kind"] == "dp"
             and "loss" not in e["site"]]
+
+
+def test_megatron_fsdp_overlap_param_gather_changes_no_communication(runs):
+    """Under Megatron-FSDP ``--overlap-param-gather`` is its own flag (megatron-core 0.19.2:
+    ZeRO-3 sets it itself; ``optim``/``optim_grads`` issue the optimizer step's gathers
+    through the prefetch call, the same operations): every event as without it, not the
+    forward pre-hooks of Megatron's DDP."""
+    for step in (1, 2):
+        with_it, without = _comms(runs["dp4-optim_grads-opg"], step), \
+            _comms(runs["dp4-optim_grads"], step)
+        keys = ("rank", "op", "kind", "phase", "async", "bytes", "site")
+        assert [tuple(e.get(k) for k in keys) for e in with_it] == \
+            [tuple(e.get(k) for k in keys) for e in without]
+        assert any(e["op"] == "all_gather" and e["phase"] == "optimizer" for e in with_it)
 
 
 def test_the_ledger_changes_as_megatron_fsdp_communicates(runs):
@@ -234,8 +251,8 @@ def test_refused_before_any_rank_starts(capsys, no_ranks):
             (["--use-megatron-fsdp", "--recompute", "full"], "optim_grads_params with "
                                                               "--recompute full: ZeRO-3's"),
             (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
-            ([*FSDP, "optim", "--overlap-param-gather", "--distributed-optimizer"],
-             "optim with --overlap-param-gather: Megatron-FSDP's own parameter prefetch"),
+            ([*FSDP, "optim", "--overlap-param-gather", "--no-overlap-grad-reduce"],
+             "--overlap-param-gather needs --overlap-grad-reduce"),
             ([*FSDP, "optim_grads", "--pp", "2", "--dp", "2"], "with --pp 2: megatron-core "
                                                                "0.19.2's Megatron-FSDP lays"),
             ([*FSDP, "no_shard", "--num-experts", "4", "--ep", "2"],

@@ -442,10 +442,9 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
      "gloo"),
     (["--nprocs", "6", "--tensor-model-parallel-size", "4"], "--nprocs 6 does not match"),
     # Megatron features paraloom does not have: named, with what it has
-    (["--use-megatron-fsdp", "--overlap-param-gather", "--overlap-grad-reduce"],
+    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--nprocs", "4"],
      "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params with "
-     "--overlap-param-gather: Megatron-FSDP's own parameter prefetch under this flag is not "
-     "built"),
+     "--num-distributed-optimizer-instances: Megatron-FSDP shards over all of dp x cp"),
     (["--calculate-per-token-loss", "--num-experts", "4", "--tensor-model-parallel-size", "2",
       "--nprocs", "2"], "--calculate-per-token-loss with --num-experts and tp = 2 needs "
      "--sequence-parallel"),

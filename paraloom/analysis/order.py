@@ -245,7 +245,7 @@ def _after_schedule(r: _Rank, out: list, synced: list[int]) -> None:
     for chunk, g in [(k, g) for k in range(r.v) for g in chunk_groups(c, r.pp_rank, k)] \
             if zero and (r.fsdp is None or not r.fsdp.zero3) else []:
         block = p.dp * p.cp // (p.ep if g[0].expert else 1) // n  # one (coalesced) all-gather
-        if block > 1 and (not cfg.overlap_param_gather or (with_step and chunk == 0)):
+        if block > 1 and (not c.overlap_param_gather or (with_step and chunk == 0)):
             _event(out, **ev, kind="dp", op="all_gather", shape=[g[0].numel // block],
                    bytes=sum(b.numel for b in g) // block * r.item,
                    split="parameter bucket, 1/dp contiguous shard",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config.megatron_fsdp_checks import fsdp_reduces_in_bf16
+from ..config.megatron_fsdp_checks import ddp_overlaps_param_gather, fsdp_reduces_in_bf16
 from ..config.train import TrainConfig
 from .moe_formulas import moe_from_run
 from .spec import Architecture, CommConfig
@@ -33,8 +33,8 @@ def comm_view(cfg: TrainConfig) -> CommConfig:
         instances=cfg.num_distributed_optimizer_instances,
         megatron_fsdp=cfg.data_parallel_sharding_strategy if cfg.use_megatron_fsdp else None,
         dp_grad_bytes=2 if fsdp_reduces_in_bf16(cfg) else None,
-        overlap_param_gather=cfg.overlap_param_gather,
-        param_gather_forward=cfg.overlap_param_gather,
+        overlap_param_gather=ddp_overlaps_param_gather(cfg),
+        param_gather_forward=ddp_overlaps_param_gather(cfg),
         param_gather_with_optimizer_step=cfg.overlap_param_gather_with_optimizer_step,
         align_param_gather=cfg.align_param_gather,
         overlap_grad_reduce=cfg.overlap_grad_reduce, align_grad_reduce=cfg.align_grad_reduce,

@@ -5,7 +5,8 @@ combine with it."""
 
 from __future__ import annotations
 
-__all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp", "fsdp_reduces_in_bf16"]
+__all__ = ["STRATEGIES", "BUILT", "check_megatron_fsdp", "fsdp_reduces_in_bf16",
+           "ddp_overlaps_param_gather"]
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 """Megatron-LM's ``--data-parallel-sharding-strategy`` choices (its default: the last)."""
@@ -19,6 +20,15 @@ def fsdp_reduces_in_bf16(cfg) -> bool:
     (paraloom keeps fp32 sums and reduces a bf16 copy, as for ``grad_reduce_in_fp32=False``)."""
     return cfg.use_megatron_fsdp and cfg.dtype == "bf16" and \
         cfg.megatron_fsdp_main_grads_dtype == "auto"
+
+
+def ddp_overlaps_param_gather(cfg) -> bool:
+    """Whether Megatron's DDP gathers the distributed optimizer's parameters in the next
+    forward (``--overlap-param-gather``, its pre-hooks). Under Megatron-FSDP the flag is its
+    own and changes no communication: megatron-core 0.19.2 turns it on itself for ZeRO-3, and
+    under ``optim``/``optim_grads`` issues the optimizer step's gathers through its prefetch
+    call instead, the same operations in the same order (recorded on CPU, with and without)."""
+    return cfg.overlap_param_gather and not cfg.use_megatron_fsdp
 
 
 def check_megatron_fsdp(cfg) -> None:
@@ -43,8 +53,6 @@ def check_megatron_fsdp(cfg) -> None:
         "--num-distributed-optimizer-instances": (
             cfg.num_distributed_optimizer_instances > 1, "Megatron-FSDP shards over all of dp x "
             "cp (its hybrid sharding is another setting, not built)"),
-        "--overlap-param-gather": (cfg.overlap_param_gather, "Megatron-FSDP's own parameter "
-                                   "prefetch under this flag is not built"),
         "--bucket-tail-splits": (cfg.bucket_tail_splits > 0, "paraloom's halving is for "
                                  "Megatron's DDP buckets"),
         f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "megatron-core 0.19.2's Megatron-FSDP "

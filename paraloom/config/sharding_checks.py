@@ -65,7 +65,7 @@ def _check_param_gather(cfg) -> None:
                          f"{cfg.overlap_param_gather}, vpp = {cfg.parallel.vpp}")
     if not cfg.overlap_param_gather:
         return
-    if not cfg.distributed_optimizer:
+    if not (cfg.distributed_optimizer or cfg.use_megatron_fsdp):
         raise ValueError("--overlap-param-gather needs --distributed-optimizer (there is no "
                          "parameter all-gather to overlap without it; Megatron-LM refuses "
                          "it too)")

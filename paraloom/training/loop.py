@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from .. import comm
 from ..config import TrainConfig
+from ..config.megatron_fsdp_checks import ddp_overlaps_param_gather
 from ..data import Corpus, eval_batches, load_tokens
 from ..data_parallel import force_param_sync
 from ..device import get_device, timing_event_type, tune_allocator
@@ -217,7 +218,7 @@ def _train_steps(run, ledger: Ledger, ledger_file: Path, start: int, first_recor
         stop = bool(metrics.get("exit"))  # --exit-duration-in-mins: every rank agreed
         if save_every and (iteration % save_every == 0 or iteration == cfg.steps or stop):
             _save(run, out, iteration)
-            gathered = cfg.overlap_param_gather
+            gathered = ddp_overlaps_param_gather(cfg)
         if stop:
             if writer:
                 print(f"paraloom train: stopping after step {iteration}: "

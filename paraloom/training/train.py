@@ -19,7 +19,7 @@ import torch
 
 from .. import comm
 from ..config import TrainConfig
-from ..config.megatron_fsdp_checks import fsdp_reduces_in_bf16
+from ..config.megatron_fsdp_checks import ddp_overlaps_param_gather, fsdp_reduces_in_bf16
 from ..context_parallel import get_batch_on_this_cp_rank
 from ..data import Corpus, microbatches
 from ..data_parallel import (
@@ -104,7 +104,7 @@ def build(cfg: TrainConfig, mesh: ParallelMesh, corpus: Corpus, *,
         load_hf_weights(chunks, init_from_hf, cfg.model, mesh.tp.rank)
     zero, with_step = cfg.distributed_optimizer, cfg.overlap_param_gather_with_optimizer_step
     ddps = [_data_parallel(cfg, mesh, chunk, c) for c, chunk in enumerate(chunks)]
-    for c, d in enumerate(ddps if cfg.overlap_param_gather else []):  # hooks: after a step
+    for c, d in enumerate(ddps if ddp_overlaps_param_gather(cfg) else []):  # after a step
         ParamGather(d, aligned=cfg.schedule == "interleaved" and cfg.align_param_gather,
                     with_optimizer_step=with_step and c == 0)
     opt_cls, o = DistributedOptimizer if zero else MainParamsOptimizer, cfg.optim
