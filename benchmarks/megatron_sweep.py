@@ -149,6 +149,12 @@ LAYOUTS = {
     # Megatron-FSDP's own --overlap-param-gather (no communication changes)
     "fsdp-optim-dp2-small-buckets-opg": _layout(dp=2, fsdp="optim", bucket=3000, opg=True),
     "fsdp-zero3-tp2-dp2-opg": _layout(tp=2, dp=2, fsdp="optim_grads_params", opg=True),
+    # ZeRO-3 with full recomputation: the re-run forwards find their layer gathered
+    # (with sp too, but for the sp gradients' all-reduce megatron-core's Megatron-FSDP omits)
+    "fsdp-zero3-tp2-dp2-recompute": _layout(tp=2, dp=2, recompute=True,
+                                            fsdp="optim_grads_params"),
+    "fsdp-zero3-dp2-layers6-m3-recompute": _layout(dp=2, layers=6, microbatches=3,
+                                                   recompute=True, fsdp="optim_grads_params"),
 }
 
 

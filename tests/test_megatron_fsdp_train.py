@@ -7,7 +7,7 @@ One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the 
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
 ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients);
-ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with selective recomputation and dp 2 in bf16;
+ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with full recomputation and dp 2 in bf16;
 with experts (against Megatron's DDP with them) ZeRO-3 at dp 4 x ep 2 and ZeRO-2 at
 tp 2 x dp 2 x ep 2 with sp.
 Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
@@ -56,7 +56,7 @@ LAYOUTS = {
     "tp2-dp2-sp-optim_grads_params": ["--tp", "2", "--pp", "1", "--dp", "2",
                                       "--sequence-parallel", "--use-megatron-fsdp"],
     "cp2-dp2-optim_grads_params": ["--tp", "1", "--pp", "1", "--dp", "2", "--cp", "2", *FSDP,
-                                   "optim_grads_params", "--recompute", "selective"],
+                                   "optim_grads_params", "--recompute", "full"],
     "bf16-dp2-optim_grads_params": ["--tp", "1", "--pp", "1", "--dp", "2", "--dtype", "bf16",
                                     *FSDP, "optim_grads_params"],
     # experts (aux loss on): the reference is Megatron's DDP + distributed optimizer with them
@@ -248,8 +248,6 @@ def test_refused_before_any_rank_starts(capsys, no_ranks):
     base = ["train", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "16",
             "--global-batch-size", "8", "--micro-batch-size", "1", "--steps", "1", *DP4]
     for extra, said in (
-            (["--use-megatron-fsdp", "--recompute", "full"], "optim_grads_params with "
-                                                              "--recompute full: ZeRO-3's"),
             (["--data-parallel-sharding-strategy", "optim"], "needs --use-megatron-fsdp"),
             ([*FSDP, "optim", "--overlap-param-gather", "--no-overlap-grad-reduce"],
              "--overlap-param-gather needs --overlap-grad-reduce"),

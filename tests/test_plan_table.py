@@ -89,10 +89,11 @@ LAYOUTS = {
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
         "--data-parallel-sharding-strategy", "optim_grads"],
     # ZeRO-3: each layer's parameters gathered at its forward and backward hooks (prefetching
-    # the rest), its gradients reduce-scattered after its backward, all gathered after the step
-    "megatron-fsdp optim_grads_params, tp with sp": [
+    # the rest), its gradients reduce-scattered after its backward, all gathered after the step;
+    # fully recomputed, the re-run's hooks inside the backward, its pre-backward after it
+    "megatron-fsdp optim_grads_params, tp with sp, full recomputation": [
         "--tp", "2", "--pp", "1", "--dp", "2", "--sequence-parallel", "--use-megatron-fsdp",
-        "--data-parallel-sharding-strategy", "optim_grads_params"],
+        "--data-parallel-sharding-strategy", "optim_grads_params", "--recompute", "full"],
     # ZeRO-3 with experts: each layer's dense and expert buckets (the latter over edp) in
     # Megatron-FSDP's group order, one optimizer's gradient norm
     "megatron-fsdp optim_grads_params, experts over edp": [

@@ -38,7 +38,8 @@ def zero3_gather_events(c: CommConfig, r: int = 0) -> list[tuple[str, str, list[
     over = [dp // c.moe.ep if b.expert else dp for b in buckets]  # experts: over edp
     return [(phase, where, [sizes[b] // over[b]], sizes[b] // over[b] * c.dtype_bytes, mb)
             for phase, b, where, mb in zero3_gathers(sizes, layers, rest, c.num_microbatches,
-                                                     c.first_step) if over[b] > 1]
+                                                     c.first_step, c.recompute == "full")
+            if over[b] > 1]
 
 
 def _megatron_order(c: CommConfig, r: int, buckets: list) -> list:

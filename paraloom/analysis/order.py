@@ -1,6 +1,5 @@
-"""One rank's communication in a run's first step, in order, from the layout alone
-(``paraloom plan --table``): the events ``paraloom table RUN --step 1 --rank R`` would show,
-without running anything, at any size.
+"""One rank's communication in a run's first step, in order, from the layout alone (``paraloom
+plan --table``): the events ``paraloom table RUN --step 1 --rank R`` would show, at any size.
 
 The order is the runtime's, derived from the same pure parts it executes:
 
@@ -158,9 +157,10 @@ def _backward(r: _Rank, out: list, mb: int, c: int) -> None:
                op="reduce_scatter" if r.sp else "all_reduce", module="output",
                site="GPTModel.output.backward:input_grad", split="vocabulary", shape=r.full)
     for i in reversed(layers):
-        _fsdp(r, out, mb, "backward", f"layers.{i}")
-        if r.cfg.recompute == "full":
+        if r.cfg.recompute == "full":  # the re-run (FSDP: its hooks first, pre-backward after)
+            _fsdp(r, out, mb, "forward", f"recompute layers.{i}")
             _layer_forward(r, out, dict(bwd, phase="forward", recompute=True), i)
+        _fsdp(r, out, mb, "backward", f"layers.{i}")
         for col, row in (("mlp.fc1", "mlp.fc2"), ("attention.qkv", "attention.proj")):
             if col == "mlp.fc1" and r.moe(i):
                 moe_backward(r, i, lambda **f: _event(out, **{**bwd, **f}),

@@ -40,9 +40,11 @@ class FsdpRows:
                 else ():
             site = "DistributedOptimizer.step:param_shards" if phase == "optimizer" else \
                 f"FullyShardedDataParallel.{phase}:param_unshard"
-            self.gathers.setdefault((mb, phase, where), []).append(dict(
-                kind="dp", op="all_gather", site=site, split=_SPLIT, shape=shape, bytes=nbytes,
-                **{"async": True}))
+            again = phase == "recompute"  # a re-run's forward hook (full recomputation)
+            self.gathers.setdefault((mb, "forward" if again else phase, where), []).append(dict(
+                kind="dp", op="all_gather", site=site.replace("recompute", "forward"),
+                split=_SPLIT, shape=shape, bytes=nbytes, **{"async": True},
+                **({"recompute": True} if again else {})))
 
     def rows(self, mb: int, phase: str, where: str) -> list[dict]:
         """The rows at hook point ``where`` of microbatch ``mb`` (``phase`` as the ledger's)."""

@@ -110,12 +110,10 @@ def with_megatron_fsdp(fits: list, zeros: list, hw: Hardware, o: Options,
                        fit_fraction: float) -> int:
     """Add to ``fits`` the fastest distributed-optimizer layouts without pipeline parallelism
     (megatron-core's Megatron-FSDP cannot wrap a stage) again under each of
-    :data:`FSDP_STRATEGIES` (ZeRO-3 not with full recomputation: what ``paraloom train``
-    builds); returns how many of those did not fit."""
+    :data:`FSDP_STRATEGIES`; returns how many of those did not fit."""
     def changes(c):
         if c.pp > 1:
             return []
         return [({"megatron_fsdp": s, "buckets": None, "bucket_size": None}, {"fsdp": s})
-                for s in FSDP_STRATEGIES
-                if not (s == "optim_grads_params" and c.recompute == "full")]
+                for s in FSDP_STRATEGIES]
     return _variants(fits, zeros, hw, o, fit_fraction, changes)

@@ -48,7 +48,6 @@ def check_megatron_fsdp(cfg) -> None:
                              f"--use-megatron-fsdp (it is Megatron-FSDP's setting; without it "
                              f"--distributed-optimizer is ZeRO-1)")
         return
-    zero3 = strategy == STRATEGIES[-1]
     taken = {
         "--num-distributed-optimizer-instances": (
             cfg.num_distributed_optimizer_instances > 1, "Megatron-FSDP shards over all of dp x "
@@ -61,10 +60,7 @@ def check_megatron_fsdp(cfg) -> None:
         f"--ep {cfg.parallel.ep}": (strategy == "no_shard" and cfg.parallel.ep > 1,
                                     "megatron-core 0.19.2 reduces no_shard's gradient norm over "
                                     "the model-parallel group (tp x pp), which leaves out the "
-                                    "other ep ranks' experts (ep 1, or a sharding strategy)"),
-        "--recompute full": (zero3 and cfg.recompute == "full", "ZeRO-3's gathers and lazy "
-                             "releases in the re-run forwards are not built (selective or none, "
-                             "or another strategy)")}
+                                    "other ep ranks' experts (ep 1, or a sharding strategy)")}
     for flag, (given, why) in taken.items():
         if given:
             raise ValueError(f"--use-megatron-fsdp --data-parallel-sharding-strategy {strategy} "

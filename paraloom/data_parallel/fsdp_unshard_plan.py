@@ -29,12 +29,13 @@ class UnshardPlan:
         self.state: dict = {}
 
     # ------------------------------------------------------------------ the hooks' rules
-    def pre_forward(self, key, owned: list[int]) -> None:
-        """Before a module's forward: its buckets, prefetching forward unless in backward."""
+    def pre_forward(self, key, owned: list[int], phase: str = "forward") -> None:
+        """Before a module's forward: its buckets, prefetching forward unless in backward
+        (``phase`` ``backward``: a recomputation's re-run)."""
         prefetch = self.state.get(key, IDLE) != BACKWARD
         if prefetch:
             self.state[key] = FORWARD
-        self.gather(owned, prefetch=prefetch, forward=True, phase="forward")
+        self.gather(owned, prefetch=prefetch, forward=True, phase=phase)
 
     def post_forward(self, unit) -> None:
         """After a unit's forward: released (lazily, at the next gather, in a recomputation)."""
@@ -146,14 +147,17 @@ class _Recorder(UnshardPlan):
 
 
 def zero3_gathers(sizes: list[int], unit_buckets: list[list[int]], rest: dict[str, list[int]],
-                  microbatches: int, first_step: bool) -> list[tuple[str, int, str, int]]:
+                  microbatches: int, first_step: bool, recompute: bool = False
+                  ) -> list[tuple[str, int, str, int]]:
     """One training step's parameter gathers ``(phase, bucket, where, microbatch)`` in order (the
     optimizer step's: the last microbatch's number), for a GPT on
     one pipeline stage: ``unit_buckets[i]`` layer i's buckets; ``rest``: each module outside the
     layers, in forward order before/after them (``"embedding"``, ``"final_layernorm"``,
     ``"output_layer"``), with the buckets of its own parameters. ``where``: the module whose
-    hook gathers (``layers.i`` for a unit), for the order table. The state is the one a process
-    reaches: its first step from scratch, a later one after at least one step."""
+    hook gathers (``layers.i`` for a unit; ``recompute layers.i``: its re-run's forward hook
+    under full ``recompute``, which Megatron's checkpoint runs inside the backward, before the
+    unit's pre-backward), for the order table. The state is the one a process reaches: its first
+    step from scratch, a later one after at least one step."""
     plan = _Recorder(sizes, {i: ids for i, ids in enumerate(unit_buckets)})
     keys = ["embedding", *range(len(unit_buckets)), "final_layernorm", "output_layer"]
     for warm in ([] if first_step else [True]) + [False]:
@@ -161,13 +165,13 @@ def zero3_gathers(sizes: list[int], unit_buckets: list[list[int]], rest: dict[st
             plan.events = []
         for mb in range(microbatches):
             plan.mb = mb
-            _microbatch(plan, rest, len(unit_buckets), keys)
+            _microbatch(plan, rest, len(unit_buckets), keys, recompute)
         plan.where = "optimizer"
         plan.after_step()
     return plan.events
 
 
-def _microbatch(plan: _Recorder, rest: dict, layers: int, keys: list) -> None:
+def _microbatch(plan: _Recorder, rest: dict, layers: int, keys: list, recompute: bool) -> None:
     for name in ("embedding",):
         plan.where = name
         plan.pre_forward(name, rest.get(name, []))
@@ -180,6 +184,10 @@ def _microbatch(plan: _Recorder, rest: dict, layers: int, keys: list) -> None:
         plan.pre_forward(name, rest.get(name, []))
     plan.root_pre_backward(keys)
     for i in reversed(range(layers)):
+        if recompute:  # the re-run: the unit's forward hooks in its backward state
+            plan.where = f"recompute layers.{i}"
+            plan.pre_forward(i, plan.unit_buckets[i], phase="recompute")
+            plan.post_forward(i)
         plan.where = f"layers.{i}"
         plan.pre_backward(i, [i])
         plan.post_backward(i, [i])

@@ -82,6 +82,8 @@ class Unshard(UnshardPlan):
             if unit:
                 m.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True)
                 m.register_forward_hook(self._post_forward)
+            if unit and getattr(m, "full_recompute", False):  # its re-run (see _recomputed)
+                m._forward = partial(self._recomputed, m, m._forward)
         module.register_forward_hook(self._root_output)
 
     # ------------------------------------------------------------------ hooks
@@ -111,9 +113,25 @@ class Unshard(UnshardPlan):
         outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
                 if torch.is_tensor(t) and t.requires_grad]
         keys = [id(m) for m in unit.modules()]
-        if outs:
+        first = getattr(unit, "full_recompute", False) and \
+            torch._C._current_graph_task_id() == -1  # Megatron: under no_grad, no hook
+        if outs and not first:
             torch.autograd.graph.register_multi_grad_hook(
                 outs, lambda _grads: self.pre_backward(id(unit), keys), mode="any")
+
+    def _recomputed(self, unit: nn.Module, forward, *args):
+        """A fully recomputed unit's forward. Megatron's checkpoint wraps the whole unit, so its
+        hooks fire in the re-run inside the backward (the first run is under ``no_grad``): the
+        unit gathered if released (no prefetch: it is in its backward state), released lazily
+        after, and its pre-backward (gather, prefetch) hooked to the re-run's outputs, which take
+        their gradients next. paraloom's checkpoint sits inside the unit's forward: these calls
+        stand in for the hooks."""
+        if torch._C._current_graph_task_id() == -1:  # the first run
+            return forward(*args)
+        self.pre_forward(id(unit), self.unit_buckets[id(unit)])
+        out = forward(*args)
+        self._post_forward(unit, args, out)
+        return out
 
     def _root_output(self, _module, _inputs, output):
         if torch.is_grad_enabled() and torch.is_tensor(output) and output.requires_grad:
