@@ -149,6 +149,13 @@ LAYOUTS = {
     # Megatron-FSDP's own --overlap-param-gather (no communication changes)
     "fsdp-optim-dp2-small-buckets-opg": _layout(dp=2, fsdp="optim", bucket=3000, opg=True),
     "fsdp-zero3-tp2-dp2-opg": _layout(tp=2, dp=2, fsdp="optim_grads_params", opg=True),
+    # hybrid sharding (--num-distributed-optimizer-instances): sharded within blocks of 2 ranks,
+    # summed across them after the last microbatch (ZeRO-1: whole buckets)
+    "fsdp-optim_grads-dp4-instances2": _layout(dp=4, fsdp="optim_grads", instances=2),
+    "fsdp-optim-dp4-instances2-small-buckets": _layout(dp=4, fsdp="optim", instances=2,
+                                                       bucket=3000),
+    "fsdp-zero3-dp4-instances2-bf16": _layout(dp=4, fsdp="optim_grads_params", instances=2,
+                                              bf16=True),
     # ZeRO-3 with full recomputation: the re-run forwards find their layer gathered
     # (with sp too, but for the sp gradients' all-reduce megatron-core's Megatron-FSDP omits)
     "fsdp-zero3-tp2-dp2-recompute": _layout(tp=2, dp=2, recompute=True,

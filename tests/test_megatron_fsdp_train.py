@@ -7,7 +7,8 @@ One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the 
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
 ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients);
-ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with full recomputation and dp 2 in bf16;
+ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with full recomputation, dp 2 in bf16 and dp 4 in
+two optimizer instances (hybrid sharding);
 with experts (against Megatron's DDP with them) ZeRO-3 at dp 4 x ep 2 and ZeRO-2 at
 tp 2 x dp 2 x ep 2 with sp.
 Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
@@ -42,6 +43,9 @@ LAYOUTS = {
     "reference": [*DP4, "--distributed-optimizer", "--save-every", "2"],
     "dp4-optim_grads": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
                         "--save-every", "2"],
+    # hybrid sharding: ZeRO-3 within 2 blocks of 2 ranks, the pieces summed across them
+    "dp4-instances2-optim_grads_params": [*DP4, "--use-megatron-fsdp",
+                                          "--num-distributed-optimizer-instances", "2"],
     # Megatron-FSDP's own --overlap-param-gather: no communication changes (megatron-core)
     "dp4-optim_grads-opg": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
                             "--overlap-param-gather", "--save-every", "2"],

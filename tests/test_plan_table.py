@@ -99,6 +99,12 @@ LAYOUTS = {
     "megatron-fsdp optim_grads_params, experts over edp": [
         "--tp", "1", "--pp", "1", "--dp", "4", "--ep", "2", "--num-experts", "4",
         "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+    # hybrid sharding: ZeRO-2's reduce-scatter in a block of 2 every microbatch, the summed
+    # pieces all-reduced across the blocks after the last
+    "megatron-fsdp optim_grads, two instances": [
+        "--tp", "1", "--pp", "1", "--dp", "4", "--use-megatron-fsdp",
+        "--data-parallel-sharding-strategy", "optim_grads",
+        "--num-distributed-optimizer-instances", "2"],
     # each bucket reduce-scattered in a block of 2 dp ranks, its shard all-reduced across
     "dp with two distributed-optimizer instances": [
         "--tp", "1", "--pp", "1", "--dp", "4", "--distributed-optimizer", "--bucket-size", "700",

@@ -442,9 +442,10 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
      "gloo"),
     (["--nprocs", "6", "--tensor-model-parallel-size", "4"], "--nprocs 6 does not match"),
     # Megatron features paraloom does not have: named, with what it has
-    (["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2", "--nprocs", "4"],
-     "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params with "
-     "--num-distributed-optimizer-instances: Megatron-FSDP shards over all of dp x cp"),
+    (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard",
+      "--num-distributed-optimizer-instances", "2", "--nprocs", "4"],
+     "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard with "
+     "--num-distributed-optimizer-instances: Megatron-FSDP's hybrid sharding is built for"),
     (["--calculate-per-token-loss", "--num-experts", "4", "--tensor-model-parallel-size", "2",
       "--nprocs", "2"], "--calculate-per-token-loss with --num-experts and tp = 2 needs "
      "--sequence-parallel"),

@@ -231,8 +231,10 @@ def _dp_buckets(c: CommConfig, r: int, add) -> None:
         if size > 1:
             add("dp", "reduce_scatter" if scatter else "all_reduce", phase, times,
                 n * (c.dp_grad_bytes or c.grad_bytes))
-        if c.instances > 1:  # this rank's shard, summed across the instances
-            add("dp_inter", "all_reduce", phase, 1, n // size * c.grad_bytes)
+        if c.instances > 1:  # this rank's shard summed across the instances (Megatron-FSDP's
+            whole = c.megatron_fsdp == "optim"  # ZeRO-1: its whole, unsharded buckets)
+            add("dp_inter", "all_reduce", phase, 1,
+                n // (1 if whole else size) * (c.dp_grad_bytes or c.grad_bytes))
         if not c.distributed_optimizer or size == 1 or zero3:
             continue
         if c.megatron_fsdp and c.first_step:  # the first forward unshards the model

@@ -34,7 +34,7 @@ def zero3_gather_events(c: CommConfig, r: int = 0) -> list[tuple[str, str, list[
     layers = [sorted(set(units[i])) for i in sorted(units)]
     rest = {m: sorted(set(ids)) for m, ids in rest.items()}
     sizes = [b.numel for b in buckets]
-    dp = c.dp * c.cp
+    dp = c.dp * c.cp // c.instances  # sharded within an optimizer instance's block
     over = [dp // c.moe.ep if b.expert else dp for b in buckets]  # experts: over edp
     return [(phase, where, [sizes[b] // over[b]], sizes[b] // over[b] * c.dtype_bytes, mb)
             for phase, b, where, mb in zero3_gathers(sizes, layers, rest, c.num_microbatches,

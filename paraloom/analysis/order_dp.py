@@ -9,15 +9,16 @@ from ..config.megatron_fsdp_checks import fsdp_reduces_in_bf16
 __all__ = ["bucket_rows", "gather_site", "grad_norm_rows", "num_tokens_rows", "unshard_rows"]
 
 
-def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) -> list[dict]:
+def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str,
+                across: bool = True) -> list[dict]:
     """The events (kind, op, site, split, shape, bytes, async) of bucket groups (each the
     elements of its buckets and whether they are experts', reduced over the ``dp x cp / ep``
     expert-data-parallel ranks; :func:`~.layout.chunk_groups`): one all-reduce each (reduce-scatter
     under the distributed optimizer, asynchronous), coalesced over a group's buckets (the first
     one's shape, all of their bytes); with ``--num-distributed-optimizer-instances N > 1`` the
     reduce-scatter covers a block of ``dp x cp / N`` ranks and this rank's shard is then
-    all-reduced across the blocks (kind ``dp_inter``), both synchronous, as Megatron issues them
-    then."""
+    all-reduced across the blocks (kind ``dp_inter``; not without ``across``: a Megatron-FSDP
+    microbatch before the last), both synchronous, as Megatron issues them then."""
     zero, n = cfg.distributed_optimizer, cfg.num_distributed_optimizer_instances
     fsdp = cfg.use_megatron_fsdp  # Megatron-FSDP: synchronous, on a side stream
     owner = "FullyShardedDataParallel" if fsdp else "DistributedDataParallel"
@@ -33,10 +34,12 @@ def bucket_rows(cfg, groups: list[tuple[list[int], bool]], cp: int, phase: str) 
                              split="gradient bucket, 1/dp contiguous shard"
                              if zero else "gradient bucket (replicated)",
                              **{"async": n == 1 and not fsdp}))
-        if n > 1:
+        if n > 1 and across:  # Megatron-FSDP's ZeRO-1: its whole (unsharded) buckets
+            per = 1 if cfg.use_megatron_fsdp and cfg.data_parallel_sharding_strategy == "optim" \
+                else block
             rows.append(dict(kind="dp_inter", op="all_reduce",
-                             site=f"DistributedDataParallel.{phase}:shard_across_instances",
-                             shape=[numels[0] // block], bytes=4 * sum(numels) // block,
+                             site=f"{owner}.{phase}:shard_across_instances",
+                             shape=[numels[0] // per], bytes=item * sum(numels) // per,
                              split="gradient shard, summed across optimizer instances",
                              **{"async": False}))
     return rows

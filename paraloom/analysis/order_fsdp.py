@@ -55,23 +55,26 @@ class FsdpRows:
         if where.startswith("experts layers."):  # an expert bucket completes with its lowest
             layer = int(where.split(".")[1])    # layer's experts' backward
             return self._reductions([g for g in self.groups if g[1]
-                                     and _lowest_layer(g[2]) == layer]) if reduce else []
+                                     and _lowest_layer(g[2]) == layer], last) if reduce else []
         if self.zero3:
             if where.startswith("after layers."):
                 unit = where.removeprefix("after ")
-                return self._reductions([g for g in dense if g[2][0].startswith(unit + ".")])
+                return self._reductions([g for g in dense if g[2][0].startswith(unit + ".")],
+                                        last)
             if where == "end":
                 return self._reductions([g for g in dense
-                                         if not g[2][0].startswith("layers.")])
+                                         if not g[2][0].startswith("layers.")], last)
             return self.gathers.get((mb, phase, where), [])
         if where == "embedding" and mb == 0:
             return unshard_rows(cfg, [g[:2] for g in self.groups], self.cp, self.item)
         if where == "end" and reduce:
-            return self._reductions(dense)
+            return self._reductions(dense, last)
         return []
 
-    def _reductions(self, groups: list) -> list[dict]:
-        return bucket_rows(self.cfg, [g[:2] for g in groups], self.cp, "backward")
+    def _reductions(self, groups: list, last: bool) -> list[dict]:
+        """The groups' reductions; across the optimizer instances after the ``last``
+        microbatch's."""
+        return bucket_rows(self.cfg, [g[:2] for g in groups], self.cp, "backward", across=last)
 
 
 def _lowest_layer(names: tuple) -> int:

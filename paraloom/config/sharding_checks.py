@@ -37,7 +37,7 @@ def _check_instances(cfg) -> None:
                  n)
     if n == 1:
         return
-    if not cfg.distributed_optimizer:
+    if not (cfg.distributed_optimizer or cfg.use_megatron_fsdp):  # (FSDP: implied)
         raise ValueError(f"--num-distributed-optimizer-instances {n} needs "
                          f"--distributed-optimizer (the instances are copies of the distributed "
                          f"optimizer; Megatron-Core: 'Partial DistOpt cannot be used without "

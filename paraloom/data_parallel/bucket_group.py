@@ -25,7 +25,7 @@ from .. import comm
 __all__ = ["BucketGroup", "gather_params", "land_params", "group_buckets"]
 
 _SITE = "{owner}.{phase}:bucket_grads"
-_INTER = "DistributedDataParallel.{phase}:shard_across_instances"
+_INTER = "{owner}.{phase}:shard_across_instances"
 _SHARD = "gradient bucket, 1/dp contiguous shard"
 _ACROSS = "gradient shard, summed across optimizer instances"
 _PARAMS = "parameter bucket, 1/dp contiguous shard"
@@ -73,18 +73,18 @@ class BucketGroup:
         return event
 
     def launch_grads(self, phase: str, async_op: bool, fp32: bool,
-                     owner: str = "DistributedDataParallel") -> None:
+                     owner: str = "DistributedDataParallel", across: bool = True) -> None:
         """Reduce the group's gradients (reduce-scatter under the distributed optimizer; with
-        several instances then the shards all-reduced across, both synchronous); ``owner``: the
-        wrapper named in the site."""
+        several instances then, unless not ``across``, the shards all-reduced across, both
+        synchronous); ``owner``: the wrapper named in the site."""
         lead = self.lead
         sends = [b.grad if fp32 else b.grad.to(torch.bfloat16) for b in self.buckets]
         args = self.fields(phase=phase, site=_SITE.format(owner=owner, phase=phase),
                            async_op=async_op)
-        if lead.inter.size > 1:  # partial distributed optimizer: in the block, then across
+        if lead.inter.size > 1 and across:  # partial distributed optimizer: block, then across
             args["async_op"] = async_op = False
             shards = _results(_op("reduce_scatter", sends, lead.axis, split=_SHARD, **args))
-            args.update(kind="dp_inter", site=_INTER.format(phase=phase))
+            args.update(kind="dp_inter", site=_INTER.format(owner=owner, phase=phase))
             handle = _op("all_reduce", shards, lead.inter, split=_ACROSS, **args)
         elif lead.reduce_scatter:
             handle = _op("reduce_scatter", sends, lead.axis, split=_SHARD, **args)
@@ -94,6 +94,21 @@ class BucketGroup:
         if not async_op:  # without overlap Megatron reduces synchronously: done already
             handle = comm.Handle([], handle)
         self.pending = (handle, sends)
+
+    @torch.no_grad()
+    def reduce_across(self, grads: list[torch.Tensor], phase: str, owner: str,
+                      fp32: bool = True) -> None:
+        """``grads`` (the buckets' summed shards, or whole buckets) all-reduced across the
+        optimizer instances, in place (kind ``dp_inter``, synchronous: Megatron-FSDP's outer
+        reduction; a bf16 copy without ``fp32``)."""
+        args = self.fields(phase=phase, site=_INTER.format(owner=owner, phase=phase),
+                           async_op=False)
+        args["kind"] = "dp_inter"
+        sends = [g if fp32 else g.to(torch.bfloat16) for g in grads]
+        outs = _results(_op("all_reduce", sends, self.lead.inter, split=_ACROSS, **args))
+        for grad, out in zip(grads, outs, strict=True):
+            if out.data_ptr() != grad.data_ptr():
+                grad.copy_(out)
 
     def finish_grads(self) -> None:
         """Wait for the reduction in flight and put each result where its bucket keeps it."""

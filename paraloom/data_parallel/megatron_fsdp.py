@@ -59,7 +59,8 @@ class FullyShardedDataParallel(DistributedDataParallel):
     def __init__(self, module: nn.Module, mesh: ParallelMesh, *,
                  data_parallel_sharding_strategy: str = "optim_grads",
                  bucket_size: int | None = None, average: bool = True,
-                 grad_reduce_in_fp32: bool = True, units: list[nn.Module] | None = None) -> None:
+                 grad_reduce_in_fp32: bool = True, units: list[nn.Module] | None = None,
+                 instances: int = 1) -> None:
         strategy = data_parallel_sharding_strategy
         if strategy not in BUILT:
             raise ValueError(f"data_parallel_sharding_strategy {strategy!r} is not built; "
@@ -72,7 +73,7 @@ class FullyShardedDataParallel(DistributedDataParallel):
             self.units = {id(p): k for k, layer in enumerate(layers) for p in layer.parameters()}
         super().__init__(module, mesh, overlap_grad_reduce=True, bucket_size=bucket_size,
                          grad_reduce_in_fp32=grad_reduce_in_fp32, average=average,
-                         use_distributed_optimizer=strategy != "no_shard")
+                         use_distributed_optimizer=strategy != "no_shard", instances=instances)
         self.sharded = strategy != "no_shard"
         self.every_microbatch = strategy in ("optim_grads", "optim_grads_params")
         self.unshard = Unshard(self, module, layers) if zero3 else None
@@ -106,9 +107,14 @@ class FullyShardedDataParallel(DistributedDataParallel):
             self._reduce(group)
 
     def _reduce(self, group) -> None:
-        """Reduce ``group`` now (in backward); under ``optim_grads`` keep the owned pieces."""
-        group.launch_grads("backward", False, self.grad_reduce_in_fp32, type(self).__name__)
+        """Reduce ``group`` now (in backward); under ``optim_grads`` keep the owned pieces,
+        summed across the optimizer instances after the last microbatch's (under ``optim``
+        megatron-core sums its whole buckets across: their gradients are not sharded)."""
+        owner, fp32 = type(self).__name__, self.grad_reduce_in_fp32
+        group.launch_grads("backward", False, fp32, owner, across=False)
         group.finish_grads()
+        if not self.every_microbatch and group.lead.inter.size > 1:  # optim: whole buckets
+            group.reduce_across([b.grad for b in group.buckets], "backward", owner, fp32)
         for bucket in group.buckets:
             bucket.ready.clear()
             if self.every_microbatch:
@@ -120,6 +126,9 @@ class FullyShardedDataParallel(DistributedDataParallel):
                     self._owned[bucket.index] = piece.clone()
                 for p in bucket.params:  # the next microbatch's gradient replaces main_grad
                     p.overwrite_main_grad = True
+        if self.every_microbatch and self._sync and group.lead.inter.size > 1:
+            group.reduce_across([self._owned[b.index] for b in group.buckets], "backward", owner,
+                                fp32)
         self._done.add(id(group))
         if len(self._done) == len(self.groups):  # this backward reduced every bucket
             self._done.clear()

@@ -124,7 +124,8 @@ def _data_parallel(cfg: TrainConfig, mesh: ParallelMesh, chunk, c: int):
         return FullyShardedDataParallel(chunk, mesh, bucket_size=cfg.bucket_size, average=average,
                                         data_parallel_sharding_strategy=cfg.
                                         data_parallel_sharding_strategy,
-                                        grad_reduce_in_fp32=not fsdp_reduces_in_bf16(cfg))
+                                        grad_reduce_in_fp32=not fsdp_reduces_in_bf16(cfg),
+                                        instances=cfg.num_distributed_optimizer_instances)
     return DistributedDataParallel(
         chunk, mesh, overlap_grad_reduce=cfg.overlap_grad_reduce, bucket_size=cfg.bucket_size,
         use_distributed_optimizer=cfg.distributed_optimizer, tail_splits=cfg.bucket_tail_splits,
