@@ -7,10 +7,9 @@ One reference (dp 4, Megatron's DDP and distributed optimizer, 4 steps) and the 
 layouts: dp 4 under ZeRO-2 with small buckets (several, cut by ``--bucket-size``), tp 2 x dp 2
 with sp and full recomputation under ZeRO-1, cp 2 x dp 2 without sharding, dp 2 in bf16 under
 ZeRO-2 (against its own bf16 reference; Megatron-FSDP's bf16 default reduces bf16 gradients);
-ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with full recomputation, dp 2 in bf16 and dp 4 in
-two optimizer instances (hybrid sharding);
-with experts (against Megatron's DDP with them) ZeRO-3 at dp 4 x ep 2 and ZeRO-2 at
-tp 2 x dp 2 x ep 2 with sp.
+ZeRO-3 at tp 2 x dp 2 with sp, cp 2 x dp 2 with full recomputation and dp 2 in bf16;
+with experts (against Megatron's DDP with them) ZeRO-3 at dp 4 x ep 2, the same in two
+optimizer instances (hybrid sharding) and ZeRO-2 at tp 2 x dp 2 x ep 2 with sp.
 Each trains the same model as its reference, ``paraloom check`` is exact, the ledger changes
 against the distributed optimizer exactly as Megatron-FSDP communicates, and checkpoints
 reshard both ways. The layout is megatron-core's own (``build_data_parallel_buffer_index``,
@@ -43,9 +42,6 @@ LAYOUTS = {
     "reference": [*DP4, "--distributed-optimizer", "--save-every", "2"],
     "dp4-optim_grads": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
                         "--save-every", "2"],
-    # hybrid sharding: ZeRO-3 within 2 blocks of 2 ranks, the pieces summed across them
-    "dp4-instances2-optim_grads_params": [*DP4, "--use-megatron-fsdp",
-                                          "--num-distributed-optimizer-instances", "2"],
     # Megatron-FSDP's own --overlap-param-gather: no communication changes (megatron-core)
     "dp4-optim_grads-opg": [*DP4, *FSDP, "optim_grads", "--bucket-size", "2000",
                             "--overlap-param-gather", "--save-every", "2"],
@@ -66,6 +62,9 @@ LAYOUTS = {
     # experts (aux loss on): the reference is Megatron's DDP + distributed optimizer with them
     "moe-reference": [*DP4, *MOE, "--distributed-optimizer"],
     "moe-dp4-ep2-optim_grads_params": [*DP4, *MOE, "--use-megatron-fsdp"],
+    # hybrid sharding: ZeRO-3 within 2 blocks of 2 ranks, the pieces summed across them
+    "moe-dp4-ep2-instances2-optim_grads_params": [*DP4, *MOE, "--use-megatron-fsdp",
+                                                  "--num-distributed-optimizer-instances", "2"],
     "moe-tp2-dp2-ep2-sp-optim_grads": ["--tp", "2", "--pp", "1", "--dp", "2", *MOE,
                                        "--sequence-parallel", *FSDP, "optim_grads"],
 }
@@ -122,6 +121,32 @@ def test_megatron_fsdp_overlap_param_gather_changes_no_communication(runs):
         assert [tuple(e.get(k) for k in keys) for e in with_it] == \
             [tuple(e.get(k) for k in keys) for e in without]
         assert any(e["op"] == "all_gather" and e["phase"] == "optimizer" for e in with_it)
+
+
+def test_hybrid_sharding_changes_the_ledger_as_megatron_fsdp(runs):
+    """Two optimizer instances (ZeRO-3 with experts at dp4 x ep2, 2 microbatches): the dense
+    buckets' reduce-scatters and gathers within a block of 2 ranks instead of 4 (the experts':
+    a block of one rank, none); after the last microbatch's reduce-scatter each bucket's piece
+    all-reduced across the blocks (``dp_inter``, synchronous), nowhere else; the gradient norm
+    over the block; every other event as before."""
+    for step in (1, 2):
+        one = [e for e in _comms(runs["moe-dp4-ep2-optim_grads_params"], step) if e["rank"] == 0]
+        two = [e for e in _comms(runs["moe-dp4-ep2-instances2-optim_grads_params"], step)
+               if e["rank"] == 0]
+        for events, block, experts in ((one, 4, {2}), (two, 2, set())):
+            dp = [e for e in events if e["kind"] == "dp" and "loss" not in e["site"]]
+            assert {len(e["group"]) for e in dp if not e.get("expert")} == {block}
+            assert {len(e["group"]) for e in dp if e.get("expert")} == experts
+        inter = [e for e in two if e["kind"] == "dp_inter"]
+        assert len(inter) == 4 + 1  # each layer's dense and expert bucket, and the rest
+        assert all(e["op"] == "all_reduce" and not e["async"] and len(e["group"]) == 2
+                   and e["microbatch"] == 1 and e["phase"] == "backward" for e in inter)
+        assert {len(e["group"]) for e in two if e["kind"] == "distopt"} == {2}
+
+        def rest(events):
+            return [(e["op"], e["kind"], e["bytes"]) for e in events
+                    if e["kind"] not in ("dp", "dp_inter", "distopt")]
+        assert rest(one) == rest(two)
 
 
 def test_the_ledger_changes_as_megatron_fsdp_communicates(runs):

@@ -50,10 +50,9 @@ def check_megatron_fsdp(cfg) -> None:
         return
     taken = {
         "--num-distributed-optimizer-instances": (
-            cfg.num_distributed_optimizer_instances > 1 and (
-                strategy == "no_shard" or cfg.model.num_experts is not None),
-            "Megatron-FSDP's hybrid sharding is built for the sharding strategies without "
-            "experts (no_shard shards nothing; experts' outer groups are not built)"),
+            cfg.num_distributed_optimizer_instances > 1 and strategy == "no_shard",
+            "Megatron-FSDP's hybrid sharding needs a sharding strategy (no_shard shards "
+            "nothing)"),
         "--bucket-tail-splits": (cfg.bucket_tail_splits > 0, "paraloom's halving is for "
                                  "Megatron's DDP buckets"),
         f"--pp {cfg.parallel.pp}": (cfg.parallel.pp > 1, "megatron-core 0.19.2's Megatron-FSDP "
