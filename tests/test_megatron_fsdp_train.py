@@ -19,6 +19,7 @@ compared on random shapes); the recorded sequence against megatron-core's Megatr
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
@@ -64,7 +65,8 @@ LAYOUTS = {
     "moe-dp4-ep2-optim_grads_params": [*DP4, *MOE, "--use-megatron-fsdp"],
     # hybrid sharding: ZeRO-3 within 2 blocks of 2 ranks, the pieces summed across them
     "moe-dp4-ep2-instances2-optim_grads_params": [*DP4, *MOE, "--use-megatron-fsdp",
-                                                  "--num-distributed-optimizer-instances", "2"],
+                                                  "--num-distributed-optimizer-instances", "2",
+                                                  "--save-every", "2"],
     "moe-tp2-dp2-ep2-sp-optim_grads": ["--tp", "2", "--pp", "1", "--dp", "2", *MOE,
                                        "--sequence-parallel", *FSDP, "optim_grads"],
 }
@@ -206,16 +208,24 @@ def test_a_checkpoint_reshards_with_and_without_the_flag(runs, tmp_path):
     """Saved at step 2 under ZeRO-2 with several buckets (its own layout), resumed at tp 2 x dp 2
     with Megatron's DDP and distributed optimizer; saved by the reference (DDP), resumed under
     ZeRO-3 at dp 2 x cp 2 (its kept pieces taken from the loaded parameters): each continues the
-    same model."""
-    want = read_metrics(runs["reference"] / "metrics.jsonl")[2:]
-    for saved, flags in ((runs["dp4-optim_grads"], ["--tp", "2", "--dp", "2",
-                                                    "--distributed-optimizer"]),
-                         (runs["reference"], ["--tp", "1", "--dp", "2", "--cp", "2",
-                                              "--use-megatron-fsdp"])):
+    same model; with experts, saved under ZeRO-3 in two optimizer instances, resumed at
+    tp 2 x dp 2 x ep 2 with sp under Megatron's DDP (the experts' pieces from their own blocks)."""
+    for saved, flags, ref in (
+            (runs["dp4-optim_grads"], ["--tp", "2", "--dp", "2", "--no-use-megatron-fsdp"],
+             "reference"),
+            (runs["reference"], ["--tp", "1", "--dp", "2", "--cp", "2", "--use-megatron-fsdp"],
+             "reference"),
+            (runs["moe-dp4-ep2-instances2-optim_grads_params"], [
+                "--tp", "2", "--dp", "2", "--ep", "2", "--sequence-parallel",
+                "--num-distributed-optimizer-instances", "1", "--no-use-megatron-fsdp"],
+             "moe-reference")):
         out = tmp_path / f"{saved.name}-{len(flags)}"
         assert main(["train", "--resume", str(saved / "checkpoints" / "step_2"), *flags,
                      "--out", str(out), "--timeout", "120"]) == 0, saved.name
-        assert_same_metrics(read_metrics(out / "metrics.jsonl"), want)
+        config = json.loads((out / "config.json").read_text())  # the layout resumed under
+        assert config["use_megatron_fsdp"] == ("--no-use-megatron-fsdp" not in flags)
+        assert_same_metrics(read_metrics(out / "metrics.jsonl"),
+                            read_metrics(runs[ref] / "metrics.jsonl")[2:])
 
 
 def test_the_layout_is_megatron_cores():

@@ -121,6 +121,10 @@ def config_from_args(args: argparse.Namespace) -> tuple[TrainConfig, Resumed | N
     else:
         base = fresh()
     settings = apply(base, values)
+    if resumed is not None and values.get("use_megatron_fsdp") is False:  # back to Megatron's
+        for key in ("data_parallel_sharding_strategy", "megatron_fsdp_main_grads_dtype"):
+            if key not in values:  # DDP: Megatron-FSDP's own settings at their defaults
+                settings[key] = fresh()[key]
     data = settings["data"]
     if data.get("data_path") is not None and data.get("tokenizer") is None:
         raise ValueError(f"--data-path {data['data_path']!r} needs --tokenizer DIR (the "

@@ -135,8 +135,8 @@ class TrainConfig:
                                           "equal buckets)")
     """paraloom's tail-halving buckets (:func:`~paraloom.data_parallel.grad_buffer.
     bucket_layout`); 0, Megatron's equal buckets, by default."""
-    use_megatron_fsdp: bool = option(False, "--use-megatron-fsdp", help="Megatron-FSDP "
-                                     "instead of DistributedDataParallel")
+    use_megatron_fsdp: bool = option(False, "--use-megatron-fsdp", negatable=True,
+                                     help="Megatron-FSDP instead of DistributedDataParallel")
     """Megatron-LM's ``--use-megatron-fsdp`` (:mod:`paraloom.data_parallel.megatron_fsdp`)."""
     data_parallel_sharding_strategy: str = option(
         "optim_grads_params", "--data-parallel-sharding-strategy", choices=STRATEGIES,
