@@ -445,7 +445,8 @@ MEGATRON_LM = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
     (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard",
       "--num-distributed-optimizer-instances", "2", "--nprocs", "4"],
      "--use-megatron-fsdp --data-parallel-sharding-strategy no_shard with "
-     "--num-distributed-optimizer-instances: Megatron-FSDP's hybrid sharding is built for"),
+     "--num-distributed-optimizer-instances: Megatron-FSDP's hybrid sharding needs a sharding "
+     "strategy"),
     (["--calculate-per-token-loss", "--num-experts", "4", "--tensor-model-parallel-size", "2",
       "--nprocs", "2"], "--calculate-per-token-loss with --num-experts and tp = 2 needs "
      "--sequence-parallel"),
