@@ -17,7 +17,12 @@ freed again. When, as megatron-core 0.19.2 does it (``MegatronFSDP._register_fsd
   the units never leaves it: from the second microbatch on their forwards prefetch nothing) and
   every unit's bucket may be released at the next gather;
 * after the optimizer step every bucket is gathered from the updated pieces (the units' released
-  first), so the next step's first forward finds them all.
+  first), so the next step's first forward finds them all;
+* under full recomputation a unit's hooks fire in its re-run inside the backward instead
+  (Megatron's checkpoint wraps the unit): see :meth:`Unshard._recomputed`.
+
+The buckets are taken in Megatron-FSDP's order (:func:`_megatron_order`: with experts, each
+unit's dense and expert buckets side by side), which the prefetch follows.
 
 Every gather is launched asynchronously (the record's ``async``), one per bucket, in bucket
 order. A process starts with every bucket released (Megatron-FSDP shards the model when it wraps
