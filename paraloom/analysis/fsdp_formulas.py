@@ -4,7 +4,7 @@ replayed over the chunk's buckets (:func:`~.layout.chunk_groups`)."""
 
 from __future__ import annotations
 
-from ..data_parallel.fsdp_unshard_plan import zero3_gathers
+from ..data_parallel.fsdp_unshard_plan import group_order, zero3_gathers
 from .layout import chunk_groups, chunk_params
 from .spec import CommConfig
 
@@ -43,16 +43,12 @@ def zero3_gather_events(c: CommConfig, r: int = 0) -> list[tuple[str, str, list[
 
 
 def _megatron_order(c: CommConfig, r: int, buckets: list) -> list:
-    """Megatron-FSDP's bucket order: its parameter groups (dense or expert, by layer) in the
-    order of their first parameter, each group's buckets in turn (the runtime's
-    ``megatron_fsdp_unshard._megatron_order``)."""
+    """Megatron-FSDP's bucket order (:func:`~paraloom.data_parallel.fsdp_unshard_plan.
+    group_order`, as the runtime's)."""
     index = {p.name: i for i, p in enumerate(chunk_params(c, r, 0))}
 
     def group(bucket):
         name = bucket.names[0]
         return bucket.expert, int(name.split(".")[1]) if name.startswith("layers.") else None
-    first: dict = {}
-    for bucket in buckets:
-        at = min(index[n] for n in bucket.names)
-        first[group(bucket)] = min(first.get(group(bucket), at), at)
-    return sorted(buckets, key=lambda b: (first[group(b)], min(index[n] for n in b.names)))
+    order = group_order([(group(b), [index[n] for n in b.names]) for b in buckets])
+    return [buckets[k] for k in order]

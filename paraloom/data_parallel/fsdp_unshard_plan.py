@@ -7,13 +7,25 @@ them over one step of a pipeline-free GPT for the analysis (``paraloom check``, 
 
 from __future__ import annotations
 
-__all__ = ["UnshardPlan", "PREFETCH_LIMIT", "zero3_gathers"]
+__all__ = ["UnshardPlan", "PREFETCH_LIMIT", "zero3_gathers", "group_order"]
 
 PREFETCH_LIMIT = 500_000_000
 """Elements prefetched beyond the buckets asked for (Megatron-FSDP: half its communication unit,
 at least 1B elements by default)."""
 EMPTY, READY, PRESERVED, MOVING = "empty", "ready", "preserved", "communicating"
 IDLE, FORWARD, BACKWARD = "idle", "forward", "pre_backward"
+
+
+def group_order(buckets: list[tuple]) -> list[int]:
+    """Megatron-FSDP's bucket order over ``(group, registration indices of its parameters)``
+    per bucket (``group``: dense or expert, by unit): the groups in the order of their first
+    parameter, each group's buckets in turn (paraloom's buffers hold the dense buckets, then the
+    experts'). Returns the buckets' positions in that order."""
+    first: dict = {}
+    for group, indices in buckets:
+        first[group] = min(first.get(group, min(indices)), min(indices))
+    return sorted(range(len(buckets)), key=lambda k: (first[buckets[k][0]],
+                                                      min(buckets[k][1])))
 
 
 class UnshardPlan:

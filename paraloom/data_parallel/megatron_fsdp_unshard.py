@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .bucket_group import gather_params
-from .fsdp_unshard_plan import UnshardPlan
+from .fsdp_unshard_plan import UnshardPlan, group_order
 
 __all__ = ["Unshard"]
 
@@ -169,20 +169,12 @@ class Unshard(UnshardPlan):
 
 
 def _megatron_order(buckets: list, module: nn.Module, units: list[nn.Module]) -> list:
-    """The buckets in Megatron-FSDP's order: its parameter groups (dense or expert, by unit) in
-    the order of their first parameter, each group's buckets in turn (paraloom's buffers hold
-    the dense buckets, then the experts')."""
+    """The buckets in Megatron-FSDP's order (:func:`~.fsdp_unshard_plan.group_order`)."""
     index = {id(p): i for i, p in enumerate(module.parameters())}
     unit_of = {id(p): u for u, unit in enumerate(units) for p in unit.parameters()}
-
-    def group(bucket):
-        return bucket.expert, unit_of.get(id(bucket.params[0]))
-    first: dict = {}
-    for bucket in buckets:
-        at = min(index[id(p)] for p in bucket.params)
-        first[group(bucket)] = min(first.get(group(bucket), at), at)
-    return sorted(buckets, key=lambda b: (first[group(b)],
-                                          min(index[id(p)] for p in b.params)))
+    order = group_order([((b.expert, unit_of.get(id(b.params[0]))),
+                          [index[id(p)] for p in b.params]) for b in buckets])
+    return [buckets[k] for k in order]
 
 
 def _piece(bucket) -> torch.Tensor:
